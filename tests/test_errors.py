@@ -1,0 +1,141 @@
+"""Faulty rewards never kill a run or corrupt advantages; bad inputs give one clear error line."""
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minirl import Config, ConfigError, Run
+from minirl.rewards import Scorer
+from minirl.types import Completion, Group, Prompt
+
+from conftest import TOY_ROWS
+
+
+def _group(texts, **cols):
+    p = Prompt(0, (1, 2), "q", cols)
+    return Group(p, tuple(Completion((5,), (-1.0,), (0,), t, "stop") for t in texts))
+
+
+def good(prompt, completion, **_):
+    return float(completion == "right")
+
+
+def raises(prompt, completion, **_):
+    if completion == "boom":
+        raise ZeroDivisionError("bad luck")
+    return 1.0
+
+
+def returns_none(prompt, completion, **_):
+    return None if completion == "skip" else 0.5
+
+
+def returns_nan(prompt, completion, **_):
+    return math.nan if completion == "nan" else 0.0
+
+
+def returns_str(prompt, completion, **_):
+    return "1.0"
+
+
+def hangs(prompt, completion, **_):
+    if completion == "hang":
+        time.sleep(5)
+    return 0.0
+
+
+def test_raising_reward_is_a_recorded_failure_excluded_from_baseline():
+    s = Scorer([("good", good), ("raises", raises)], [1.0, 0.0], timeout_s=2)
+    g = s.score_group(_group(["right", "wrong", "boom"]))
+    # 'raises' has weight 0 (logged only): its failure is recorded but does not exclude the sample
+    assert [f.reason for f in g.failures] == ["ZeroDivisionError: bad luck"]
+    assert g.rewards == (1.0, 0.0, 0.0)
+    s = Scorer([("good", good), ("raises", raises)], [1.0, 1.0], timeout_s=2)
+    g = s.score_group(_group(["right", "wrong", "boom"]))
+    assert g.rewards == (2.0, 1.0, None)
+    assert g.advantages[2] == 0.0 and g.advantages[0] == pytest.approx(1.0, abs=1e-4)  # baseline over 2 valid
+
+
+def test_none_skips_without_failure():
+    g = Scorer([("n", returns_none)], [1.0]).score_group(_group(["a", "skip", "b"]))
+    assert g.rewards == (0.5, None, 0.5) and g.failures == () and g.advantages == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("fn,bad_text,reason", [
+    (returns_nan, "nan", "non-finite"),
+    (returns_str, "x", "expected a float"),
+    (hangs, "hang", "timeout"),
+])
+def test_bad_reward_values_are_failures(fn, bad_text, reason):
+    t0 = time.time()
+    g = Scorer([("f", fn)], [1.0], timeout_s=0.5).score_group(_group([bad_text, "ok", "ok2"]))
+    assert time.time() - t0 < 3
+    assert g.rewards[0] is None and reason in g.failures[0].reason
+    assert all(math.isfinite(a) for a in g.advantages)
+
+
+def test_async_reward_and_timeout():
+    async def slow(prompt, completion, **_):
+        import asyncio
+        await asyncio.sleep(5 if completion == "slow" else 0)
+        return 1.0
+    g = Scorer([("slow", slow)], [1.0], timeout_s=0.5).score_group(_group(["fast", "slow"]))
+    assert g.rewards[0] == 1.0 and g.rewards[1] is None and "timeout" in g.failures[0].reason.lower()
+
+
+def test_faulty_reward_does_not_kill_a_run(toy_cfg):
+    calls = {"n": 0}
+
+    def flaky(prompt, completion, **_):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("flaky")
+        return float("yes" in completion)
+    s = Run(toy_cfg.replace(steps=2), data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20], rewards=[flaky]).run()
+    assert s["steps"] == 2
+    from minirl.metrics import read_log
+    ev = [e for e in read_log(toy_cfg.out_dir + "/metrics.jsonl") if e["event"] == "step"]
+    assert sum(e["reward/failures"] for e in ev) > 0
+
+
+def test_group_size_one_is_a_clear_error():
+    with pytest.raises(ConfigError, match="group_size=1.*at least 2"):
+        Config(group_size=1)
+
+
+def test_unknown_config_field_suggests_the_right_one():
+    with pytest.raises(ConfigError, match="did you mean 'steps'"):
+        Config.from_dict({"stepz": 3})
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(data=[]), "dataset is empty"),
+    (dict(data=[{"prompt": "hi"}]), r"needs column\(s\) \['answer'\]"),
+    (dict(data=[{"question": "hi", "answer": 1}]), "no 'prompt' column"),
+    (dict(data=[{"prompt": "1 " * 600, "answer": 1}]), "has .* tokens, more than the limit"),
+])
+def test_bad_data_is_a_clear_error(toy_cfg, kw, match):
+    with pytest.raises(ValueError, match=match):
+        Run(toy_cfg, rewards=["arithmetic_correct"], **kw).setup()
+
+
+def test_unknown_model_is_a_clear_error(toy_cfg):
+    with pytest.raises(ValueError, match="unknown model 'nonexistent-model'"):
+        Run(toy_cfg.replace(model="nonexistent-model"), data=TOY_ROWS).setup()
+    with pytest.raises(ValueError, match="does not exist"):
+        Run(toy_cfg.replace(model="./no/such/dir"), data=TOY_ROWS).setup()
+
+
+def test_unknown_reward_is_a_clear_error(toy_cfg):
+    with pytest.raises(ValueError, match="unknown reward 'nope'"):
+        Run(toy_cfg, data=TOY_ROWS, rewards=["nope"]).setup()
+
+
+def test_cli_bad_input_prints_one_error_line():
+    p = subprocess.run([sys.executable, "-m", "minirl.cli", "demo", "--group-size", "1"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert lines == [lines[-1]] and lines[-1].startswith("minirl: error: group_size=1")
