@@ -45,20 +45,27 @@ class Generator(Protocol):
 
 
 class HFGenerator:
-    """transformers `generate` on the trainer's own peft model (no copy, so adapter sync is free: the
-    generator always serves the trainer's current weights). Slower than vLLM; the fallback and the reference."""
+    """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
+    synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
+    asynchronous pipeline, where training must not change weights under a running generation).
+    Slower than vLLM; the fallback and the reference."""
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, get_version=lambda: 0):
+    def __init__(self, model, tokenizer, get_version=None):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
+        self._version = 0
 
     @property
     def version(self) -> int:
-        return self._get_version()
+        return self._get_version() if self._get_version else self._version
 
-    def load_adapter(self, path: str, version: int) -> None:  # weights are shared with the trainer
-        pass
+    def load_adapter(self, path: str, version: int) -> None:
+        if self._get_version is None:  # own copy: load the saved adapter weights into it
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+            set_peft_model_state_dict(self.model, load_file(f"{path}/adapter_model.safetensors"))
+            self._version = version
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:

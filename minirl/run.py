@@ -20,6 +20,7 @@ from . import data as D
 from .config import Config
 from .generator import Generator, HFGenerator, SamplingParams
 from .metrics import MetricsLog, rollout_metrics
+from .pipeline import Pipeline
 from .rewards import Scorer, check_columns
 from .sync import FileSync, SharedSync, SyncStats, verify
 from .trainer import Trainer
@@ -122,6 +123,10 @@ class Run:
                                            gpu_memory_utilization=c.gpu_memory_utilization,
                                            max_model_len=c.max_prompt_tokens + c.max_tokens)
             self.sync = FileSync()
+        elif getattr(self, "_use_pipeline", False):  # generation must not see weights change mid-sequence
+            import copy
+            self.generator = HFGenerator(copy.deepcopy(self.trainer.model).eval(), tok)
+            self.sync = FileSync()
         else:
             self.generator = HFGenerator(self.trainer.model, tok, lambda: self.trainer.version)
             self.sync = SharedSync()
@@ -137,58 +142,113 @@ class Run:
         return SamplingParams(c.temperature, c.top_p, c.top_k, c.max_tokens, seed=c.seed * 100_003 + step)
 
     # --- the loop ------------------------------------------------------------------------------------------
-    def _loop(self) -> dict[str, Any]:
+    def _loop(self, pipeline: bool) -> dict[str, Any]:
         c, log = self.cfg, self.log
         acc0 = evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens)
         log.log("eval", step=0, version=0, accuracy=acc0)
         self.summary["eval_accuracy_before"] = acc0
         step_times: list[float] = []
-        for step in range(c.steps):
-            self._running.wait()
-            if self._stop.is_set():
-                break
-            t0 = time.perf_counter()
-            prompts = D.take(self.stream, c.prompts_per_step)
-            groups = self.generator.generate(prompts, c.group_size, self._sampling(step))
-            t_gen = time.perf_counter() - t0
-            scored = [self.scorer.score_group(g) for g in groups]
+        batches = self._pipeline_batches() if pipeline else self._sync_batches()
+        t_prev = time.perf_counter()
+        for step, scored, gen in batches:
+            stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.versions]
+            gen.update({"staleness/mean": _mean(stale), "staleness/max": max(stale, default=None)})
             t1 = time.perf_counter()
             tm = self.trainer.step(scored)
             t2 = time.perf_counter()
             sync = self._push(scored)
-            dt = time.perf_counter() - t0
+            t3 = time.perf_counter()
+            if pipeline:
+                self.pipeline.signal_version()
+                self.pipeline.timeline.train.append((t1 - self.pipeline.timeline.t0, t3 - self.pipeline.timeline.t0))
+            else:
+                self.log.log("timeline", side="train", start=t1 - self._t_start, end=t3 - self._t_start)
+            dt, t_prev = t3 - t_prev, t3
             step_times.append(dt)
-            gen_tokens = sum(len(x.token_ids) for g in groups for x in g.completions)
-            rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm,
-                   "staleness/dropped_groups": 0, "buffer/depth": 0,
-                   "throughput/gen_tok_s": gen_tokens / max(t_gen, 1e-9),
+            rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
-                   "busy/gen": t_gen / dt, "busy/train": (t2 - t1) / dt,
-                   "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt, "time/gen_s": t_gen}
+                   "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt}
+            rec.setdefault("busy/train", (t3 - t1) / dt)
+            if "busy/gen" not in rec:
+                rec["busy/gen"] = gen["time/gen_s"] / dt
             self.history.append(log.log("step", **rec))
-            log.log("timeline", side="gen", start=t0 - self._t_start, end=t0 + t_gen - self._t_start)
-            log.log("timeline", side="train", start=t1 - self._t_start, end=t2 - self._t_start)
             self._log_samples(step, scored)
             for cb in self.on_step:
                 cb(rec)
             if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
                 log.log("eval", step=step + 1, version=self.trainer.version,
                         accuracy=evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens))
+        if pipeline:
+            self._close_pipeline()
         acc1 = evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens)
         log.log("eval", step=len(step_times), version=self.trainer.version, accuracy=acc1)
         rewards = [h["reward/mean"] for h in self.history]
         k = max(1, min(5, len(rewards) // 4)) if rewards else 1
         self.summary.update({
             "steps": len(step_times), "backend": self.backend, "transport": self.sync.transport,
+            "max_async_steps": c.max_async_steps,
             "median_step_s": statistics.median(step_times) if step_times else None,
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts),
             "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]),
         })
         return self.summary
 
+    def _sync_batches(self):
+        """Synchronous source: generate the step's groups now, with the current policy, then score them."""
+        c = self.cfg
+        for step in range(c.steps):
+            self._running.wait()
+            if self._stop.is_set():
+                return
+            t0 = time.perf_counter()
+            groups = self.generator.generate(D.take(self.stream, c.prompts_per_step), c.group_size, self._sampling(step))
+            t_gen = time.perf_counter() - t0
+            scored = [self.scorer.score_group(g) for g in groups]
+            n_tok = sum(len(x.token_ids) for g in groups for x in g.completions)
+            self.log.log("timeline", side="gen", start=t0 - self._t_start, end=t0 + t_gen - self._t_start)
+            yield step, scored, {"time/gen_s": t_gen, "throughput/gen_tok_s": n_tok / max(t_gen, 1e-9),
+                                 "staleness/dropped_groups": 0, "buffer/depth": 0}
+
+    def _pipeline_batches(self):
+        """Asynchronous source: take the step's batch from the rollout buffer (generated up to K versions ago)."""
+        c = self.cfg
+        batches = [D.take(self.stream, c.prompts_per_step) for _ in range(c.steps)]  # fixed order, as sync
+        self.pipeline = Pipeline(self.generator, self.scorer, lambda s: batches[s], self._sampling, c.group_size,
+                                 c.prompts_per_step, c.steps, c.max_async_steps)
+        tl = self.pipeline.timeline
+        t_prev = tl.now()
+        for step in range(c.steps):
+            self._running.wait()
+            if self._stop.is_set():
+                return
+            t_wait = tl.now()
+            groups = self.pipeline.take(step)
+            if groups is None:
+                return
+            kept, dropped = self.pipeline.filter_stale(groups, self.trainer.version, c.max_staleness)
+            now = tl.now()
+            n_tok = self.pipeline.gen_tokens.pop(step, 0)
+            yield step, kept, {"time/wait_s": now - t_wait, "staleness/dropped_groups": dropped,
+                               "buffer/depth": self.pipeline.buffer.depth,
+                               "throughput/gen_tok_s": n_tok / max(now - t_prev, 1e-9),
+                               "busy/gen": tl.busy("gen", t_prev, now),
+                               "busy/train": tl.busy("train", t_prev, now)}
+            t_prev = now
+
+    def _close_pipeline(self) -> None:
+        p, self.pipeline = getattr(self, "pipeline", None), None
+        if p is None:
+            return
+        p.close()
+        for side in ("gen", "train"):
+            for a, b in getattr(p.timeline, side):
+                self.log.log("timeline", side=side, start=a, end=b)
+        self.log.log("accounting", **p.accounting)
+        self.summary["accounting"] = dict(p.accounting)
+
     def _push(self, scored: list[ScoredGroup]) -> SyncStats:
         stats = self.sync.push(self.trainer, self.generator)
-        if self.cfg.verify_sync and self.sync.transport != "shared":
+        if self.cfg.verify_sync and self.sync.transport != "shared" and self.generator.name != "hf":
             if self._probe is None:  # a fixed probe: the first prompt and its first completion
                 g = scored[0].group
                 self._probe = (g.prompt.token_ids, g.completions[0].token_ids or (self.trainer.tokenizer.eos_token_id,))
@@ -205,13 +265,18 @@ class Run:
         self.log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        """Set up, train, evaluate, save. Blocks; returns the summary (also written to summary.json)."""
+    def run(self, pipeline: bool | None = None) -> dict[str, Any]:
+        """Set up, train, evaluate, save. Blocks; returns the summary (also written to summary.json).
+        `pipeline`: use the asynchronous pipeline (default: when max_async_steps > 0). With K = 0 the pipeline
+        reproduces the synchronous loop exactly."""
         self._t_start = time.perf_counter()
+        if pipeline is None:
+            pipeline = self.cfg.max_async_steps > 0
+        self._use_pipeline = pipeline
         try:
             if self.trainer is None:
                 self.setup()
-            return self._loop()
+            return self._loop(pipeline)
         except BaseException as e:
             self.error = e
             if hasattr(self, "log"):
@@ -221,6 +286,7 @@ class Run:
             self._finish()
 
     def _finish(self) -> None:
+        self._close_pipeline()
         if self.trainer is not None:
             self.trainer.save_adapter(self.out / "adapter")  # saved even on a crash: nothing is lost
             self.summary["adapter"] = str(self.out / "adapter")
@@ -263,6 +329,8 @@ class Run:
     def stop(self, timeout: float | None = 60) -> None:
         self._stop.set()
         self._running.set()
+        if getattr(self, "pipeline", None) is not None:
+            self.pipeline.interrupt()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -272,5 +340,5 @@ class Run:
 
 
 def _mean(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x == x]
+    xs = [x for x in xs if x is not None and x == x]
     return sum(xs) / len(xs) if xs else None

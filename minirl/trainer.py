@@ -231,14 +231,12 @@ class Trainer:
             self.sched.step()
             self.version += 1
         n = max(1, tot["n"])
-        stale = (self.version - c.ppo_epochs - batch.version_B_L[batch.tgt_mask_B_L]).float()
         m.update({
             "loss": tot["loss"], "clip_frac": tot["clipped"] / n, "kl_behav": tot["kl_b"] / n,
             "kl_ref": tot["kl_r"] / n, "entropy": tot["ent"] / n, "is_weight/mean": tot["is_w"] / n,
             "is_weight/truncated_frac": tot["is_trunc"] / n, "logprob_mismatch": tot["mism"] / n,
             "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0],
             "train/tokens": batch.n_tokens, "train/micro_batches": len(micro),
-            "staleness/mean": float(stale.mean()), "staleness/max": float(stale.max()),
             "time/train_s": time.perf_counter() - t0, "version": self.version,
         })
         return m

@@ -1,0 +1,224 @@
+"""The asynchronous pipeline: generation and training overlap through a bounded rollout buffer.
+
+Two sides, joined by one bounded buffer and one version signal:
+
+  generation loop (engine thread)                          trainer (caller thread)
+  ──────────────────────────────                           ───────────────────────
+  for step s:                                               for step s:
+    wait until engine version >= s - K   ◄── version ───      batch = buffer.take(s)      (across threads)
+    launch step s: stream groups ──► score ──► buffer         drop groups older than S    (counted)
+                                                              train → version s+1 → push adapter → signal
+
+K = `max_async_steps` bounds how far generation runs ahead: the batch for step s is sampled by a policy at
+most K versions old. K = 0 is the synchronous loop. S = `max_staleness` drops groups whose oldest token is too
+old. Every group is accounted for: trained, dropped as stale, or unused at shutdown (counted in `accounting`).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .types import Group, Prompt, ScoredGroup
+
+STOP = object()  # the shutdown marker the producer puts in the buffer
+
+
+class RolloutBuffer:
+    """Bounded and group-aware; lives on the generation loop. Groups are filed under the step they were
+    generated for, in the slot order of that step's prompts, so a batch is assembled deterministically."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._steps: dict[int, dict[int, ScoredGroup]] = defaultdict(dict)
+        self._cond = asyncio.Condition()
+        self.depth = 0
+        self.closed = False
+
+    async def put(self, step: int, slot: int, group: ScoredGroup) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.depth < self.capacity or self.closed)
+            self._steps[step][slot] = group
+            self.depth += 1
+            self._cond.notify_all()
+
+    async def take(self, step: int, n: int) -> list[ScoredGroup] | object:
+        """The n groups of `step`, in slot order; STOP when the buffer is closed first."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: len(self._steps[step]) >= n or self.closed)
+            if len(self._steps[step]) < n:
+                return STOP
+            got = self._steps.pop(step)
+            self.depth -= len(got)
+            self._cond.notify_all()
+            return [got[k] for k in sorted(got)]
+
+    async def close(self) -> None:
+        async with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+    def leftover(self) -> int:
+        return self.depth
+
+
+@dataclass
+class Timeline:
+    """Busy intervals per side (seconds since the pipeline started): who waits on whom."""
+    t0: float = field(default_factory=time.perf_counter)
+    gen: list[tuple[float, float]] = field(default_factory=list)
+    train: list[tuple[float, float]] = field(default_factory=list)
+    _gen_active: int = 0
+    _gen_since: float = 0.0
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def gen_begin(self) -> None:
+        if self._gen_active == 0:
+            self._gen_since = self.now()
+        self._gen_active += 1
+
+    def gen_end(self) -> None:
+        self._gen_active -= 1
+        if self._gen_active == 0:
+            self.gen.append((self._gen_since, self.now()))
+
+    def busy(self, side: str, start: float, end: float) -> float:
+        """Fraction of [start, end] covered by `side`'s intervals (an open gen interval counts to now)."""
+        ivs = list(getattr(self, side))
+        if side == "gen" and self._gen_active:
+            ivs.append((self._gen_since, self.now()))
+        cov = sum(max(0.0, min(e, end) - max(s, start)) for s, e in ivs)
+        return cov / max(end - start, 1e-9)
+
+
+class Pipeline:
+    """Runs the generation side as coroutines on the generator's loop (vLLM's engine thread, or a thread of
+    our own for the transformers backend) and hands batches to the caller's thread."""
+
+    def __init__(self, generator, scorer, prompts: Callable[[int], Sequence[Prompt]], sampling: Callable,
+                 group_size: int, prompts_per_step: int, steps: int, max_async_steps: int):
+        self.gen, self.scorer = generator, scorer
+        self.prompts_for, self.sampling = prompts, sampling
+        self.G, self.P, self.steps, self.K = group_size, prompts_per_step, steps, max_async_steps
+        self.timeline = Timeline()
+        self.accounting = {"generated": 0, "trained": 0, "dropped_stale": 0, "unused": 0}
+        self.gen_tokens: dict[int, int] = defaultdict(int)
+        self.error: BaseException | None = None
+        self._own_loop = getattr(generator, "loop", None) is None
+        if self._own_loop:
+            self.loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self.loop.run_forever, name="minirl-gen", daemon=True)
+            self._thread.start()
+        else:
+            self.loop = generator.loop
+        self._score_pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="minirl-score")
+        self.buffer: RolloutBuffer = self._call(self._make_buffer())
+        self._wake: asyncio.Event = self._call(self._make_event())
+        self._producer = asyncio.run_coroutine_threadsafe(self._produce(), self.loop)
+
+    # --- generation side (runs on self.loop) -------------------------------------------------------------
+    async def _make_buffer(self) -> RolloutBuffer:
+        return RolloutBuffer(capacity=(self.K + 1) * self.P)
+
+    async def _make_event(self) -> asyncio.Event:
+        return asyncio.Event()
+
+    async def _produce(self) -> None:
+        tasks: list[asyncio.Task] = []
+        try:
+            for step in range(self.steps):
+                while self.gen.version < step - self.K:  # the depth bound: at most K versions ahead
+                    self._wake.clear()
+                    await self._wake.wait()
+                prompts = list(self.prompts_for(step))
+                tasks.append(asyncio.ensure_future(self._gen_step(step, prompts, self.sampling(step))))
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _gen_step(self, step: int, prompts: list[Prompt], params) -> None:
+        slots: dict[int, list[int]] = defaultdict(list)
+        for i, p in enumerate(prompts):
+            slots[p.index].append(i)
+        loop = asyncio.get_running_loop()
+        self.timeline.gen_begin()
+        try:
+            async for g in self._stream(prompts, params):
+                slot = slots[g.prompt.index].pop(0)
+                self.gen_tokens[step] += sum(len(c.token_ids) for c in g.completions)
+                self.accounting["generated"] += 1
+                scored = await loop.run_in_executor(self._score_pool, self.scorer.score_group, g)
+                await self.buffer.put(step, slot, scored)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # reaches the trainer thread through take()
+            self.error = e
+            await self.buffer.close()
+            raise
+        finally:
+            self.timeline.gen_end()
+
+    async def _stream(self, prompts: list[Prompt], params):
+        if hasattr(self.gen, "stream"):
+            async for g in self.gen.stream(prompts, self.G, params):
+                yield g
+        else:
+            for g in await asyncio.get_running_loop().run_in_executor(None, self.gen.generate, prompts, self.G, params):
+                yield g
+
+    # --- trainer side (runs on the caller's thread) -----------------------------------------------------
+    def _call(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def take(self, step: int) -> list[ScoredGroup] | None:
+        """Block until the batch of `step` is complete; None if the generation side stopped (its error, if any,
+        is raised here with its traceback)."""
+        got = self._call(self.buffer.take(step, self.P))
+        if got is STOP:
+            if self.error is not None:
+                raise self.error
+            return None
+        return got
+
+    def filter_stale(self, groups: list[ScoredGroup], trainer_version: int,
+                     max_staleness: int | None) -> tuple[list[ScoredGroup], int]:
+        if max_staleness is None:
+            kept = groups
+        else:
+            kept = [g for g in groups if trainer_version - g.group.oldest_version <= max_staleness]
+        dropped = len(groups) - len(kept)
+        self.accounting["dropped_stale"] += dropped
+        self.accounting["trained"] += len(kept)
+        return kept, dropped
+
+    def signal_version(self) -> None:
+        """Tell the generation side a new adapter is being served."""
+        self.loop.call_soon_threadsafe(self._wake.set)
+
+    def interrupt(self) -> None:
+        """From any thread: wake a trainer blocked in take() (it gets None)."""
+        asyncio.run_coroutine_threadsafe(self.buffer.close(), self.loop)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if not self._producer.done():
+            self.loop.call_soon_threadsafe(self._producer.cancel)
+        try:
+            self._producer.result(timeout)
+        except (cf.CancelledError, cf.TimeoutError, Exception):  # noqa: BLE001 - raised to the trainer already
+            pass
+        try:
+            self._call(self.buffer.close(), timeout)
+            self.accounting["unused"] = self.buffer.leftover()
+        except Exception:  # noqa: BLE001 - the loop may already be gone
+            pass
+        self._score_pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_loop:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
