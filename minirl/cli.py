@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = Config.from_dict({**cfg.to_dict(), **overrides_from_args(args)})
             _run(cfg)
         elif args.cmd == "eval":
-            from .evaluate import eval_cli
+            from .run import eval_cli
             print(json.dumps(eval_cli(Config(**overrides_from_args(args)), args.adapter), indent=2))
         elif args.cmd == "bench":
             from . import bench as B

@@ -130,6 +130,8 @@ class Run:
         else:
             self.generator = HFGenerator(self.trainer.model, tok, lambda: self.trainer.version)
             self.sync = SharedSync()
+        if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, _cores(c.train_devices))  # this (trainer) thread; after the engine spawned
         self.stream = D.prompt_stream(self.train_prompts, c.seed)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         self.log.log("start", config=c.to_dict(), backend=self.backend, transport=self.sync.transport,
@@ -334,9 +336,44 @@ class Run:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    SAFE_KNOBS = ("lr", "temperature", "max_staleness", "top_p", "kl_coef", "tis_cap", "clip_low", "clip_high")
+
+    def set(self, **knobs: Any) -> None:
+        """Change safe knobs mid-run (takes effect from the next step): lr, temperature, max_staleness, ..."""
+        bad = sorted(set(knobs) - set(self.SAFE_KNOBS))
+        if bad:
+            raise ValueError(f"{bad} cannot change mid-run; safe knobs are {self.SAFE_KNOBS}")
+        for k, v in knobs.items():
+            setattr(self.cfg, k, v)
+        self.cfg.validate()
+        if "lr" in knobs and self.trainer is not None:
+            self.trainer.set_lr(knobs["lr"])
+        if hasattr(self, "log"):
+            self.log.log("set", **knobs)
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+def eval_cli(cfg: Config, adapter: str | None = None) -> dict[str, Any]:
+    """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
+    run = Run(cfg.replace(steps=0))
+    run.setup()
+    try:
+        if adapter:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+            set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
+            run.trainer.version = 1
+            run.sync.push(run.trainer, run.generator)
+        acc = evaluate(run.generator, run.eval_prompts, run.scorer, cfg.max_tokens)
+        return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
+                "backend": run.backend}
+    finally:
+        run.generator.close()
+        run.sync.close()
+        run.log.close()
 
 
 def _mean(xs: Sequence[float]) -> float | None:
