@@ -1,7 +1,12 @@
 """minirl: asynchronous RL fine-tuning of small LLMs with LoRA on one machine."""
 from .config import Config, ConfigError
+from .dashboard import Dashboard, doctor, render
+from .prototype import check, preview, rescore
 from .rewards import REGISTRY, Scorer, reward
 from .run import Run
 
-__all__ = ["Config", "ConfigError", "Run", "Scorer", "reward", "REGISTRY"]
+plot = render  # minirl.plot(out_dir or metrics.jsonl): the dashboard's panels from a saved run
+
+__all__ = ["Config", "ConfigError", "Run", "Scorer", "reward", "REGISTRY", "Dashboard", "doctor", "render", "plot",
+           "check", "preview", "rescore"]
 __version__ = "0.1.0"

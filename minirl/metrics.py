@@ -73,10 +73,10 @@ def _clean(v: Any) -> Any:
 class MetricsLog:
     """Append-only JSONL: one JSON object per event, flushed at once so a crash loses nothing written."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a", buffering=1)
+        self._f = open(self.path, "a" if append else "w", buffering=1)
         self._lock = threading.Lock()
         self.t0 = time.time()
 

@@ -88,11 +88,14 @@ class Timeline:
         if self._gen_active == 0:
             self.gen.append((self._gen_since, self.now()))
 
+    def snapshot(self) -> dict[str, list[tuple[float, float]]]:
+        """Busy intervals so far; a generation still running counts up to now."""
+        gen = list(self.gen) + ([(self._gen_since, self.now())] if self._gen_active else [])
+        return {"gen": gen, "train": list(self.train)}
+
     def busy(self, side: str, start: float, end: float) -> float:
         """Fraction of [start, end] covered by `side`'s intervals (an open gen interval counts to now)."""
-        ivs = list(getattr(self, side))
-        if side == "gen" and self._gen_active:
-            ivs.append((self._gen_since, self.now()))
+        ivs = self.snapshot()[side]
         cov = sum(max(0.0, min(e, end) - max(s, start)) for s, e in ivs)
         return cov / max(end - start, 1e-9)
 

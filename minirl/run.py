@@ -118,7 +118,8 @@ class Run:
                                          c.max_prompt_tokens, start_index=len(train_rows))
         if self.backend == "vllm":
             from .engine_vllm import VLLMGenerator
-            self.generator = VLLMGenerator(self.trainer.model_path, max_lora_rank=c.lora_rank, seed=c.seed,
+            dtype = str(next(self.trainer.model.parameters()).dtype).removeprefix("torch.")
+            self.generator = VLLMGenerator(self.trainer.model_path, max_lora_rank=c.lora_rank, seed=c.seed, dtype=dtype,
                                            cpu_cores=gen_cores, kv_cache_gb=c.kv_cache_gb,
                                            gpu_memory_utilization=c.gpu_memory_utilization,
                                            max_model_len=c.max_prompt_tokens + c.max_tokens)
@@ -261,7 +262,8 @@ class Run:
         rows = []
         for g in scored[: self.cfg.log_samples]:
             c = g.group.completions[0]
-            rows.append({"prompt": g.group.prompt.text, "completion": c.text, "reward": g.rewards[0],
+            rows.append({"prompt": g.group.prompt.text, "columns": g.group.prompt.columns, "completion": c.text,
+                         "reward": g.rewards[0],
                          "per_reward": {k: v[0] for k, v in g.per_reward.items()},
                          "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures]})
         self.log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
@@ -294,8 +296,9 @@ class Run:
             self.summary["adapter"] = str(self.out / "adapter")
             (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
             if self.history:
-                from .plot import reward_curve
-                reward_curve(self.history, self.out / "reward.png")
+                from .dashboard import render
+                render(self.out / "metrics.jsonl", self.out / "reward.png", panels=("reward",), dpi=100)
+                render(self.out / "metrics.jsonl", self.out / "dashboard.png")
         if self.generator is not None:
             self.generator.close()
         if getattr(self, "sync", None) is not None:
@@ -350,6 +353,10 @@ class Run:
             self.trainer.set_lr(knobs["lr"])
         if hasattr(self, "log"):
             self.log.log("set", **knobs)
+
+    @property
+    def paused(self) -> bool:
+        return not self._running.is_set()
 
     @property
     def running(self) -> bool:

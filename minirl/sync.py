@@ -78,11 +78,13 @@ class FileSync:
 
 
 def verify(trainer, generator, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float,
-           atol: float = 0.05) -> float:
+           atol: float | None = None) -> float:
     """Engine logprobs of a fixed probe vs the trainer's, and the version the engine reports. Raises
     `SyncVerificationError` on a mismatch; returns the max abs logprob difference."""
     if generator.version != trainer.version:
         raise SyncVerificationError(f"engine serves version {generator.version}, trainer is at {trainer.version}")
+    if atol is None:  # the engine knows how closely its numerics can match (float32 vs 16-bit)
+        atol = generator.default_atol() if hasattr(generator, "default_atol") else 0.05
     want = trainer.logprobs(prompt_ids, completion_ids, temperature)
     got = generator.score(prompt_ids, completion_ids, temperature)
     diff = max((abs(a - b) for a, b in zip(want, got)), default=0.0)
