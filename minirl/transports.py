@@ -1,0 +1,441 @@
+"""Trainer-side adapter senders: the adapter travels as tensors straight into the engine's LoRA slots.
+
+Transports (same interface: open once, then `send(lora_id, version, name)` per sync):
+- `ipc`: the adapter is packed into one flat buffer that the engine worker maps once: a shared-memory file on CPU,
+  a CUDA IPC handle on GPU (same code; only the handle differs). A sync is: pack (one fused copy), one small RPC.
+- `collective`: a dedicated two-rank torch.distributed group (trainer rank 0, engine worker rank 1) over a TCP
+  store on 127.0.0.1; the flat buffer is broadcast. gloo on CPU, NCCL on GPU, same code. Every wait is bounded.
+- `files` stays in `minirl.sync.FileSync` (the fallback).
+
+`TensorSync` is the `WeightSync` for these: a new LoRA id per version (policy `continue`: requests in flight keep
+their adapter), or one LoRA id whose weights are replaced in place between engine steps (policy `inflight`).
+The engine side is `minirl.vllm_ext.AdapterReceiver`; the engine must be started with
+`worker_extension_cls=WORKER_EXTENSION` (see `engine_kwargs()`).
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import json
+import os
+import socket
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+from .sync import SyncStats
+from .vllm_ext import broadcast, lora_path_for, open_group, unpack
+
+WORKER_EXTENSION = "minirl.vllm_ext.AdapterReceiver"
+TRANSPORTS = ("auto", "ipc", "collective", "files")
+_LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
+
+
+class SyncError(RuntimeError):
+    """An adapter sync could not complete."""
+
+
+class SyncTimeout(SyncError, TimeoutError):
+    """An adapter sync did not complete within its timeout (peer gone or stuck)."""
+
+
+def engine_kwargs() -> dict:
+    """Engine args that install the receiver: pass as `VLLMGenerator(..., engine_kwargs=engine_kwargs())`."""
+    return {"worker_extension_cls": WORKER_EXTENSION}
+
+
+# ---- the adapter as one flat buffer ----------------------------------------------------------------------
+
+def _jsonable(x):
+    if isinstance(x, (set, frozenset)):
+        return sorted(x)
+    if isinstance(x, enum.Enum):
+        return x.value
+    return str(x)
+
+
+def adapter_params(model, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """peft-format name (as in adapter_model.safetensors) -> the live LoRA parameter of a peft model."""
+    from peft import get_peft_model_state_dict
+    want = set(get_peft_model_state_dict(model, adapter_name=adapter))
+    out = {}
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            key = n.replace(f".{adapter}.", ".")
+            if key in want:
+                out[key] = p
+    missing = want - set(out)
+    if missing:
+        raise SyncError(f"adapter tensors without a parameter: {sorted(missing)[:3]} …")
+    return out
+
+
+def peft_config_dict(model, adapter: str = "default") -> dict:
+    return json.loads(json.dumps(model.peft_config[adapter].to_dict(), default=_jsonable))
+
+
+def make_layout(tensors: dict[str, torch.Tensor], peft_config: dict, dtype: torch.dtype | None = None) -> dict:
+    """Names, shapes and element offsets of the tensors in one flat buffer (plain values, msgpack-able)."""
+    dtype = dtype or next(iter(tensors.values())).dtype
+    names, shapes, offsets, off = [], [], [], 0
+    for n, t in tensors.items():
+        names.append(n)
+        shapes.append(list(t.shape))
+        offsets.append(off)
+        off += t.numel()
+    return {"names": names, "shapes": shapes, "offsets": offsets, "numel": off, "dtype": str(dtype),
+            "nbytes": off * torch.empty((), dtype=dtype).element_size(), "peft_config": peft_config}
+
+
+class Packer:
+    """Copies the live tensors into views of a flat buffer with one fused `_foreach_copy_`."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor, layout: dict):
+        self.src = list(tensors.values())
+        views = unpack(flat, layout)
+        self.dst = [views[n] for n in tensors]
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        torch._foreach_copy_(self.dst, [t.detach() for t in self.src])
+
+
+# ---- talking to the engine ----------------------------------------------------------------------------------
+
+def _llm(generator):
+    llm = getattr(getattr(generator, "_engine", None), "llm", None)
+    if llm is None:
+        raise SyncError("the generator has no running vLLM engine (closed, or not a VLLMGenerator)")
+    return llm
+
+
+async def rpc(generator, method: str, *args, timeout_s: float = 30.0):
+    """`AsyncLLM.collective_rpc` on the engine loop, bounded; returns the (single) worker's result."""
+    try:
+        res = await asyncio.wait_for(_llm(generator).collective_rpc(method, args=args), timeout_s)
+    except asyncio.TimeoutError as e:
+        raise SyncTimeout(f"engine call {method} got no answer within {timeout_s:.0f} s") from e
+    except SyncError:
+        raise
+    except Exception as e:
+        raise SyncError(f"engine call {method} failed: {type(e).__name__}: {e}") from e
+    return res[0]
+
+
+def call_on_loop(generator, coro, timeout_s: float):
+    """Run `coro` on the generator's loop from another thread; bounded wait, clear errors."""
+    import concurrent.futures
+    fut = asyncio.run_coroutine_threadsafe(coro, generator.loop)
+    try:
+        return fut.result(timeout=timeout_s + 5)
+    except concurrent.futures.TimeoutError as e:
+        fut.cancel()
+        raise SyncTimeout(f"adapter sync did not finish within {timeout_s:.0f} s") from e
+
+
+async def serve(generator, lora, version: int, report: dict | None = None) -> None:
+    """Make `lora` the adapter new requests use, as policy `version`; retire the previous LoRA id (removed once
+    idle) unless it is the same id (an in-place swap). Prefers the generator's own hook when it has one
+    (`report`: the worker's install report, for exact per-token versions; see SwapLog)."""
+    hook = getattr(generator, "serve_adapter_async", None)
+    if hook is not None:
+        await hook(lora, version, report)
+        return
+    old, generator._lora, generator._version = generator._lora, lora, version
+    if old is not None and (lora is None or old.lora_int_id != lora.lora_int_id):
+        if generator._inflight.get(old.lora_int_id):
+            generator._retired.add(old.lora_int_id)
+        else:
+            await generator._remove(old.lora_int_id)
+
+
+async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0) -> dict:
+    """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id`, then new requests use it."""
+    from vllm.lora.request import LoRARequest
+    name = f"minirl-v{version}-{lora_id}"
+    info = await rpc(generator, "minirl_install", channel, lora_id, version, name, timeout_s, timeout_s=timeout_s)
+    await serve(generator, LoRARequest(name, lora_id, lora_path_for(lora_id, version)), version, info)
+    return info
+
+
+class _Sender:
+    transport = "?"
+
+    def __init__(self, generator, tensors: dict[str, torch.Tensor], peft_config: dict, timeout_s: float = 30.0):
+        self.generator, self.tensors, self.timeout_s = generator, tensors, timeout_s
+        # ship in the engine's LoRA dtype: half the bytes for a bf16 engine, and the worker can alias them
+        self.info = call_on_loop(generator, rpc(generator, "minirl_info", timeout_s=timeout_s), timeout_s)
+        dtype = getattr(torch, self.info["lora_dtype"].removeprefix("torch."), None)
+        self.layout = make_layout(tensors, peft_config, dtype if isinstance(dtype, torch.dtype) else None)
+        self.nbytes = self.layout["nbytes"]
+        self.channel = f"{self.transport}-{uuid.uuid4().hex[:8]}"
+        self.device = next(iter(tensors.values())).device
+        self.packer: Packer | None = None
+        self.closed = False
+
+    def _pack(self) -> None:
+        self.packer.pack()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def send(self, lora_id: int, version: int) -> dict:
+        """Hand over the live tensors as LoRA `lora_id` / policy `version`; returns the worker's report."""
+        if self.closed:
+            raise SyncError("this adapter sender is closed")
+        self._pack()
+        return call_on_loop(self.generator, install(self.generator, self.channel, lora_id, version, self.timeout_s),
+                            self.timeout_s)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not getattr(self.generator._engine, "closed", True):
+                call_on_loop(self.generator, rpc(self.generator, "minirl_close_channel", self.channel,
+                                                 timeout_s=5.0), 5.0)
+        except Exception:
+            pass
+
+
+class IpcSender(_Sender):
+    """Shared-memory file (CPU) or CUDA IPC handle (GPU) that the engine worker maps once."""
+    transport = "ipc"
+
+    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0):
+        super().__init__(generator, tensors, peft_config, timeout_s)
+        dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
+        self.path = None
+        if self.device.type == "cuda":
+            self.raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            source = {"kind": "cuda_ipc", "handle": list(self.raw.untyped_storage()._share_cuda_())}
+        else:
+            shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+            self.path = str(shm / f"minirl-{self.channel}-{os.getpid()}")
+            with open(self.path, "wb") as f:
+                f.truncate(self.nbytes)
+            self.raw = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
+            source = {"kind": "shm", "path": self.path}
+        self.packer = Packer(tensors, self.raw.view(dtype), self.layout)
+        try:
+            call_on_loop(generator, rpc(generator, "minirl_open_channel", self.channel, self.layout, source,
+                                        timeout_s=timeout_s), timeout_s)
+        finally:
+            self._unlink()  # both sides hold their mapping now; the name is not needed (and cannot leak)
+
+    def _unlink(self) -> None:
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except OSError:
+                pass
+            self.path = None
+
+    def close(self) -> None:
+        super().close()
+        self._unlink()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class CollectiveSender(_Sender):
+    """Two-rank torch.distributed group with the engine worker; each sync broadcasts the flat buffer."""
+    transport = "collective"
+
+    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, host: str = "127.0.0.1",
+                 port: int | None = None):
+        super().__init__(generator, tensors, peft_config, timeout_s)
+        dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
+        on_gpu = self.device.type == "cuda" and not getattr(generator, "on_cpu", True)
+        self.backend = "nccl" if on_gpu else "gloo"
+        self.device = self.device if on_gpu else torch.device("cpu")
+        self.raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.packer = Packer(tensors, self.raw.view(dtype), self.layout)
+        port = port or free_port(host)
+        source = {"kind": "collective", "host": host, "port": port, "backend": self.backend, "timeout_s": timeout_s}
+        fut = asyncio.run_coroutine_threadsafe(
+            rpc(generator, "minirl_open_channel", self.channel, self.layout, source, timeout_s=timeout_s + 5),
+            generator.loop)
+        try:
+            self.store, self.group = open_group(host, port, 0, self.backend, timeout_s)
+        except BaseException:
+            fut.cancel()
+            raise
+        try:
+            fut.result(timeout=timeout_s + 10)
+        except Exception as e:
+            raise SyncError(f"the engine worker could not join the collective sync group: {e}") from e
+
+    def send(self, lora_id: int, version: int) -> dict:
+        if self.closed:
+            raise SyncError("this adapter sender is closed")
+        self._pack()
+        fut = asyncio.run_coroutine_threadsafe(
+            install(self.generator, self.channel, lora_id, version, self.timeout_s), self.generator.loop)
+        try:
+            broadcast(self.group, self.raw, self.timeout_s, "the trainer's send")
+        except Exception as e:
+            fut.cancel()
+            raise SyncTimeout(str(e)) from e
+        try:
+            return fut.result(timeout=self.timeout_s + 5)
+        except TimeoutError as e:
+            fut.cancel()
+            raise SyncTimeout(f"collective adapter sync did not finish within {self.timeout_s:.0f} s") from e
+
+    def close(self) -> None:
+        super().close()
+        g, self.group = getattr(self, "group", None), None
+        if g is not None and hasattr(g, "shutdown"):
+            try:
+                g.shutdown()
+            except Exception:
+                pass
+
+
+SENDERS = {"ipc": IpcSender, "collective": CollectiveSender}
+
+
+# ---- choosing ------------------------------------------------------------------------------------------------
+
+def has_receiver(generator) -> bool:
+    args = getattr(generator, "engine_args", None)
+    return getattr(args, "worker_extension_cls", "") == WORKER_EXTENSION and hasattr(generator, "_engine")
+
+
+def pick_transport(generator, trainer_device: str | torch.device = "cpu") -> tuple[str, str]:
+    """(transport, why) for a generator and the trainer's device: in-memory whenever the engine carries the
+    receiver; `ipc` when both sides share memory (CPU, or the same GPU); `collective` (NCCL) across GPUs."""
+    if getattr(generator, "name", "") != "vllm":
+        return "files", "the generator is not vLLM"
+    if not has_receiver(generator):
+        return "files", f"the engine was started without worker_extension_cls={WORKER_EXTENSION!r}"
+    dev = torch.device(trainer_device)
+    if getattr(generator, "on_cpu", True) or dev.type == "cpu":
+        if getattr(generator, "on_cpu", True) and dev.type == "cpu":
+            return "ipc", "CPU engine and trainer: shared-memory buffer mapped by the engine worker"
+        return "collective", "engine and trainer on different device types: gloo broadcast"
+    info = call_on_loop(generator, rpc(generator, "minirl_info", timeout_s=30.0), 30.0)
+    same = info.get("device_uuid") == str(torch.cuda.get_device_properties(dev).uuid)
+    if same:
+        return "ipc", "engine and trainer on the same GPU: CUDA IPC handle"
+    return "collective", "engine and trainer on different GPUs: NCCL broadcast"
+
+
+class TensorSync:
+    """`WeightSync` over an in-memory transport. `inflight=True`: one LoRA id whose weights are swapped in place
+    between engine steps (sequences in flight continue on the new weights); otherwise a new LoRA id per version
+    (sequences in flight finish on their adapter, which the generator removes once idle).
+
+    `transport`: 'ipc', 'collective' or 'auto'. Bounded: every wait raises `SyncError`/`SyncTimeout` after
+    `timeout_s`. `last` holds the worker's report of the latest push (timings, in-place swap token counts)."""
+
+    def __init__(self, transport: str = "auto", inflight: bool = False, timeout_s: float = 30.0):
+        if transport not in ("auto", "ipc", "collective"):
+            raise ValueError(f"transport={transport!r}: use 'auto', 'ipc' or 'collective'")
+        self.requested, self.transport, self.why = transport, transport, ""
+        self.inflight, self.timeout_s = inflight, timeout_s
+        self.sender: _Sender | None = None
+        self._gen = None
+        self.lora_id: int | None = None
+        self.last: dict = {}
+
+    def _sender(self, trainer, generator) -> _Sender:
+        if self.sender is None or self._gen is not generator:
+            if self.sender is not None:
+                self.sender.close()
+            dev = next(p for p in trainer.model.parameters()).device
+            if self.requested == "auto":
+                self.transport, self.why = pick_transport(generator, dev)
+                if self.transport == "files":
+                    raise SyncError(f"no in-memory transport: {self.why}; use FileSync")
+            elif not has_receiver(generator):
+                raise SyncError(f"sync_transport={self.requested!r} needs the engine started with "
+                                f"worker_extension_cls={WORKER_EXTENSION!r}")
+            self.sender = SENDERS[self.transport](generator, adapter_params(trainer.model),
+                                                  peft_config_dict(trainer.model), timeout_s=self.timeout_s)
+            self._gen, self.lora_id = generator, None
+        return self.sender
+
+    def push(self, trainer, generator) -> SyncStats:
+        t0 = time.perf_counter()
+        sender = self._sender(trainer, generator)
+        if self.lora_id is None or not self.inflight:
+            self.lora_id = next(_LORA_IDS)
+        self.last = sender.send(self.lora_id, trainer.version)
+        return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, sender.nbytes, self.transport)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
+
+def make_sync(transport: str, generator, trainer_device="cpu", inflight: bool = False, timeout_s: float = 30.0):
+    """The `WeightSync` for a config value: 'files' → FileSync; 'ipc' / 'collective' → TensorSync; 'auto' → the
+    fastest that works for the layout (in-memory when the engine has the receiver, else files). Returns
+    (sync, why)."""
+    from .sync import FileSync
+    if transport == "files":
+        return FileSync(), "sync_transport='files'"
+    if transport == "auto":
+        name, why = pick_transport(generator, trainer_device)
+        if name == "files":
+            return FileSync(), why
+        return TensorSync(name, inflight=inflight, timeout_s=timeout_s), why
+    return TensorSync(transport, inflight=inflight, timeout_s=timeout_s), f"sync_transport={transport!r}"
+
+
+# ---- exact per-token versions across in-place swaps --------------------------------------------------------------
+
+def split_worker_request_id(worker_id: str) -> tuple[str, int]:
+    """vLLM's worker request id -> (the id the caller gave `generate`, sample index). vLLM appends '-<8 chars>' to
+    the caller's id and prefixes '<j>_' for sample j of an n > 1 request."""
+    import re
+    m = re.match(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$", worker_id)
+    if m is None:
+        return worker_id, 0
+    return m.group(2), int(m.group(1) or 0)
+
+
+class SwapLog:
+    """The worker's reports of installs on one LoRA id, in order, for exact per-token version tags across in-place
+    swaps. Feed it every `minirl_install` report (`TensorSync.last`, or the `report` given to the generator's
+    `serve_adapter_async`), then ask `token_versions` for a finished request by the id the caller gave
+    `AsyncLLM.generate` and the sample index. Ask only when no install is in flight (its report may concern the
+    request)."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def add(self, report: dict) -> None:
+        key = split_worker_request_id
+        self.records.append({"version": report["version"], "prev": report.get("prev_version"),
+                             "swap": {key(rid): n for rid, n in (report.get("swap") or {}).items()},
+                             "started": {key(rid): v for rid, v in report.get("started") or ()}})
+
+    def token_versions(self, request_id: str, n_tokens: int, index: int = 0) -> list[int]:
+        """Version of each of the `n_tokens` output tokens of sample `index` of request `request_id`."""
+        k = (request_id, index)
+        start = next((i for i, r in enumerate(self.records) if k in r["started"]), None)
+        if start is None:  # started after the last install we know of
+            return [self.records[-1]["version"]] * n_tokens if self.records else []
+        v, pos, out = self.records[start]["started"][k], 0, []
+        for r in self.records[start:]:
+            if k not in r["swap"]:
+                break  # finished before this install
+            n = min(r["swap"][k], n_tokens)
+            out += [v] * (n - pos)
+            pos, v = n, r["version"]
+        return out + [v] * (n_tokens - pos)
+
+    def prune(self, keep: int = 10_000) -> None:
+        del self.records[:-keep]

@@ -1,0 +1,394 @@
+"""Engine-side receiver of in-memory adapter syncs: a vLLM worker extension.
+
+Passed to vLLM as `worker_extension_cls="minirl.vllm_ext.AdapterReceiver"`; vLLM mixes it into its worker
+class, and the trainer side (`minirl.transports`) reaches its methods with `AsyncLLM.collective_rpc(name, args=...)`.
+Utility calls run in the engine core between two engine steps, so an adapter swap never lands inside a forward.
+
+How an adapter gets in, without files:
+- A *channel* is opened once per sender: the flat buffer layout (tensor names, shapes, offsets, dtype, the peft
+  config) plus where the bytes come from: a shared-memory file (`shm`, CPU), a CUDA IPC handle (`cuda_ipc`, GPU)
+  or a broadcast in a dedicated torch.distributed group between trainer (rank 0) and this worker (rank 1)
+  (`collective`: gloo on CPU, NCCL on GPU). The buffer is mapped (or allocated) once.
+- `minirl_install(channel, lora_id, ...)` copies the current bytes into an in-memory store keyed by LoRA id and
+  asks vLLM's own LoRA manager to (re)load that id with `load_inplace=True`: vLLM builds the `LoRAModel` (packing
+  q/k/v and gate/up itself), registers it and activates it into a slot of the stacked LoRA tensors. For an id
+  the engine already serves this is the in-place swap: sequences in flight on that id continue on the new
+  weights from the next engine step.
+- The manager's `_load_adapter` is wrapped once so that LoRA paths starting with `minirl-mem://` are built from
+  the store instead of files; so a LoRARequest with such a path can be served, evicted and reloaded like a file
+  adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry.
+
+Everything a call needs travels as plain msgpack-able values (ints, strings, bytes, lists, dicts).
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+MEM_SCHEME = "minirl-mem://"
+
+
+def lora_path_for(lora_id: int, version: int) -> str:
+    """The LoRARequest path of an in-memory adapter. The version is part of the path because vLLM keys its prefix
+    cache on (lora_name, lora_path): a new version must never reuse KV blocks computed with older weights."""
+    return f"{MEM_SCHEME}{lora_id}/v{version}"
+
+
+# ---- flat-buffer helpers, shared with the sender side (no vLLM imports) ----------------------------------------
+
+def torch_dtype(name: str):
+    import torch
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def unpack(flat, layout: dict) -> dict:
+    """name -> view of `flat` (1-D, layout dtype), in the layout's shapes."""
+    return {n: flat[o:o + _numel(s)].view(s) for n, s, o in zip(layout["names"], layout["shapes"], layout["offsets"])}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def open_group(host: str, port: int, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
+    """A two-process torch.distributed group (rank 0 = trainer, rank 1 = engine worker) that does not touch the
+    default group (vLLM has its own). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
+    import torch.distributed as dist
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=True)
+    except Exception as e:  # DistStoreError / RuntimeError on timeout or refused connection
+        raise TimeoutError(f"minirl collective sync: rank {rank} could not meet its peer at {host}:{port} within "
+                           f"{timeout_s:.0f} s ({type(e).__name__}: {e})") from e
+    store = dist.PrefixStore(tag, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    else:
+        raise ValueError(f"unknown collective backend {backend!r}")
+    return store, pg
+
+
+def broadcast(pg, buf, timeout_s: float, what: str) -> None:
+    """Broadcast `buf` from rank 0; a peer that is gone or late raises within `timeout_s`."""
+    import torch.distributed as dist
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    try:
+        work = pg.broadcast([buf], opts)
+        work.wait(timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise RuntimeError(f"minirl collective sync failed during {what} (peer gone or no answer within "
+                           f"{timeout_s:.0f} s): {type(e).__name__}: {e}") from e
+
+
+def _device_uuid(device) -> str | None:
+    import torch
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+class _Channel:
+    def __init__(self, layout: dict, source: dict, device):
+        import torch
+        self.layout, self.source = layout, source
+        self.kind = source["kind"]
+        self.group = self.store = None
+        dtype = torch_dtype(layout["dtype"])
+        nbytes = int(layout["nbytes"])
+        if self.kind == "shm":
+            raw = torch.from_file(source["path"], shared=True, size=nbytes, dtype=torch.uint8)
+        elif self.kind == "cuda_ipc":
+            h = source["handle"]
+            torch.cuda.set_device(int(h[0]))  # the sender's device; the mapping is readable from ours
+            storage = torch.UntypedStorage._new_shared_cuda(*h)
+            raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{int(h[0])}").set_(storage, 0, (nbytes,), (1,))
+        elif self.kind == "collective":
+            self.store, self.group = open_group(source["host"], int(source["port"]), 1, source["backend"],
+                                                float(source["timeout_s"]))
+            dev = device if source["backend"] == "nccl" else "cpu"
+            raw = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        else:
+            raise ValueError(f"unknown minirl channel kind {self.kind!r}")
+        self.raw = raw
+        self.flat = raw.view(dtype)
+
+    def receive(self, timeout_s: float):
+        """The current adapter bytes (a view; copy before the sender may write again)."""
+        if self.kind == "collective":
+            broadcast(self.group, self.raw, timeout_s, "the engine worker's receive")
+        elif self.kind == "cuda_ipc":
+            import torch
+            torch.cuda.current_stream(self.raw.device).synchronize()
+        return self.flat
+
+    def close(self):
+        if self.group is not None:
+            try:
+                import torch.distributed as dist
+                if hasattr(self.group, "shutdown"):
+                    self.group.shutdown()
+                elif isinstance(self.group, dist.ProcessGroupNCCL) and hasattr(self.group, "abort"):
+                    self.group.abort()
+            except Exception:
+                pass
+        self.group = self.store = self.raw = self.flat = None
+
+
+class _State:
+    def __init__(self):
+        self.channels: dict[str, _Channel] = {}
+        self.store: dict[int, tuple[Any, dict, dict]] = {}   # lora id -> (flat CPU copy, layout, peft config)
+        self.versions: dict[int, int] = {}
+        self.built: dict[int, tuple[Any, Any, list]] = {}    # lora id -> (LoRAModel, its flat, [(lora_b, scaling)])
+        self.plans: dict[int, tuple] = {}                    # lora id -> fast in-place copy plan
+        self.started: dict[int, list] = {}   # lora id -> [(worker request id, version it started on)] since last install
+        self.wrapped = False
+
+
+class AdapterReceiver:
+    """Mixed into vLLM's worker class (`worker_extension_cls`). Method names are prefixed `minirl_` so they never
+    clash with the worker's own attributes (vLLM asserts there is no clash)."""
+
+    # ---- internals -------------------------------------------------------------------------------------------
+
+    def _minirl(self) -> _State:
+        st = getattr(self, "_minirl_state_obj", None)
+        if st is None:
+            st = self._minirl_state_obj = _State()
+        if not st.wrapped:
+            self._minirl_wrap_manager(st)
+        return st
+
+    def _minirl_manager(self):
+        wm = getattr(self.model_runner, "lora_manager", None)
+        if wm is None:
+            raise RuntimeError("minirl adapter receiver: the engine has no LoRA manager (start it with "
+                               "enable_lora=True)")
+        return wm
+
+    def _minirl_wrap_manager(self, st: _State) -> None:
+        """Wrap the worker LoRA manager once: `minirl-mem://` adapters load from the store; removal frees it."""
+        wm = self._minirl_manager()
+        orig_load, orig_remove = wm._load_adapter, wm.remove_adapter
+        receiver = self
+
+        def _load_adapter(lora_request):
+            if str(lora_request.lora_path).startswith(MEM_SCHEME):
+                return receiver._minirl_build(lora_request.lora_int_id)
+            return orig_load(lora_request)
+
+        def remove_adapter(adapter_id: int) -> bool:
+            st.store.pop(adapter_id, None)
+            st.built.pop(adapter_id, None)
+            st.plans.pop(adapter_id, None)
+            st.started.pop(adapter_id, None)
+            st.versions.pop(adapter_id, None)
+            return orig_remove(adapter_id)
+
+        wm._load_adapter = _load_adapter
+        wm.remove_adapter = remove_adapter
+        # Record the adapter version each request starts on (first time the worker is given the request), so that
+        # per-token versions stay exact across in-place swaps.
+        runner = self.model_runner
+        orig_update = getattr(runner, "_update_states", None)
+        if orig_update is not None:
+            def _update_states(scheduler_output, *a, **kw):
+                for nr in getattr(scheduler_output, "scheduled_new_reqs", ()):
+                    lr = getattr(nr, "lora_request", None)
+                    if lr is not None and lr.lora_int_id in st.versions:
+                        st.started.setdefault(lr.lora_int_id, []).append((nr.req_id, st.versions[lr.lora_int_id]))
+                return orig_update(scheduler_output, *a, **kw)
+            runner._update_states = _update_states
+        st.wrapped = True
+
+    def _minirl_build(self, lora_id: int):
+        """A vLLM LoRAModel for `lora_id` from the store (what `_load_adapter` does for a folder)."""
+        import torch
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+        st = self._minirl()
+        if lora_id not in st.store:
+            raise RuntimeError(f"minirl adapter receiver: LoRA id {lora_id} is not in the in-memory store "
+                               "(it was removed, or the engine restarted); push the adapter again")
+        flat, layout, peft_config = st.store[lora_id]
+        if flat is None:  # kept only as the registered model's tensors (fast in-place path): undo the scaling
+            _, own, scales = st.built[lora_id]
+            flat = own.clone()
+            for b, sc in scales:
+                off = (b.data_ptr() - own.data_ptr()) // own.element_size()
+                flat[off:off + b.numel()].div_(sc)
+            st.store[lora_id] = (flat, layout, peft_config)
+        wm = self._minirl_manager()
+        helper = PEFTHelper.from_dict({**peft_config, "vllm_max_position_embeddings": wm.max_position_embeddings})
+        helper.validate_legal(wm.lora_config)
+        model = wm._adapter_manager.model
+        mapper = getattr(model, "hf_to_vllm_mapper", None)
+        if mapper is not None:
+            mapper = mapper.get_rename_mapper()
+        # vLLM folds the scaling into lora_b in place: give it its own copy, keep the store pristine
+        own = flat.clone()
+        tensors = unpack(own, layout)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
+            dtype=wm.lora_config.lora_dtype, model_vocab_size=wm.vocab_size, weights_mapper=mapper,
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None))
+        if not lora.loras:
+            raise RuntimeError("minirl adapter receiver: none of the pushed tensors is a LoRA weight vLLM knows")
+        # for the fast in-place path: the scaling vLLM is about to fold into each lora_b (a view of `own` when
+        # the dtypes agree, which the fast path checks)
+        scales = [(lw.lora_b, float(lw.scaling)) for lw in lora.loras.values()
+                  if isinstance(lw.lora_b, torch.Tensor) and isinstance(lw.scaling, (int, float))]
+        st.built[lora_id] = (lora, own, scales)
+        st.plans.pop(lora_id, None)
+        return lora
+
+    def _minirl_plan(self, lora_id: int):
+        """Destination slot views and source tensors for a fast in-place update of an active adapter, or None
+        when some layer is not a plain (tp=1, one LoRA per slice) linear LoRA layer: then vLLM's own full reload
+        path is used. The plan is valid while the registered LoRAModel and its slot index stay the same."""
+        st = self._minirl()
+        mgr = self._minirl_manager()._adapter_manager
+        built = st.built.get(lora_id)
+        lora = mgr.get_adapter(lora_id)
+        if built is None or lora is None or built[0] is not lora or lora_id not in mgr.lora_index_to_id:
+            return None
+        idx = mgr.lora_index_to_id.index(lora_id)
+        plan = st.plans.get(lora_id)
+        if plan is not None and plan[0] is lora and plan[1] == idx:
+            return plan
+        _, own, scales = built
+        lo, hi = own.data_ptr(), own.data_ptr() + own.numel() * own.element_size()
+
+        def aliased(t) -> bool:
+            return lo <= t.data_ptr() < hi
+        if not all(aliased(b) for b, _ in scales):
+            return None  # vLLM copied (dtype conversion): no aliasing to exploit
+        dst, src = [], []
+        for name, module in mgr.modules.items():
+            lw = mgr._get_lora_layer_weights(lora, name)
+            if lw is None:
+                continue
+            a_st, b_st = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
+            if getattr(module, "tp_size", 1) != 1 or not isinstance(a_st, tuple) or not isinstance(b_st, tuple):
+                return None
+            la = lw.lora_a if isinstance(lw.lora_a, list) else [lw.lora_a]
+            lb = lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]
+            if not (len(la) == len(lb) == len(a_st) == len(b_st)):
+                return None
+            for i, (a, b) in enumerate(zip(la, lb)):
+                for t, stacked in ((a, a_st[i]), (b, b_st[i])):
+                    if t is None:
+                        continue
+                    if stacked.dim() != 4 or t.dim() != 2:
+                        return None
+                    dst.append(stacked[idx, 0, : t.shape[0], : t.shape[1]])
+                    src.append(t)
+        if not src or not all(aliased(t) for t in src):
+            return None
+        by_scale: dict[float, list] = {}
+        for b, sc in scales:
+            if sc != 1.0:
+                by_scale.setdefault(sc, []).append(b)
+        plan = (lora, idx, own, list(by_scale.items()), dst, src)
+        st.plans[lora_id] = plan
+        return plan
+
+    def _minirl_snapshot(self, lora_id: int) -> dict[str, int]:
+        """Output tokens produced so far by each request the worker holds on `lora_id` (between two steps these
+        were all sampled with the weights in place until now)."""
+        out = {}
+        for rid, rs in getattr(self.model_runner, "requests", {}).items():
+            lr = getattr(rs, "lora_request", None)
+            if lr is not None and lr.lora_int_id == lora_id:
+                out[rid] = len(rs.output_token_ids)
+        return out
+
+    # ---- calls (collective_rpc) ------------------------------------------------------------------------------
+
+    def minirl_info(self) -> dict:
+        import os
+        wm = self._minirl_manager()
+        mgr = wm._adapter_manager
+        st = self._minirl()
+        return {"pid": os.getpid(), "device": str(self.device), "loras": sorted(wm.list_adapters()),
+                "slots": list(mgr.lora_index_to_id), "stored": sorted(st.store), "channels": sorted(st.channels),
+                "lora_dtype": str(wm.lora_config.lora_dtype), "max_lora_rank": wm.lora_config.max_lora_rank,
+                "modules": len(mgr.modules), "device_uuid": _device_uuid(self.device)}
+
+    def minirl_open_channel(self, channel: str, layout: dict, source: dict) -> dict:
+        """Map (shm, CUDA IPC) or join (collective) the sender's buffer; idempotent per channel name."""
+        st = self._minirl()
+        old = st.channels.pop(channel, None)
+        if old is not None:
+            old.close()
+        st.channels[channel] = _Channel(layout, source, self.device)
+        return {"channel": channel, "kind": source["kind"], "nbytes": int(layout["nbytes"])}
+
+    def minirl_close_channel(self, channel: str) -> bool:
+        ch = self._minirl().channels.pop(channel, None)
+        if ch is not None:
+            ch.close()
+        return ch is not None
+
+    def minirl_install(self, channel: str, lora_id: int, version: int, name: str, timeout_s: float = 30.0,
+                       fast: bool = True) -> dict:
+        """Take the channel's current adapter and serve it as LoRA `lora_id` (new, or replacing that id's weights
+        in place, slot included). Returns timings and, for exact per-token versions across in-place swaps:
+        `swap`: worker request id -> output tokens it had at the swap (all produced by `prev_version`), for the
+        requests the worker holds on this id; `started`: [(worker request id, version)] of the requests that
+        started on this id since its previous install (a request never listed started on the newest version)."""
+        import torch
+        from vllm.lora.request import LoRARequest
+        t0 = time.perf_counter()
+        st = self._minirl()
+        ch = st.channels.get(channel)
+        if ch is None:
+            raise RuntimeError(f"minirl adapter receiver: no channel {channel!r} (open it first)")
+        flat = ch.receive(timeout_s)
+        t1 = time.perf_counter()
+        wm = self._minirl_manager()
+        inplace = lora_id in wm.list_adapters()
+        swap = self._minirl_snapshot(lora_id) if inplace else {}
+        plan = self._minirl_plan(lora_id) if inplace and fast else None
+        if plan is not None and plan[2].numel() == flat.numel():
+            _, _, own, by_scale, dst, src = plan
+            own.copy_(flat)                      # the registered LoRAModel's tensors are views of `own`
+            for sc, bs in by_scale:
+                torch._foreach_mul_(bs, sc)      # what vLLM's optimize() folds into lora_b
+            torch._foreach_copy_(dst, src)       # into the adapter's slot of the stacked LoRA tensors
+            st.store[lora_id] = (None, ch.layout, ch.layout["peft_config"])  # raw = `own` with the scaling undone
+            path = "fast"
+        else:
+            prev = st.store.get(lora_id)
+            raw = prev[0] if prev is not None else None
+            if raw is not None and raw.numel() == flat.numel() and raw.dtype == flat.dtype:
+                raw.copy_(flat)
+            else:
+                raw = flat.to("cpu", copy=True)
+            st.store[lora_id] = (raw, ch.layout, ch.layout["peft_config"])
+            wm.add_adapter(LoRARequest(name, lora_id, lora_path_for(lora_id, version), load_inplace=True))
+            path = "vllm"
+        prev_version = st.versions.get(lora_id)
+        st.versions[lora_id] = version
+        started = st.started.pop(lora_id, [])
+        t2 = time.perf_counter()
+        return {"lora_id": lora_id, "version": version, "inplace": inplace, "prev_version": prev_version,
+                "swap": swap, "started": started, "path": path,
+                "recv_ms": (t1 - t0) * 1e3, "install_ms": (t2 - t1) * 1e3}
+
+    def minirl_versions(self) -> dict:
+        """LoRA id -> version of the weights currently installed under that id."""
+        return dict(self._minirl().versions)

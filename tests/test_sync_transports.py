@@ -1,0 +1,342 @@
+"""In-memory adapter sync (minirl.transports + the engine-side receiver minirl.vllm_ext) with real vLLM on CPU.
+
+One float32 engine (worker extension installed) for the module. Each transport: after a push the engine's probe
+logprobs equal the trainer's and differ from the previous version's; 100 rapid in-place syncs during continuous
+generation fail no request and every token's version tag (from the worker's swap reports) is the adapter that
+produced it; an absent or killed peer gives a clear error within the timeout.
+"""
+import asyncio
+import importlib.util
+import multiprocessing as mp
+import os
+import time
+import types
+
+import pytest
+import torch
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+needs_vllm = [pytest.mark.vllm, pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")]
+ATOL = 2e-3   # float32 engine vs float32 transformers, per token
+RANK = 8
+
+
+# ---- pure helpers (no engine) ----------------------------------------------------------------------------------
+
+def test_layout_pack_unpack_roundtrip():
+    from minirl.transports import Packer, make_layout
+    from minirl.vllm_ext import unpack
+    ts = {"a.lora_A.weight": torch.randn(4, 6), "a.lora_B.weight": torch.randn(5, 4), "b": torch.randn(3)}
+    lay = make_layout(ts, {"r": 4}, torch.bfloat16)
+    assert lay["nbytes"] == 2 * (24 + 20 + 3)
+    flat = torch.empty(lay["numel"], dtype=torch.bfloat16)
+    Packer(ts, flat, lay).pack()
+    out = unpack(flat, lay)
+    for k, v in ts.items():
+        assert torch.equal(out[k], v.to(torch.bfloat16))
+
+
+def test_swap_log_token_versions():
+    from minirl.transports import SwapLog, split_worker_request_id
+    assert split_worker_request_id("3_minirl-17-ab12cd34") == ("minirl-17", 3)
+    assert split_worker_request_id("minirl-17-ab12cd34") == ("minirl-17", 0)
+    log = SwapLog()
+    # r1 runs across two swaps (3 tokens on v1, 2 on v2, rest v3); r2 ran and finished between the swaps on v1;
+    # r3 started after the first swap; r4 started after the last one
+    w = {r: f"{r}-0123abcd" for r in ("r1", "r2", "r3", "r4")}
+    log.add({"version": 2, "prev_version": 1, "swap": {"0_" + w["r1"]: 3, "1_" + w["r1"]: 1},
+             "started": [("0_" + w["r1"], 1), ("1_" + w["r1"], 1), (w["r2"], 1)]})
+    log.add({"version": 3, "prev_version": 2, "swap": {"0_" + w["r1"]: 5, w["r3"]: 1}, "started": [(w["r3"], 2)]})
+    assert log.token_versions("r1", 7) == [1, 1, 1, 2, 2, 3, 3]
+    assert log.token_versions("r1", 3, index=1) == [1, 2, 2]
+    assert log.token_versions("r2", 4) == [1] * 4
+    assert log.token_versions("r3", 3) == [2, 3, 3]
+    assert log.token_versions("r4", 2) == [3, 3]
+
+
+def test_absent_peer_times_out_quickly():
+    from minirl.vllm_ext import open_group
+    from minirl.transports import free_port
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="could not meet its peer"):
+        open_group("127.0.0.1", free_port(), 0, "gloo", timeout_s=2)
+    assert time.perf_counter() - t0 < 10
+
+
+def _peer(port, q):
+    from minirl.vllm_ext import broadcast, open_group
+    _, pg = open_group("127.0.0.1", port, 1, "gloo", timeout_s=20)
+    buf = torch.empty(1000, dtype=torch.uint8)
+    broadcast(pg, buf, 20, "test receive")
+    q.put(int(buf.sum()))
+    time.sleep(600)  # killed by the test
+
+
+def test_killed_peer_gives_a_clear_error_within_the_timeout():
+    from minirl.transports import free_port
+    from minirl.vllm_ext import broadcast, open_group
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_peer, args=(port, q), daemon=True)
+    p.start()
+    try:
+        _, pg = open_group("127.0.0.1", port, 0, "gloo", timeout_s=60)
+        broadcast(pg, torch.ones(1000, dtype=torch.uint8), 20, "test send")
+        assert q.get(timeout=30) == 1000
+        p.kill()
+        p.join(10)
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match="peer gone or no answer"):
+            for _ in range(3):  # a send may still land in the socket buffer; the next one must fail
+                broadcast(pg, torch.ones(1 << 20, dtype=torch.uint8), 5, "test send")
+        assert time.perf_counter() - t0 < 20
+    finally:
+        if p.is_alive():
+            p.kill()
+
+
+# ---- with the engine -------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tok(embedded_model):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(embedded_model)
+
+
+@pytest.fixture(scope="module")
+def probe(tok):
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name one primary color."}], add_generation_prompt=True,
+                                  tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    return list(ids), tok("Blue is a primary color, like red.")["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def trainer(embedded_model):
+    """A stand-in for minirl.trainer.Trainer: the peft model, a version, logprobs and save_adapter."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from minirl.trainer import sequence_logprobs
+    base = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
+    pm = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear",
+                                         task_type="CAUSAL_LM")).eval()
+    t = types.SimpleNamespace(model=pm, version=0)
+    t.logprobs = lambda p, c, temp=1.0: sequence_logprobs(pm, p, c, temp)
+
+    def save_adapter(path):
+        pm.save_pretrained(path)
+        return path
+    t.save_adapter = save_adapter
+    return t
+
+
+def set_version(trainer, v: int) -> None:
+    """Deterministic adapter weights for version v (B random, A as initialised)."""
+    g = torch.Generator().manual_seed(1000 + v)
+    with torch.no_grad():
+        for n, p in trainer.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    trainer.version = v
+
+
+@pytest.fixture(scope="module")
+def gen(embedded_model):
+    if not HAS_VLLM:
+        pytest.skip("vllm is not installed")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from minirl.engine_vllm import VLLMGenerator
+    from minirl.transports import engine_kwargs
+    g = VLLMGenerator(embedded_model, max_lora_rank=RANK, max_model_len=512, dtype="float32", kv_cache_gb=1,
+                      engine_kwargs=engine_kwargs())
+    yield g
+    g.close()
+
+
+def _max_diff(a, b):
+    assert len(a) == len(b)
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+@pytest.mark.parametrize("transport,inflight", [("ipc", False), ("ipc", True), ("collective", True),
+                                                ("files", False)])
+def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflight):
+    from minirl.sync import FileSync
+    from minirl.transports import TensorSync
+    sync = FileSync() if transport == "files" else TensorSync(transport, inflight=inflight, timeout_s=30)
+    prev = gen.score(*probe)
+    try:
+        for step in range(3):
+            set_version(trainer, trainer.version + 1)
+            stats = sync.push(trainer, gen)
+            assert stats.version == trainer.version == gen.version and stats.bytes > 0
+            got = gen.score(*probe)
+            assert _max_diff(got, trainer.logprobs(*probe)) < ATOL, f"{transport} v{trainer.version}"
+            assert _max_diff(got, prev) > 0.01, "the engine still serves the previous version"
+            prev = got
+            if transport != "files":
+                assert sync.last["inplace"] == (inflight and step > 0)
+                if inflight and step > 0:
+                    assert sync.last["path"] == "fast"  # the direct slot copy (vLLM's reload path otherwise)
+        if transport != "files":
+            # in-memory adapters of earlier versions are removed once idle (memory stays bounded)
+            assert len(gen.loaded_adapters()) <= 2
+    finally:
+        sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer, tok):
+    """100 in-place syncs while requests stream: no request fails; the SwapLog's per-token versions are exact
+    (each sampled token's logprob equals the one recomputed under the adapter of its tagged version)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from minirl.transports import SwapLog, TensorSync
+    sync = TensorSync("ipc", inflight=True, timeout_s=30)
+    log = SwapLog()
+    set_version(trainer, trainer.version + 1)
+    sync.push(trainer, gen)
+    first = trainer.version
+    prompts = [tok(f"Write a short story about the number {i}.")["input_ids"] for i in range(6)]
+    sp = SamplingParams(n=2, temperature=1.0, max_tokens=32, ignore_eos=True, logprobs=0,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
+    stop = False
+    results, errors = [], []
+
+    async def worker(w):
+        i = 0
+        while not stop:
+            rid = f"swaptest-{w}-{i}"
+            i += 1
+            try:
+                final = None
+                async for out in gen._engine.llm.generate(TokensPrompt(prompt_token_ids=prompts[(w + i) % 6]), sp,
+                                                          rid, lora_request=gen._lora):
+                    final = out
+                results.append(final)
+            except Exception as e:  # noqa: BLE001
+                errors.append(repr(e))
+
+    async def run_workers():
+        await asyncio.gather(*(worker(w) for w in range(2)))
+
+    fut = asyncio.run_coroutine_threadsafe(run_workers(), gen.loop)
+    t0 = time.perf_counter()
+    try:
+        time.sleep(0.3)
+        for _ in range(100):
+            set_version(trainer, trainer.version + 1)
+            sync.push(trainer, gen)
+            log.add(sync.last)
+            assert sync.last["path"] == "fast"
+    finally:
+        stop = True
+        fut.result(timeout=120)
+        sync.close()
+    sync_s = time.perf_counter() - t0
+    assert not errors, errors[:3]
+    assert len(results) >= 3 and all(o.finished for o in results)
+    # per-token versions from the worker's reports
+    tagged = []
+    for o in results:
+        for c in o.outputs:
+            vers = log.token_versions(o.request_id, len(c.token_ids), c.index)
+            assert len(vers) == len(c.token_ids) and vers == sorted(vers)
+            assert first <= vers[0] and vers[-1] <= trainer.version
+            tagged.append((o.prompt_token_ids, c, vers))
+    spanning = [t for t in tagged if len(set(t[2])) >= 2]
+    assert spanning, "no sequence saw an in-flight swap"
+    # exactness: replay the most-swapped sequence token by token in transformers, switching to each token's
+    # tagged version at the step that sampled it (the engine computed the KV of token i-1 in that same step)
+    prompt_ids, comp, vers = max(spanning, key=lambda t: len(set(t[2])))
+    engine_lp = _sampled_logprobs(comp)
+    last = trainer.version
+    exact = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), vers)
+    assert _max_diff(exact, engine_lp) < ATOL, list(zip(vers, exact, engine_lp))
+    # and the check discriminates: one version for the whole sequence does not explain the tokens
+    wrong = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), [vers[0]] * len(vers))
+    assert _max_diff(wrong, engine_lp) > 10 * ATOL
+    set_version(trainer, last)
+    print(f"100 in-place syncs in {sync_s:.1f} s during generation; {len(results)} requests, "
+          f"{len(spanning)} sequences spanned >= 2 versions (max {len(set(vers))})")
+
+
+@torch.no_grad()
+def _replay_logprobs(trainer, prompt_ids, token_ids, versions):
+    """Logprob of token i computed with version versions[i]'s weights over a KV cache built step by step."""
+    model, out, past = trainer.model, [], None
+    feed = list(prompt_ids)
+    for i, (t, v) in enumerate(zip(token_ids, versions)):
+        if trainer.version != v:
+            set_version(trainer, v)
+        res = model(input_ids=torch.tensor([feed]), past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        out.append(float(torch.log_softmax(res.logits[0, -1].float(), -1)[t]))
+        feed = [t]
+    return out
+
+
+def _sampled_logprobs(comp):
+    """The logprob of each sampled token (vLLM's per-position dict or flat logprobs)."""
+    lp = comp.logprobs
+    if hasattr(lp, "start_indices"):
+        return [float(lp.logprobs[next(k for k in range(lp.start_indices[i], lp.end_indices[i])
+                                       if lp.token_ids[k] == t)]) for i, t in enumerate(comp.token_ids)]
+    return [d[t].logprob for d, t in zip(lp, comp.token_ids)]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe):
+    """The worker cannot meet the trainer (nobody listens): a clear error within the timeout, engine unharmed."""
+    from minirl.transports import SyncError, call_on_loop, free_port, make_layout, rpc, adapter_params, \
+        peft_config_dict
+    lay = make_layout(adapter_params(trainer.model), peft_config_dict(trainer.model))
+    src = {"kind": "collective", "host": "127.0.0.1", "port": free_port(), "backend": "gloo", "timeout_s": 2}
+    t0 = time.perf_counter()
+    with pytest.raises(SyncError, match="could not meet its peer"):
+        call_on_loop(gen, rpc(gen, "minirl_open_channel", "nobody", lay, src, timeout_s=20), 20)
+    assert time.perf_counter() - t0 < 15
+    assert _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL  # still serving, same adapter
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_trainer_side_collective_times_out_when_the_worker_does_not_receive(gen, trainer):
+    """The trainer broadcasts but the worker never takes part: bounded, clear error."""
+    from minirl.transports import CollectiveSender, SyncError, adapter_params, peft_config_dict
+    s = CollectiveSender(gen, adapter_params(trainer.model), peft_config_dict(trainer.model), timeout_s=3)
+    try:
+        s.channel = "not-the-channel"  # the worker answers "no channel" and never joins the broadcast
+        t0 = time.perf_counter()
+        with pytest.raises(SyncError):
+            s.send(2_000_000, 1)
+        assert time.perf_counter() - t0 < 15
+    finally:
+        s.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_killed_engine_worker_gives_a_clear_error(gen, trainer):
+    """Last test of the module (it kills the engine's worker): a push then fails fast with SyncError."""
+    import signal
+    from minirl.transports import SyncError, TensorSync, call_on_loop, rpc
+    sync = TensorSync("ipc", inflight=True, timeout_s=10)
+    set_version(trainer, trainer.version + 1)
+    sync.push(trainer, gen)
+    pid = call_on_loop(gen, rpc(gen, "minirl_info", timeout_s=10), 10)["pid"]
+    assert pid != os.getpid()
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(1.0)
+    set_version(trainer, trainer.version + 1)
+    t0 = time.perf_counter()
+    with pytest.raises(SyncError):
+        sync.push(trainer, gen)
+    assert time.perf_counter() - t0 < 20
+    sync.close()  # the engine is gone: closing only unlinks the shared-memory file

