@@ -15,23 +15,28 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
     return result
 
 
-def bench_pipeline(out: str | Path, steps: int = 10, warmup: int = 2, **overrides: Any) -> dict:
-    """The same config with K = 0 and K = 1 on the same device split (on CPU: generation on core 0, training on
-    core 1), one after the other in one process. Median step seconds exclude `warmup` steps."""
+def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size: int = 64, **overrides: Any) -> dict:
+    """The same config with K = 0, 1 and 2 on the same device split (on CPU: generation pinned to core 0,
+    training to core 1), one after the other in one process, all through the pipeline. Speed: median step
+    seconds of K=0 vs K=1 (excluding `warmup` steps) and each side's busy fraction. Learning: held-out greedy
+    accuracy before/after for each K (same seed, same prompts)."""
     from .run import Run
-    base = Config(steps=steps, prompts_per_step=4, group_size=8, max_tokens=32, lr=5e-4, eval_size=0,
+    base = Config(steps=steps, prompts_per_step=8, group_size=8, max_tokens=24, lr=5e-4, eval_size=eval_size,
                   gen_devices="0", train_devices="1", seed=0, **overrides)
-    res: dict[str, Any] = {"config": base.to_dict()}
-    for K, key in ((0, "sync"), (1, "async")):
+    res: dict[str, Any] = {"config": base.to_dict(), "learning": {}}
+    for K in (0, 1, 2):
         run = Run(base.replace(max_async_steps=K, out_dir=str(Path(out) / f"pipeline_k{K}")))
-        run.run(pipeline=K > 0)
+        s = run.run(pipeline=True)
         h = run.history[warmup:]
-        res[f"{key}_step_s"] = statistics.median(x["time/step_s"] for x in h)
-        res[f"{key}_gen_busy"] = statistics.mean(x["busy/gen"] for x in h)
-        res[f"{key}_train_busy"] = statistics.mean(x["busy/train"] for x in h)
-        res[f"{key}_reward_mean"] = statistics.mean(x["reward/mean"] for x in run.history)
+        res[f"k{K}"] = {"step_s": statistics.median(x["time/step_s"] for x in h),
+                        "gen_busy": statistics.mean(x["busy/gen"] for x in h),
+                        "train_busy": statistics.mean(x["busy/train"] for x in h),
+                        "backend": s["backend"]}
+        res["learning"][f"k{K}"] = {"before": s["eval_accuracy_before"], "after": s["eval_accuracy_after"],
+                                    "gain": s["eval_accuracy_after"] - s["eval_accuracy_before"]}
+    res["sync_step_s"], res["async_step_s"] = res["k0"]["step_s"], res["k1"]["step_s"]
     res["speedup"] = res["sync_step_s"] / res["async_step_s"]
-    res["gen_busy"], res["train_busy"] = res["async_gen_busy"], res["async_train_busy"]
+    res["gen_busy"], res["train_busy"] = res["k1"]["gen_busy"], res["k1"]["train_busy"]
     return _write(out, "pipeline.json", res)
 
 
