@@ -287,12 +287,18 @@ class VLLMGenerator:
             new = LoRARequest(f"minirl-v{version}-{lid}", lid, str(path))
             if not await self._engine.llm.add_lora(new):
                 raise RuntimeError(f"vLLM refused to load the adapter at {path}")
-        await self.serve_adapter_async(new, version)
+        await self._serve(new, version)
 
-    async def serve_adapter_async(self, lora, version: int, report: dict | None = None) -> None:
-        """Serve `lora` (already installed in the engine) to new requests as `version`; the previous adapter is
-        removed once no in-flight request uses it (unless it is the same id, swapped in place). `report`: the
+    async def serve_installed_async(self, lora_id: int, name: str, path: str, version: int,
+                                    report: dict | None = None) -> None:
+        """Serve an adapter the worker already installed from memory (transports.py) as `version`. `report`: the
         worker's install report (in-place swaps), kept for exact per-token versions."""
+        from vllm.lora.request import LoRARequest
+        await self._serve(LoRARequest(name, lora_id, path), version, report)
+
+    async def _serve(self, lora, version: int, report: dict | None = None) -> None:
+        """New requests use `lora` as `version`; the previous adapter is removed once no in-flight request uses
+        it (unless it is the same id, swapped in place)."""
         if report is not None and report.get("inplace"):
             self.swaps.add(report)
         old, self._lora, self._version = self._lora, lora, version

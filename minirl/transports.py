@@ -137,28 +137,11 @@ def call_on_loop(generator, coro, timeout_s: float):
         raise SyncTimeout(f"adapter sync did not finish within {timeout_s:.0f} s") from e
 
 
-async def serve(generator, lora, version: int, report: dict | None = None) -> None:
-    """Make `lora` the adapter new requests use, as policy `version`; retire the previous LoRA id (removed once
-    idle) unless it is the same id (an in-place swap). Prefers the generator's own hook when it has one
-    (`report`: the worker's install report, for exact per-token versions; see SwapLog)."""
-    hook = getattr(generator, "serve_adapter_async", None)
-    if hook is not None:
-        await hook(lora, version, report)
-        return
-    old, generator._lora, generator._version = generator._lora, lora, version
-    if old is not None and (lora is None or old.lora_int_id != lora.lora_int_id):
-        if generator._inflight.get(old.lora_int_id):
-            generator._retired.add(old.lora_int_id)
-        else:
-            await generator._remove(old.lora_int_id)
-
-
 async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0) -> dict:
     """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id`, then new requests use it."""
-    from vllm.lora.request import LoRARequest
     name = f"minirl-v{version}-{lora_id}"
     info = await rpc(generator, "minirl_install", channel, lora_id, version, name, timeout_s, timeout_s=timeout_s)
-    await serve(generator, LoRARequest(name, lora_id, lora_path_for(lora_id, version)), version, info)
+    await generator.serve_installed_async(lora_id, name, lora_path_for(lora_id, version), version, info)
     return info
 
 
@@ -409,7 +392,7 @@ def split_worker_request_id(worker_id: str) -> tuple[str, int]:
 class SwapLog:
     """The worker's reports of installs on one LoRA id, in order, for exact per-token version tags across in-place
     swaps. Feed it every `minirl_install` report (`TensorSync.last`, or the `report` given to the generator's
-    `serve_adapter_async`), then ask `token_versions` for a finished request by the id the caller gave
+    `serve_installed_async`), then ask `token_versions` for a finished request by the id the caller gave
     `AsyncLLM.generate` and the sample index. Ask only when no install is in flight (its report may concern the
     request)."""
 
