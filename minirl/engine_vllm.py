@@ -36,13 +36,10 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is importe
 from typing import AsyncIterator, Callable, Sequence
 
 from .generator import SamplingParams
+from .sync import SyncVerificationError  # one error class for every verification path
 from .types import Completion, Group, Prompt
 
 GiB = 1 << 30
-
-
-class SyncVerificationError(RuntimeError):
-    """The engine does not serve the adapter the trainer just pushed (stale, base or wrong weights)."""
 
 
 def vllm_available() -> bool:

@@ -18,6 +18,7 @@ import torch
 
 from . import data as D
 from .config import Config
+from .engine_vllm import vllm_available  # imports no vllm itself
 from .generator import Generator, HFGenerator, SamplingParams
 from .metrics import MetricsLog, rollout_metrics
 from .pipeline import Pipeline
@@ -25,11 +26,6 @@ from .rewards import Scorer, check_columns
 from .sync import FileSync, SharedSync, SyncStats, verify
 from .trainer import Trainer
 from .types import Prompt, ScoredGroup
-
-
-def vllm_available() -> bool:
-    import importlib.util
-    return importlib.util.find_spec("vllm") is not None
 
 
 def pick_backend(cfg: Config) -> tuple[str, str]:

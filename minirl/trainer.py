@@ -47,6 +47,10 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.tgt_mask_B_L.sum())
 
+    def to(self, device) -> "Batch":
+        return Batch(*(t.to(device) for t in (self.input_ids_B_L, self.attn_B_L, self.tgt_mask_B_L,
+                                             self.behav_logp_B_L, self.version_B_L, self.adv_B, self.weight_B_L)))
+
     def rows(self, idx: list[int]) -> "Batch":
         width = int(self.attn_B_L[idx].sum(1).max())
         return Batch(*(t[idx][:, :width] if t.dim() == 2 else t[idx] for t in (
@@ -129,9 +133,7 @@ def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int], t
     """Logprobs of one completion: the trainer-side reference for sync verification and tests."""
     s = Sample(tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), (0,) * len(completion_ids), 0.0)
     b = make_batch([s], pad_id=0, agg="token-mean", max_tokens=len(completion_ids))
-    dev = next(model.parameters()).device
-    b = Batch(*(t.to(dev) for t in (b.input_ids_B_L, b.attn_B_L, b.tgt_mask_B_L, b.behav_logp_B_L,
-                                    b.version_B_L, b.adv_B, b.weight_B_L)))
+    b = b.to(next(model.parameters()).device)
     with torch.no_grad():
         lp, _ = completion_logprobs(model, b, temperature)
     return lp[b.tgt_mask_B_L].tolist()
@@ -198,9 +200,7 @@ class Trainer:
             m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version})
             return m
         batch = make_batch(samples, self.tokenizer.pad_token_id, c.loss_agg, c.max_tokens)
-        micro = [mb for mb in batch.micro_batches(c.token_budget)]
-        micro = [Batch(*(t.to(self.device) for t in (mb.input_ids_B_L, mb.attn_B_L, mb.tgt_mask_B_L,
-                         mb.behav_logp_B_L, mb.version_B_L, mb.adv_B, mb.weight_B_L))) for mb in micro]
+        micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
         olds: list[torch.Tensor] = []
         self.model.train()
         tot = dict(loss=0.0, clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0, ent=0.0, n=0)
