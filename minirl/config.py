@@ -111,8 +111,9 @@ class Config:
     max_staleness: int | None = None
     """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
     inflight: str = "continue"
-    """What in-flight sequences do when a new adapter arrives: 'continue' (finish on the old adapter) or
-    'inflight' (the adapter is swapped in place between engine steps; later tokens carry the new version)."""
+    """What in-flight sequences do when a new adapter arrives: 'continue' (finish on the old adapter), 'abort'
+    (vLLM: abort them and resubmit prompt + tokens so far under the new adapter) or 'inflight' (vLLM: the adapter
+    is swapped in place between engine steps). Every token carries the version that produced it."""
 
     # --- devices -------------------------------------------------------------------------------------------
     gen_devices: str = "auto"
@@ -159,7 +160,8 @@ class Config:
         need(self.loss_agg in ("token-mean", "seq-mean", "constant"),
              f"loss_agg={self.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
         need(self.backend in ("auto", "vllm", "hf"), f"backend={self.backend!r}: use 'auto', 'vllm' or 'hf'")
-        need(self.inflight in ("continue", "inflight"), f"inflight={self.inflight!r}: use 'continue' or 'inflight'")
+        need(self.inflight in ("continue", "abort", "inflight"),
+             f"inflight={self.inflight!r}: use 'continue', 'abort' or 'inflight'")
         need(self.sync_transport in ("auto", "ipc", "collective", "files"),
              f"sync_transport={self.sync_transport!r}: use 'auto', 'ipc', 'collective' or 'files'")
         need(self.max_async_steps >= 0, "max_async_steps must be >= 0")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import concurrent.futures
 import hashlib
 import importlib.util
@@ -119,7 +120,7 @@ class VLLMGenerator:
     def __init__(self, model_path: str, max_lora_rank: int = 16, max_model_len: int = 1024, seed: int = 0,
                  dtype: str = "auto", cpu_cores: str | None = None, kv_cache_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.3, max_loras: int = 4, device_ids: str | None = None,
-                 engine_kwargs: dict | None = None):
+                 engine_kwargs: dict | None = None, inflight: str = "continue"):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
@@ -152,6 +153,9 @@ class VLLMGenerator:
         self._inflight: dict[int, int] = {}     # LoRA int id -> requests using it
         self._retired: set[int] = set()         # LoRA ids replaced by a newer version, removed when idle
         self._visits: dict[int, int] = {}       # prompt index -> times submitted (for per-request seeds)
+        self._running: dict[str, object] = {}   # request id -> its LoRARequest (for the abort policy)
+        self.abort_on_swap = inflight == "abort"
+        self.resubmitted = 0                    # sequences resubmitted under a newer adapter (abort policy)
         self.tokens_generated = 0
         from .transports import SwapLog
         self.swaps = SwapLog()                  # in-place swap reports (inflight policy)
@@ -208,28 +212,62 @@ class VLLMGenerator:
         if self._engine.llm is not None:
             await self._engine.llm.remove_lora(lid)
 
+    async def _request(self, token_ids: Sequence[int], n: int, params: SamplingParams, seed: int | None):
+        """One engine request on the adapter served now: (final RequestOutput, request id, lora, version)."""
+        from vllm.inputs import TokensPrompt
+        lora, version = self._acquire()
+        rid, final = f"minirl-{next(self._ids)}", None
+        self._running[rid] = lora
+        try:
+            async for out in self._engine.llm.generate(
+                    TokensPrompt(prompt_token_ids=list(token_ids)), self._sampling(n, params, seed),
+                    rid, lora_request=lora):
+                final = out
+        finally:
+            self._running.pop(rid, None)
+            await self._release(lora)
+        return final, rid, lora, version
+
     async def generate_group(self, prompt: Prompt, n: int, params: SamplingParams) -> Group:
         """G = n completions of one prompt. Runs on the engine loop; returns when the group's last sample is
-        done. Every token carries the behaviour logprob it was sampled with and the adapter version."""
-        from vllm.inputs import TokensPrompt
+        done. Every token carries the behaviour logprob it was sampled with and the adapter version.
+
+        With `inflight='abort'`, a new adapter aborts the requests still running on an older one; each
+        unfinished sequence is resubmitted as prompt + its tokens so far under the new adapter (n = 1, the
+        remaining max_tokens). Its tokens keep the version and logprob they were sampled with."""
         seed = None
         if params.seed is not None:
             visit = self._visits.get(prompt.index, 0)
             self._visits[prompt.index] = visit + 1
             seed = request_seed(params.seed, prompt.index, visit)
-        lora, version = self._acquire()
-        rid, final = f"minirl-{next(self._ids)}", None
-        try:
-            async for out in self._engine.llm.generate(
-                    TokensPrompt(prompt_token_ids=list(prompt.token_ids)), self._sampling(n, params, seed),
-                    rid, lora_request=lora):
-                final = out
-        finally:
-            await self._release(lora)
-        comps = tuple(_completion(c, self._versions(rid, lora, c, version))
-                      for c in sorted(final.outputs, key=lambda c: c.index))
+        final, rid, lora, version = await self._request(prompt.token_ids, n, params, seed)
+        seqs = [[_completion(c, self._versions(rid, lora, c, version))]
+                for c in sorted(final.outputs, key=lambda c: c.index)]
+        resubmits = 0
+        while todo := [i for i, parts in enumerate(seqs) if parts[-1].finish_reason == "abort"
+                       and sum(len(p.token_ids) for p in parts) < params.max_tokens]:
+            resubmits += len(todo)
+
+            async def cont(i: int):
+                done = [t for p in seqs[i] for t in p.token_ids]
+                sp = dataclasses.replace(params, max_tokens=params.max_tokens - len(done))
+                s = None if seed is None else request_seed(seed, i, len(done))
+                out, rid2, lora2, v2 = await self._request(list(prompt.token_ids) + done, 1, sp, s)
+                seqs[i].append(_completion(out.outputs[0], self._versions(rid2, lora2, out.outputs[0], v2)))
+            await asyncio.gather(*(cont(i) for i in todo))
+        self.resubmitted += resubmits
+        comps = tuple([await self._join(p) if len(p) > 1 or p[0].finish_reason == "abort" else p[0] for p in seqs])
         self.tokens_generated += sum(len(c.token_ids) for c in comps)
         return Group(prompt, comps)
+
+    async def _join(self, parts: list[Completion]) -> Completion:
+        """One completion from the segments of an aborted-and-resubmitted sequence (text decoded whole)."""
+        toks = tuple(t for p in parts for t in p.token_ids)
+        tok = self._engine.llm.get_tokenizer()
+        tok = await tok if asyncio.iscoroutine(tok) else tok  # async in older vLLM
+        last = parts[-1].finish_reason
+        return Completion(toks, tuple(x for p in parts for x in p.logprobs), tuple(v for p in parts for v in p.versions),
+                          tok.decode(list(toks), skip_special_tokens=True), "length" if last == "abort" else last)
 
     def _versions(self, rid: str, lora, c, version: int) -> tuple[int, ...]:
         """Per-token versions: the request's start version, unless its adapter was swapped in place while it
@@ -299,6 +337,11 @@ class VLLMGenerator:
         if report is not None and report.get("inplace"):
             self.swaps.add(report)
         old, self._lora, self._version = self._lora, lora, version
+        if self.abort_on_swap:  # generate_group resubmits their unfinished sequences under the new adapter
+            new_id = None if lora is None else lora.lora_int_id
+            stale = [rid for rid, lr in self._running.items() if (None if lr is None else lr.lora_int_id) != new_id]
+            if stale:
+                await self._engine.llm.abort(stale)
         if old is not None and (lora is None or old.lora_int_id != lora.lora_int_id):
             if self._inflight.get(old.lora_int_id):
                 self._retired.add(old.lora_int_id)
@@ -418,5 +461,5 @@ def _completion(c, versions: tuple[int, ...]) -> Completion:
         s, e = lp.start_indices[i], lp.end_indices[i]
         k = next((k for k in range(s, e) if lp.token_ids[k] == t), s)
         out.append(lp.logprobs[k])
-    finish = "length" if c.finish_reason == "length" else "stop"
+    finish = c.finish_reason if c.finish_reason in ("length", "abort") else "stop"
     return Completion(toks, tuple(out), versions, c.text, finish)

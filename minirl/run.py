@@ -23,7 +23,7 @@ from .generator import Generator, HFGenerator, SamplingParams
 from .metrics import MetricsLog, rollout_metrics
 from .pipeline import Pipeline
 from .rewards import Scorer, check_columns
-from .sync import FileSync, SharedSync, SyncStats, verify
+from .sync import SharedSync, SyncStats, verify
 from .trainer import Trainer
 from .types import Prompt, ScoredGroup
 
@@ -112,6 +112,9 @@ class Run:
         for name, fn in self.scorer.rewards:
             check_columns(fn, name, cols)
         self.backend, self.backend_why = pick_backend(c)
+        if c.inflight != "continue" and self.backend != "vllm":
+            raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
+                             "backend finishes in-flight sequences on their adapter (inflight='continue')")
         gen_cores, train_threads = cpu_split(c)
         if not torch.cuda.is_available():
             torch.set_num_threads(train_threads)
@@ -126,25 +129,28 @@ class Run:
             self.generator = VLLMGenerator(self.trainer.model_path, max_lora_rank=c.lora_rank, seed=c.seed, dtype=dtype,
                                            cpu_cores=gen_cores, kv_cache_gb=c.kv_cache_gb,
                                            gpu_memory_utilization=c.gpu_memory_utilization,
-                                           max_model_len=c.max_prompt_tokens + c.max_tokens)
+                                           max_model_len=c.max_prompt_tokens + c.max_tokens, inflight=c.inflight)
             from .transports import make_sync
             self.sync, self._sync_why = make_sync(c.sync_transport, self.generator, self.trainer.device,
                                                   inflight=c.inflight == "inflight")
-        elif self._use_pipeline:  # generation must not see weights change mid-sequence
-            import copy
-            self.generator = HFGenerator(copy.deepcopy(self.trainer.model).eval(), tok,
-                                         cpu_cores=_cores(gen_cores) if gen_cores else None)
-            self.sync = FileSync()
+        elif self._use_pipeline:  # its own model in its own process: no GIL shared with the trainer
+            from .genproc import ProcGenerator, ShmSync
+            from .transports import adapter_params
+            self.generator = ProcGenerator(c, adapter_params(self.trainer.model),
+                                           cores=_cores(gen_cores) if gen_cores else None, device=self.trainer.device)
+            self.sync = ShmSync()
+            self._sync_why = "transformers generator process: the adapter goes through one shared-memory buffer"
         else:
             self.generator = HFGenerator(self.trainer.model, tok, lambda: self.trainer.version)
             self.sync = SharedSync()
+            self._sync_why = "synchronous transformers loop: the generator uses the trainer's own model"
         if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, _cores(c.train_devices))  # this (trainer) thread; after the engine spawned
         self.stream = D.prompt_stream(self.train_prompts, c.seed)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         self.log.log("start", config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
                      transport=self.sync.transport,
-                     transport_why=getattr(self, "_sync_why", "transformers backend"),
+                     transport_why=self._sync_why,
                      reward_versions=self.scorer.versions)
         c.to_yaml(self.out / "config.yaml")
         self._probe = None

@@ -145,30 +145,34 @@ def _dtype(cfg: Config) -> torch.dtype:
     return getattr(torch, cfg.dtype)
 
 
+def build_model(cfg: Config, device: str):
+    """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    kw = {}
+    if cfg.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=_dtype(cfg))
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=_dtype(cfg), **kw)
+    if not cfg.load_in_4bit:
+        base = base.to(device)
+    base.config.use_cache = False
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+    return get_peft_model(base, lora)
+
+
 class Trainer:
     """Owns the peft model and the optimizer. `step(groups)` runs one update and bumps `version`."""
 
     def __init__(self, cfg: Config, device: str | None = None):
-        from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM
-
         self.cfg = cfg
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = resolve_model(cfg.model)
         self.tokenizer = load_tokenizer(cfg.model)
         torch.manual_seed(cfg.seed)
-        kw = {}
-        if cfg.load_in_4bit:
-            from transformers import BitsAndBytesConfig
-            kw["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=_dtype(cfg))
-        base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=_dtype(cfg), **kw)
-        if not cfg.load_in_4bit:
-            base = base.to(self.device)
-        base.config.use_cache = False
-        lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=cfg.target_modules, task_type="CAUSAL_LM")
-        self.model = get_peft_model(base, lora)
+        self.model = build_model(cfg, self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)

@@ -292,6 +292,50 @@ def _sampled_logprobs(comp):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, trainer, tok):
+    """inflight='abort': a push aborts the running request; each unfinished sequence is resubmitted as prompt +
+    its tokens so far under the new adapter. Tokens keep the version and logprob they were sampled with: those
+    before the swap are the old adapter's, those after are the new adapter's over the whole prefix."""
+    from minirl.generator import SamplingParams
+    from minirl.transports import TensorSync
+    from minirl.types import Prompt
+    sync = TensorSync("ipc", inflight=False, timeout_s=30)
+    set_version(trainer, trainer.version + 1)
+    sync.push(trainer, gen)
+    old = trainer.version
+    ids = tok("Write a long story about a dragon who learns to count.")["input_ids"]
+    gen.abort_on_swap, before = True, gen.resubmitted
+    try:
+        fut = gen.submit([Prompt(0, tuple(ids), "story")], 3, SamplingParams(temperature=1.0, max_tokens=40, seed=3))
+        t0 = time.perf_counter()
+        while not gen._running and time.perf_counter() - t0 < 30:
+            time.sleep(0.01)
+        time.sleep(1.0)  # let it sample some tokens on the old adapter (the asserts below fail if it did not)
+        set_version(trainer, old + 1)
+        sync.push(trainer, gen)
+        group = fut.result(timeout=120)[0]
+    finally:
+        gen.abort_on_swap = False
+        sync.close()
+    assert gen.resubmitted > before
+    lp = {}
+    for v in (old, old + 1):
+        set_version(trainer, v)
+        lp[v] = [trainer.logprobs(ids, list(c.token_ids)) for c in group.completions]
+    spanning = 0
+    for j, c in enumerate(group.completions):
+        assert len(c.token_ids) == len(c.logprobs) == len(c.versions) <= 40 and c.finish_reason != "abort"
+        assert list(c.versions) == sorted(c.versions) and set(c.versions) <= {old, old + 1}
+        spanning += len(set(c.versions)) == 2
+        want = [lp[v][j][i] for i, v in enumerate(c.versions)]
+        assert _max_diff(list(c.logprobs), want) < ATOL, (j, c.versions)
+        if len(set(c.versions)) == 2:  # discriminates: the old adapter does not explain the later tokens
+            assert _max_diff(list(c.logprobs), lp[old][j]) > 10 * ATOL
+    assert spanning, "no sequence was aborted and resubmitted mid-way"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe):
     """The worker cannot meet the trainer (nobody listens): a clear error within the timeout, engine unharmed."""
     from minirl.transports import SyncError, call_on_loop, free_port, make_layout, rpc, adapter_params, \

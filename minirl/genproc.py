@@ -1,0 +1,245 @@
+"""The transformers generator in a process of its own (the asynchronous pipeline's CPU/HF generation side).
+
+Why a process: transformers `generate` on a small model is mostly Python overhead, so a generating thread and a
+training thread in one process take turns on the GIL and each runs at about half speed. In its own process,
+pinned to its own cores, generation runs truly beside the trainer.
+
+  trainer process                                       generator process (spawned)
+  ───────────────                                       ───────────────────────────
+  ProcGenerator.generate(prompts) ── pipe ──►  worker thread: apply staged adapter, HFGenerator.generate
+  ShmSync.push: pack LoRA → shared flat buffer
+                ("adapter", v)    ── pipe ──►  main thread: copy buffer → staging, ack   (never waits on a
+                                                generation: a new version starts with the next request, as the
+                                                `continue` policy asks)
+
+The adapter travels the way the vLLM `ipc` transport sends it (one shared-memory flat buffer, one fused copy).
+If the process dies, every waiting call raises `GeneratorProcessError`; closing (or the trainer dying) ends it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import itertools
+import os
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .config import Config
+from .generator import HFGenerator, SamplingParams
+from .sync import SyncStats, tmpfs_dir
+from .types import Group, Prompt
+
+
+class GeneratorProcessError(RuntimeError):
+    pass
+
+
+def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | None, device: str) -> None:
+    """The generator process: the main thread takes messages, one worker thread runs generate/score in order."""
+    import queue
+    from .models import load_tokenizer
+    from .trainer import build_model
+    from .transports import adapter_params
+    from .vllm_ext import unpack
+
+    if cores and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+    send_lock = threading.Lock()
+
+    def send(*msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    try:
+        model = build_model(cfg, device).eval()
+        gen = HFGenerator(model, load_tokenizer(cfg.model))
+        dtype = getattr(torch, layout["dtype"].removeprefix("torch."))
+        shared = torch.from_file(shm_path, shared=True, size=layout["nbytes"], dtype=torch.uint8).view(dtype)
+        staging = shared.clone()
+        live = adapter_params(model)
+        dst = [live[n].data for n in layout["names"]]
+        src = [unpack(staging, layout)[n] for n in layout["names"]]
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        send(0, "err", traceback.format_exc())
+        return
+    staged = {"version": None}
+    stage_lock = threading.Lock()
+    jobs: queue.Queue = queue.Queue()
+
+    def apply_staged() -> None:  # between requests only: a sequence never sees its weights change
+        with stage_lock:
+            if staged["version"] is not None:
+                torch._foreach_copy_(dst, [s.to(d.device) for s, d in zip(src, dst)])
+                gen._version, staged["version"] = staged["version"], None
+
+    def worker() -> None:
+        while (job := jobs.get()) is not None:
+            rid, kind, args = job
+            try:
+                apply_staged()
+                out = gen.generate(*args) if kind == "gen" else gen.score(*args)
+                send(rid, "ok", out)
+            except BaseException:  # noqa: BLE001 - reported to the caller with its traceback
+                send(rid, "err", traceback.format_exc())
+
+    th = threading.Thread(target=worker, name="minirl-genproc-worker", daemon=True)
+    th.start()
+    send(0, "ok", "ready")
+    while True:
+        try:
+            rid, kind, args = conn.recv()
+        except (EOFError, OSError):  # the trainer is gone
+            break
+        if kind == "close":
+            break
+        if kind == "adapter":  # copy now (a few ms), apply before the next request
+            with stage_lock:
+                staging.copy_(shared)
+                staged["version"] = args[0]
+            send(rid, "ok", args[0])
+        elif kind == "adapter_file":
+            from safetensors.torch import load_file
+            sd = load_file(f"{args[0]}/adapter_model.safetensors")
+            views = unpack(staging, layout)
+            with stage_lock:
+                for n in layout["names"]:
+                    views[n].copy_(sd[n])
+                staged["version"] = args[1]
+            send(rid, "ok", args[1])
+        else:
+            jobs.put((rid, kind, args))
+    jobs.put(None)
+    th.join(30)  # let a running request finish: exiting under it aborts the process
+
+
+class ProcGenerator:
+    """`Generator` whose transformers model lives in a spawned process pinned to `cores` (CPU) or on `device`.
+    `tensors` are the trainer's live LoRA parameters (peft names): `push(version)` sends them."""
+
+    name = "hf"
+
+    def __init__(self, cfg: Config, tensors: dict[str, torch.Tensor], cores: list[int] | None = None,
+                 device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0):
+        import multiprocessing as mp
+        from .transports import Packer, make_layout
+        self.timeout_s = timeout_s
+        self._version = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, cf.Future] = {0: cf.Future()}
+        self._lock = threading.Lock()
+        self._closed = False
+        layout = make_layout(tensors, {})
+        self.nbytes = layout["nbytes"]
+        path = tmpfs_dir() / f"minirl-genproc-{os.getpid()}-{id(self)}"
+        with open(path, "wb") as f:
+            f.truncate(self.nbytes)
+        try:
+            raw = torch.from_file(str(path), shared=True, size=self.nbytes, dtype=torch.uint8)
+            self.packer = Packer(tensors, raw.view(next(iter(tensors.values())).dtype), layout)
+            self.packer.pack()
+            ctx = mp.get_context("spawn")
+            self._conn, child = ctx.Pipe()
+            self.proc = ctx.Process(target=_serve, args=(child, cfg, layout, str(path), cores, device),
+                                    name="minirl-genproc", daemon=True)
+            self.proc.start()
+            child.close()
+            self._reader = threading.Thread(target=self._read, name="minirl-genproc-reader", daemon=True)
+            self._reader.start()
+            self._pending[0].result(start_timeout_s)  # the model is built and the buffer mapped
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            Path(path).unlink(missing_ok=True)  # both sides hold their mapping; the name cannot leak
+        self.push(0)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                rid, status, out = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            with self._lock:
+                fut = self._pending.pop(rid, None)
+            if fut is not None:
+                if status == "ok":
+                    fut.set_result(out)
+                else:
+                    fut.set_exception(GeneratorProcessError(f"in the generator process:\n{out}"))
+        code = self.proc.exitcode if hasattr(self, "proc") else None
+        with self._lock:
+            pending, self._pending = self._pending, {}
+            for fut in pending.values():
+                fut.set_exception(GeneratorProcessError(
+                    f"the generator process exited (code {code}) before answering"))
+
+    def _call(self, kind: str, *args, timeout: float | None = None):
+        with self._lock:
+            if self._closed or not self._reader.is_alive():
+                raise GeneratorProcessError("the generator process is not running")
+            rid = next(self._ids)
+            fut = self._pending[rid] = cf.Future()
+            self._conn.send((rid, kind, args))
+        try:
+            return fut.result(timeout)
+        except cf.TimeoutError:
+            raise GeneratorProcessError(f"the generator process did not answer {kind!r} within {timeout} s") from None
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def push(self, version: int) -> None:
+        """Pack the trainer's adapter into the shared buffer; the process copies it before answering, and
+        serves it from its next request on."""
+        self.packer.pack()
+        self._call("adapter", version, timeout=self.timeout_s)
+        self._version = version
+
+    def load_adapter(self, path: str, version: int) -> None:
+        self._call("adapter_file", path, version, timeout=self.timeout_s)
+        self._version = version
+
+    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
+        return self._call("gen", list(prompts), n, params)
+
+    def score(self, prompt_ids, completion_ids, temperature: float) -> list[float]:
+        return self._call("score", list(prompt_ids), list(completion_ids), temperature)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        proc = getattr(self, "proc", None)
+        if proc is not None:
+            try:
+                self._conn.send((0, "close", ()))
+            except (OSError, ValueError):
+                pass
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        if hasattr(self, "_conn"):
+            self._conn.close()
+        if hasattr(self, "_reader"):
+            self._reader.join(5)
+
+
+class ShmSync:
+    """`WeightSync` for `ProcGenerator`: the shared-memory flat buffer (the CPU twin of the `ipc` transport)."""
+    transport = "ipc"
+
+    def push(self, trainer, generator: ProcGenerator) -> SyncStats:
+        t0 = time.perf_counter()
+        generator.push(trainer.version)
+        return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, generator.nbytes, self.transport)
+
+    def close(self) -> None:
+        pass
