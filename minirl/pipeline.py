@@ -112,6 +112,7 @@ class Pipeline:
         self.timeline = Timeline()
         self.accounting = {"generated": 0, "trained": 0, "dropped_stale": 0, "unused": 0}
         self.gen_tokens: dict[int, int] = defaultdict(int)
+        self.gen_seconds: dict[int, float] = {}  # step -> wall seconds its generation took
         self.error: BaseException | None = None
         self._own_loop = getattr(generator, "loop", None) is None
         if self._own_loop:
@@ -152,6 +153,7 @@ class Pipeline:
             slots[p.index].append(i)
         loop = asyncio.get_running_loop()
         self.timeline.gen_begin()
+        t0 = self.timeline.now()
         try:
             async for g in self._stream(prompts, params):
                 slot = slots[g.prompt.index].pop(0)
@@ -166,6 +168,7 @@ class Pipeline:
             await self.buffer.close()
             raise
         finally:
+            self.gen_seconds[step] = self.timeline.now() - t0
             self.timeline.gen_end()
 
     async def _stream(self, prompts: list[Prompt], params):

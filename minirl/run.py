@@ -247,9 +247,10 @@ class Run:
             kept, dropped = self.pipeline.filter_stale(groups, self.trainer.version, c.max_staleness)
             now = tl.now()
             n_tok = self.pipeline.gen_tokens.pop(step, 0)
+            gen_s = self.pipeline.gen_seconds.pop(step, now - t_prev)
             yield step, kept, {"time/wait_s": now - t_wait, "staleness/dropped_groups": dropped,
-                               "buffer/depth": self.pipeline.buffer.depth,
-                               "throughput/gen_tok_s": n_tok / max(now - t_prev, 1e-9),
+                               "buffer/depth": self.pipeline.buffer.depth, "time/gen_s": gen_s,
+                               "throughput/gen_tok_s": n_tok / max(gen_s, 1e-9),
                                "busy/gen": tl.busy("gen", t_prev, now),
                                "busy/train": tl.busy("train", t_prev, now)}
             t_prev = now

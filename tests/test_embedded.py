@@ -42,16 +42,25 @@ def test_demo_cli_runs_and_writes_its_summary(tmp_path, backend):
     if backend == "vllm":
         pytest.importorskip("vllm")
     out = tmp_path / "demo"
-    p = subprocess.run([sys.executable, "-m", "minirl.cli", "demo", "--steps", "2", "--out", str(out),
-                        "--eval-size", "8", "--prompts-per-step", "2", "--group-size", "4", "--backend", backend],
-                       capture_output=True, text=True, timeout=900)
+    steps = 3 if backend == "vllm" else 2
+    extra = ["--max-async-steps", "1", "--inflight", "abort"] if backend == "vllm" else []  # real async vLLM
+    p = subprocess.run([sys.executable, "-m", "minirl.cli", "demo", "--steps", str(steps), "--out", str(out),
+                        "--eval-size", "8", "--prompts-per-step", "2", "--group-size", "4", "--backend", backend,
+                        *extra], capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     for k in ("steps", "median_step_s", "eval_accuracy_before", "eval_accuracy_after", "reward_first", "reward_last"):
         assert s[k] is not None, k
-    assert s["steps"] == 2
-    if backend == "vllm":  # says which backend it uses, and syncs the adapter in memory
+    assert s["steps"] == steps
+    if backend == "vllm":  # says which backend it uses, syncs the adapter in memory, and its async metrics are sane
         assert "backend=vllm" in p.stdout and s["backend"] == "vllm" and s["transport"] == "ipc"
+        acc = s["accounting"]
+        assert acc["generated"] == acc["trained"] + acc["dropped_stale"] + acc["unused"] >= steps * 2
+        from minirl.metrics import read_log
+        hist = [e for e in read_log(out / "metrics.jsonl") if e["event"] == "step"]
+        for h in hist:
+            assert 0 <= h["staleness/max"] <= 1 and 0 <= h["busy/gen"] <= 1.001 and 0 <= h["busy/train"] <= 1.001
+            assert h["throughput/gen_tok_s"] > 0 and h["sync/bytes"] > 0 and h.get("is_weight/mean", 1.0) > 0
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "adapter" / "adapter_model.safetensors").exists()
     assert (out / "reward.png").stat().st_size > 1000
     assert "step   2" in p.stdout

@@ -1,4 +1,5 @@
 """The asynchronous pipeline on a tiny model (transformers backend): exactness at K=0, bounds, accounting."""
+import multiprocessing
 import threading
 import time
 
@@ -68,4 +69,6 @@ def test_stop_in_the_middle_leaves_no_thread_behind(toy_cfg):
     time.sleep(0.5)
     left = [th for th in set(threading.enumerate()) - before if th.is_alive() and th.name.startswith("minirl")]
     assert not left, left
+    procs = [p for p in multiprocessing.active_children() if p.name.startswith("minirl")]
+    assert not procs, procs  # the generator process is gone too
     assert 2 <= run.summary["steps"] < 200

@@ -1,0 +1,84 @@
+"""The transformers generator in its own process (the CPU pipeline's generation side): the pushed adapter is what
+it serves, versions are exact, and a dead or closed process never leaves a caller waiting."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from minirl.generator import HFGenerator, SamplingParams
+from minirl.genproc import GeneratorProcessError, ProcGenerator, ShmSync
+from minirl.trainer import Trainer
+from minirl.transports import adapter_params
+
+
+@pytest.fixture
+def trainer(toy_cfg):
+    return Trainer(toy_cfg)
+
+
+def _prompts(trainer, n=2):
+    from minirl.data import to_prompts
+    return to_prompts([{"prompt": f"What is {i} + 1 ?"} for i in range(n)], trainer.tokenizer)
+
+
+def _bump(trainer, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in trainer.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    trainer.version += 1
+
+
+def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
+    gen = ProcGenerator(toy_cfg, adapter_params(trainer.model))
+    sync = ShmSync()
+    try:
+        prompts = _prompts(trainer)
+        params = SamplingParams(temperature=1.0, max_tokens=6, seed=5)
+        local = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
+        before = gen.generate(prompts, 3, params)
+        for seed in (1, 2):
+            _bump(trainer, seed)
+            st = sync.push(trainer, gen)
+            assert st.version == gen.version == trainer.version and st.bytes > 0 and st.transport == "ipc"
+            got = gen.generate(prompts, 3, params)
+            want = local.generate(prompts, 3, params)  # the trainer's own model, same seed
+            assert got == want  # tokens, logprobs, versions, text: bit for bit
+            assert all(v == trainer.version for g in got for c in g.completions for v in c.versions)
+            probe = (list(prompts[0].token_ids), list(got[0].completions[0].token_ids) or [1])
+            assert gen.score(*probe, 1.0) == pytest.approx(trainer.logprobs(*probe, 1.0), abs=1e-5)
+        assert got != before
+    finally:
+        gen.close()
+        sync.close()
+    assert not gen.proc.is_alive()
+
+
+def test_a_dead_generator_process_raises_a_clear_error(trainer, toy_cfg):
+    gen = ProcGenerator(toy_cfg, adapter_params(trainer.model))
+    try:
+        os.kill(gen.proc.pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        with pytest.raises(GeneratorProcessError, match="generator process"):
+            gen.generate(_prompts(trainer), 2, SamplingParams(max_tokens=4))
+        with pytest.raises(GeneratorProcessError):
+            _bump(trainer, 3)
+            ShmSync().push(trainer, gen)
+        assert time.perf_counter() - t0 < 30
+    finally:
+        gen.close()
+    assert not gen.proc.is_alive()
+
+
+def test_errors_inside_the_process_reach_the_caller_with_their_traceback(trainer, toy_cfg):
+    gen = ProcGenerator(toy_cfg, adapter_params(trainer.model))
+    try:
+        with pytest.raises(GeneratorProcessError, match="Traceback"):
+            gen.score([10**9], [1], 1.0)  # a token id outside the vocabulary
+        out = gen.generate(_prompts(trainer), 2, SamplingParams(max_tokens=4))  # still serving
+        assert len(out) == 2
+    finally:
+        gen.close()
