@@ -28,7 +28,6 @@ import concurrent.futures
 import hashlib
 import importlib.util
 import itertools
-import math
 import os
 import threading
 import weakref
@@ -362,38 +361,32 @@ class VLLMGenerator:
 
     async def score_async(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                           temperature: float = 1.0) -> list[float]:
+        """One 1-token request per completion position (prompt + the tokens before it), asking for the processed
+        logprobs of the whole vocabulary, and picking the given token's. Not `prompt_logprobs`: in vLLM 0.32 a
+        prompt-logprobs request batched with other LoRA requests crashes the engine (the LoRA logits path indexes
+        the prompt positions by request), and in a running pipeline the probe always shares a batch. Prefix
+        caching makes the extra prefills cheap."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        import numpy as np
 
         full = list(prompt_ids) + list(completion_ids)
-        exact_t1 = abs(temperature - 1.0) < 1e-9
-        sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0 if exact_t1 else -1, flat_logprobs=True,
-                 detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+        sp = VSP(max_tokens=1, temperature=temperature, logprobs=-1, flat_logprobs=True, detokenize=False,
+                 seed=0, output_kind=RequestOutputKind.FINAL_ONLY)
         lora, _ = self._acquire()
-        final = None
-        try:
-            async for out in self._engine.llm.generate(TokensPrompt(prompt_token_ids=full), sp,
+
+        async def one(pos: int) -> float:
+            final = None
+            async for out in self._engine.llm.generate(TokensPrompt(prompt_token_ids=full[:pos]), sp,
                                                        f"minirl-score-{next(self._ids)}", lora_request=lora):
                 final = out
+            lp = final.outputs[0].logprobs
+            s, e = lp.start_indices[0], lp.end_indices[0]
+            return next(float(lp.logprobs[k]) for k in range(s, e) if lp.token_ids[k] == full[pos])
+        try:
+            return list(await asyncio.gather(*(one(pos) for pos in range(len(prompt_ids), len(full)))))
         finally:
             await self._release(lora)
-        flat = final.prompt_logprobs  # position i: logprobs of token i given tokens < i (position 0 is None)
-        result = []
-        for pos in range(len(prompt_ids), len(full)):
-            s, e = flat.start_indices[pos], flat.end_indices[pos]
-            if exact_t1:
-                result.append(flat.logprobs[s])  # the first entry is the prompt token itself
-                continue
-            ids = np.asarray(flat.token_ids[s + 1:e])    # the whole vocabulary, after the target entry
-            x = np.asarray(flat.logprobs[s + 1:e], dtype=np.float64) / temperature
-            x[~np.isfinite(x)] = -np.inf
-            m = x.max()
-            lse = m + math.log(np.exp(x - m).sum())
-            target = x[ids == full[pos]]
-            result.append(float(target[0] - lse))
-        return result
 
     def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
         """Logprobs of `completion_ids` after `prompt_ids` under the adapter currently served,
