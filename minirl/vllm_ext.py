@@ -363,12 +363,17 @@ class AdapterReceiver:
         inplace = lora_id in wm.list_adapters()
         swap = self._minirl_snapshot(lora_id) if inplace else {}
         plan = self._minirl_plan(lora_id) if inplace and fast else None
+        t_plan = time.perf_counter()
         if plan is not None and plan[2].numel() == flat.numel():
             _, _, own, by_scale, dst, src = plan
             own.copy_(flat)                      # the registered LoRAModel's tensors are views of `own`
+            t_own = time.perf_counter()
             for sc, bs in by_scale:
                 torch._foreach_mul_(bs, sc)      # what vLLM's optimize() folds into lora_b
+            t_mul = time.perf_counter()
             torch._foreach_copy_(dst, src)       # into the adapter's slot of the stacked LoRA tensors
+            st.timings = {"plan_ms": (t_plan - t1) * 1e3, "own_ms": (t_own - t_plan) * 1e3,
+                          "mul_ms": (t_mul - t_own) * 1e3, "slots_ms": (time.perf_counter() - t_mul) * 1e3}
             st.store[lora_id] = (None, ch.layout, ch.layout["peft_config"])  # raw = `own` with the scaling undone
             path = "fast"
         else:
@@ -387,7 +392,7 @@ class AdapterReceiver:
         t2 = time.perf_counter()
         return {"lora_id": lora_id, "version": version, "inplace": inplace, "prev_version": prev_version,
                 "swap": swap, "started": started, "path": path,
-                "recv_ms": (t1 - t0) * 1e3, "install_ms": (t2 - t1) * 1e3}
+                "recv_ms": (t1 - t0) * 1e3, "install_ms": (t2 - t1) * 1e3, **getattr(st, "timings", {})}
 
     def minirl_versions(self) -> dict:
         """LoRA id -> version of the weights currently installed under that id."""
