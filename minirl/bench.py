@@ -16,13 +16,13 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
 
 
 def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size: int = 64, **overrides: Any) -> dict:
-    """The same config with K = 0, 1 and 2 on the same device split (on CPU: generation pinned to core 0,
-    training to core 1), one after the other in one process, all through the pipeline. Speed: median step
+    """The same config with K = 0, 1 and 2 on the same device split (on CPU: the generator process pinned to
+    core 0, the trainer to core 1), one after the other, all through the pipeline. Speed: median step
     seconds of K=0 vs K=1 (excluding `warmup` steps) and each side's busy fraction. Learning: held-out greedy
     accuracy before/after for each K (same seed, same prompts)."""
     from .run import Run
-    base = Config(steps=steps, prompts_per_step=8, group_size=8, max_tokens=24, lr=5e-4, eval_size=eval_size,
-                  gen_devices="0", train_devices="1", seed=0, **overrides)
+    base = Config(**{**dict(steps=steps, prompts_per_step=8, group_size=8, max_tokens=24, lr=5e-4,
+                            eval_size=eval_size, gen_devices="0", train_devices="1", seed=0), **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "learning": {}}
     for K in (0, 1, 2):
         run = Run(base.replace(max_async_steps=K, out_dir=str(Path(out) / f"pipeline_k{K}")))
@@ -31,6 +31,8 @@ def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size:
         res[f"k{K}"] = {"step_s": statistics.median(x["time/step_s"] for x in h),
                         "gen_busy": statistics.mean(x["busy/gen"] for x in h),
                         "train_busy": statistics.mean(x["busy/train"] for x in h),
+                        "train_samples": statistics.mean(x["train/samples"] for x in h),  # the work per step
+                        "max_staleness": max((x["staleness/max"] or 0) for x in h),
                         "backend": s["backend"]}
         res["learning"][f"k{K}"] = {"before": s["eval_accuracy_before"], "after": s["eval_accuracy_after"],
                                     "gain": s["eval_accuracy_after"] - s["eval_accuracy_before"]}
@@ -40,12 +42,12 @@ def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size:
     return _write(out, "pipeline.json", res)
 
 
-def run(what: str, out: str | Path) -> dict:
+def run(what: str, out: str | Path, seed: int = 0) -> dict:
     if what == "generation":
         from .bench_generation import bench_generation
         return bench_generation(str(out))
     if what == "pipeline":
-        return bench_pipeline(out)
+        return bench_pipeline(out, seed=seed)
     if what == "sync":
         from .bench_sync import bench_sync
         return bench_sync(str(out))

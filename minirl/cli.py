@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
     bench.add_argument("what", choices=["generation", "pipeline", "sync"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the pipeline benchmark's runs")
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(eval_cli(Config(**overrides_from_args(args)), args.adapter), indent=2))
         elif args.cmd == "bench":
             from . import bench as B
-            print(json.dumps(B.run(args.what, args.out), indent=2))
+            print(json.dumps(B.run(args.what, args.out, seed=args.seed), indent=2))
     except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"minirl: error: {e}", file=sys.stderr)
         return 2
