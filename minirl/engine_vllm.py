@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import concurrent.futures
+import dataclasses
 import hashlib
 import importlib.util
 import itertools

@@ -6,7 +6,6 @@ implementation lives in `engine_vllm.py`, the only module that imports vllm.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -48,15 +47,14 @@ class Generator(Protocol):
 class HFGenerator:
     """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
     synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
-    asynchronous pipeline, where training must not change weights under a running generation).
+    asynchronous pipeline runs one in a process of its own: `genproc.py`).
     Slower than vLLM; the fallback and the reference."""
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, get_version=None, cpu_cores: list[int] | None = None):
+    def __init__(self, model, tokenizer, get_version=None):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
         self._version = 0
-        self.cpu_cores = cpu_cores  # pin the generating thread to these cores (CPU device split)
 
     @property
     def version(self) -> int:
@@ -73,8 +71,6 @@ class HFGenerator:
     def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
         """temperature 0 = greedy decoding (logprobs are then reported as 0)."""
         greedy = params.temperature == 0
-        if self.cpu_cores and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, self.cpu_cores)  # this thread only
         version = self.version
         ids = [list(p.token_ids) for p in prompts for _ in range(n)]
         width = max(len(x) for x in ids)
