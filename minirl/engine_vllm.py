@@ -158,6 +158,7 @@ class VLLMGenerator:
         self.tokens_generated = 0
         from .transports import SwapLog
         self.swaps = SwapLog()                  # in-place swap reports (inflight policy)
+        self._swapped: set[int] = set()         # LoRA ids whose weights were swapped in place at least once
         self.dtype = dtype  # resolved by the engine at start
         try:
             self._engine.call(self._start())
@@ -271,7 +272,7 @@ class VLLMGenerator:
     def _versions(self, rid: str, lora, c, version: int) -> tuple[int, ...]:
         """Per-token versions: the request's start version, unless its adapter was swapped in place while it
         ran (inflight policy), in which case the worker's swap reports say where each version began."""
-        if lora is None or not self.swaps.records:
+        if lora is None or lora.lora_int_id not in self._swapped:
             return (version,) * len(c.token_ids)
         return tuple(self.swaps.token_versions(rid, len(c.token_ids), c.index))
 
@@ -335,6 +336,7 @@ class VLLMGenerator:
         it (unless it is the same id, swapped in place)."""
         if report is not None and report.get("inplace"):
             self.swaps.add(report)
+            self._swapped.add(lora.lora_int_id)
         old, self._lora, self._version = self._lora, lora, version
         if self.abort_on_swap:  # generate_group resubmits their unfinished sequences under the new adapter
             new_id = None if lora is None else lora.lora_int_id
