@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -113,6 +114,7 @@ class Pipeline:
         self.accounting = {"generated": 0, "trained": 0, "dropped_stale": 0, "unused": 0}
         self.gen_tokens: dict[int, int] = defaultdict(int)
         self.gen_seconds: dict[int, float] = {}  # step -> wall seconds its generation took
+        self._serial = asyncio.Lock()  # FIFO: steps of a one-request-at-a-time generator go in order
         self.error: BaseException | None = None
         self._own_loop = getattr(generator, "loop", None) is None
         if self._own_loop:
@@ -152,24 +154,26 @@ class Pipeline:
         for i, p in enumerate(prompts):
             slots[p.index].append(i)
         loop = asyncio.get_running_loop()
-        self.timeline.gen_begin()
-        t0 = self.timeline.now()
-        try:
-            async for g in self._stream(prompts, params):
-                slot = slots[g.prompt.index].pop(0)
-                self.gen_tokens[step] += sum(len(c.token_ids) for c in g.completions)
-                self.accounting["generated"] += 1
-                scored = await loop.run_in_executor(self._score_pool, self.scorer.score_group, g)
-                await self.buffer.put(step, slot, scored)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # reaches the trainer thread through take()
-            self.error = e
-            await self.buffer.close()
-            raise
-        finally:
-            self.gen_seconds[step] = self.timeline.now() - t0
-            self.timeline.gen_end()
+        # a generator without `stream` serves one request at a time: a step's generation starts at its turn
+        async with contextlib.nullcontext() if hasattr(self.gen, "stream") else self._serial:
+            self.timeline.gen_begin()
+            t0 = self.timeline.now()
+            try:
+                async for g in self._stream(prompts, params):
+                    slot = slots[g.prompt.index].pop(0)
+                    self.gen_tokens[step] += sum(len(c.token_ids) for c in g.completions)
+                    self.accounting["generated"] += 1
+                    scored = await loop.run_in_executor(self._score_pool, self.scorer.score_group, g)
+                    await self.buffer.put(step, slot, scored)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # reaches the trainer thread through take()
+                self.error = e
+                await self.buffer.close()
+                raise
+            finally:
+                self.gen_seconds[step] = self.timeline.now() - t0
+                self.timeline.gen_end()
 
     async def _stream(self, prompts: list[Prompt], params):
         if hasattr(self.gen, "stream"):
