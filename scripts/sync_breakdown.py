@@ -1,0 +1,46 @@
+"""Where an in-place ipc adapter push spends its time (rank 16, all-linear, embedded model, bf16 vLLM-CPU engine):
+trainer-side pack, worker install (plan / own-buffer copy / B scaling / slot copy) and the rest (the RPC round trip).
+
+    python scripts/sync_breakdown.py [--pushes 30]
+"""
+import argparse
+import os
+import statistics
+import time
+
+KEYS = ("install_ms", "plan_ms", "own_ms", "mul_ms", "slots_ms")
+
+if __name__ == "__main__":  # the vLLM engine core is spawned
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pushes", type=int, default=30)
+    ap.add_argument("--rank", type=int, default=16)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM
+    from minirl.bench_sync import RANKS, _trainer
+    from minirl.engine_vllm import VLLMGenerator
+    from minirl.models import resolve_model
+    from minirl.transports import TensorSync, engine_kwargs
+
+    path = resolve_model("smollm2-135m-instruct")
+    gen = VLLMGenerator(path, max_lora_rank=max(RANKS), max_model_len=512, kv_cache_gb=1, engine_kwargs=engine_kwargs())
+    tr = _trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), args.rank)
+    sync = TensorSync("ipc", inflight=True, timeout_s=60)
+    rows = []
+    try:
+        for i in range(args.pushes + 2):
+            tr.bump()
+            t0 = time.perf_counter()
+            if sync.sender is not None:
+                sync.sender._pack()
+            pack_ms = (time.perf_counter() - t0) * 1e3
+            push_ms = sync.push(tr, gen).ms
+            if i >= 2:  # the first pushes open the channel and register the adapter
+                rows.append({"push_ms": push_ms, "pack_ms": pack_ms, **{k: sync.last.get(k, 0.0) for k in KEYS}})
+    finally:
+        sync.close()
+        gen.close()
+    med = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
+    med["rpc_and_rest_ms"] = round(med["push_ms"] - med["pack_ms"] - med["install_ms"], 2)
+    print(med)
