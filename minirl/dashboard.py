@@ -269,6 +269,18 @@ def _empty(ax, text: str = "no data yet") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, color="0.5", transform=ax.transAxes)
 
 
+# panels that are only lines: name -> (title, [(metric, label, plot kwargs)])
+LINE_PANELS = {
+    "loss": ("loss", [("loss", "loss", {})]),
+    "is_weight": ("importance weights", [("is_weight/mean", "IS weight mean", {}),
+                                         ("is_weight/truncated_frac", "truncated frac", {}),
+                                         ("logprob_mismatch", "|logprob mismatch|", {})]),
+    "throughput": ("tokens / s", [("throughput/gen_tok_s", "generate", {"color": GEN_COLOR}),
+                                  ("throughput/train_tok_s", "train", {"color": TRAIN_COLOR})]),
+    "sync": ("adapter sync (ms)", [("sync/ms", "sync ms", {"color": "purple"})]),
+}
+
+
 def draw_panel(ax, name: str, v: View) -> None:
     s = v.steps
     if name == "reward":
@@ -308,11 +320,6 @@ def draw_panel(ax, name: str, v: View) -> None:
         else:
             _empty(ax)
         _finish(ax, "length (tokens); red: frac cut")
-    elif name == "loss":
-        ok = _line(ax, s, "loss", "loss")
-        if not ok:
-            _empty(ax)
-        _finish(ax, "loss")
     elif name == "policy":
         ok = _line(ax, s, "entropy", "entropy")
         ok |= _line(ax, s, "clip_frac", "clip frac")
@@ -322,13 +329,6 @@ def draw_panel(ax, name: str, v: View) -> None:
         if not ok:
             _empty(ax)
         _finish(ax, "entropy / clip / KL")
-    elif name == "is_weight":
-        ok = _line(ax, s, "is_weight/mean", "IS weight mean")
-        ok |= _line(ax, s, "is_weight/truncated_frac", "truncated frac")
-        ok |= _line(ax, s, "logprob_mismatch", "|logprob mismatch|")
-        if not ok:
-            _empty(ax)
-        _finish(ax, "importance weights")
     elif name == "staleness":
         ok = _line(ax, s, "staleness/mean", "mean")
         ok |= _line(ax, s, "staleness/max", "max", ls="--")
@@ -338,12 +338,6 @@ def draw_panel(ax, name: str, v: View) -> None:
         if not ok:
             _empty(ax)
         _finish(ax, "staleness (versions)")
-    elif name == "throughput":
-        ok = _line(ax, s, "throughput/gen_tok_s", "generate", color=GEN_COLOR)
-        ok |= _line(ax, s, "throughput/train_tok_s", "train", color=TRAIN_COLOR)
-        if not ok:
-            _empty(ax)
-        _finish(ax, "tokens / s")
     elif name == "groups":
         ok = _line(ax, s, "groups/zero_adv_frac", "zero-advantage groups")
         xs, ys = _xy(s, "reward/failures")
@@ -353,11 +347,11 @@ def draw_panel(ax, name: str, v: View) -> None:
             _empty(ax)
         ax.set_ylim(-0.02, 1.05)
         _finish(ax, "groups that teach nothing")
-    elif name == "sync":
-        ok = _line(ax, s, "sync/ms", "sync ms", color="purple")
-        if not ok:
+    elif name in LINE_PANELS:
+        title, lines = LINE_PANELS[name]
+        if not any([_line(ax, s, key, label, **kw) for key, label, kw in lines]):  # a list: draw every line
             _empty(ax)
-        _finish(ax, "adapter sync (ms)")
+        _finish(ax, title)
     elif name == "timeline":
         draw_timeline(ax, v.timeline)
     else:
