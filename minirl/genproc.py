@@ -63,7 +63,8 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
         staging = shared.clone()
         live = adapter_params(model)
         dst = [live[n].data for n in layout["names"]]
-        src = [unpack(staging, layout)[n] for n in layout["names"]]
+        views = unpack(staging, layout)  # name -> view of the staging buffer
+        src = [views[n] for n in layout["names"]]
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         send(0, "err", traceback.format_exc())
         return
@@ -105,7 +106,6 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
         elif kind == "adapter_file":
             from safetensors.torch import load_file
             sd = load_file(f"{args[0]}/adapter_model.safetensors")
-            views = unpack(staging, layout)
             with stage_lock:
                 for n in layout["names"]:
                     views[n].copy_(sd[n])
