@@ -29,8 +29,10 @@ def _pct(xs, q):
 def _trainer(base, rank: int):
     import torch
     from peft import LoraConfig, get_peft_model
+    from minirl.transports import make_contiguous
     pm = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
+    make_contiguous(pm)  # as the Trainer builds it
     t = types.SimpleNamespace(model=pm, version=0)
 
     def bump():
@@ -65,6 +67,23 @@ def _throughput(gen, prompts, rounds: int, push=None) -> float:
     return toks / (time.perf_counter() - t0)
 
 
+def split_cores() -> tuple[str | None, set[int] | None]:
+    """The async pipeline's CPU split for a sync benchmark: the engine worker on the first core, the trainer (this
+    thread) on the others. (None, None) with fewer than 2 usable cores."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) < 2:
+        return None, None
+    return str(cores[0]), set(cores[1:])
+
+
+def pin_trainer(cores: set[int] | None) -> None:
+    """Bind this (trainer) thread and torch's threads to `cores`; call after the engine has started."""
+    if cores:
+        import torch
+        os.sched_setaffinity(0, cores)
+        torch.set_num_threads(len(cores))
+
+
 def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, rounds: int = 4) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
@@ -77,11 +96,14 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
 
     path = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
-    gen = VLLMGenerator(path, max_lora_rank=max(ranks), max_model_len=512, kv_cache_gb=1,
-                        engine_kwargs=engine_kwargs())
-    results, detail = [], {}
-    try:
-        for rank in ranks:
+    results, detail, no_sync, with_sync = [], {}, float("nan"), float("nan")
+    for rank in ranks:
+        # one engine per rank, sized to the adapter as a run sizes it (max_lora_rank = the LoRA rank)
+        gen_cores, train_cores = split_cores()
+        gen = VLLMGenerator(path, max_lora_rank=rank, max_model_len=512, kv_cache_gb=1, cpu_cores=gen_cores,
+                            engine_kwargs=engine_kwargs())
+        pin_trainer(train_cores)
+        try:
             base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
             tr = _trainer(base, rank)
             for transport in transports:
@@ -99,32 +121,32 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
                 results.append({"transport": transport, "rank": rank, "p50_ms": round(statistics.median(ms), 2),
                                 "p95_ms": round(_pct(ms, 0.95), 2), "bytes": nbytes})
                 print(json.dumps(results[-1]), flush=True)
-            tr.model.unload()
-        # generation speed: never syncing vs one in-place ipc sync per step (rank 16)
-        prompts = [Prompt(i, tuple(tok(f"Tell me a fact about the number {i}.")["input_ids"]), "") for i in range(8)]
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        tr = _trainer(base, 16)
-        sync = TensorSync("ipc", inflight=True, timeout_s=60)
-        tr.bump()
-        sync.push(tr, gen)
-        push_ms = []
+            if rank == 16:  # generation speed: never syncing vs one in-place ipc sync per step
+                prompts = [Prompt(i, tuple(tok(f"Tell me a fact about the number {i}.")["input_ids"]), "")
+                           for i in range(8)]
+                sync = TensorSync("ipc", inflight=True, timeout_s=60)
+                tr.bump()
+                sync.push(tr, gen)
+                push_ms = []
 
-        def push():
-            tr.bump()
-            push_ms.append(sync.push(tr, gen).ms)
-        _throughput(gen, prompts, 1)  # warm-up
-        no_sync = statistics.median(_throughput(gen, prompts, rounds) for _ in range(2))
-        with_sync = statistics.median(_throughput(gen, prompts, rounds, push) for _ in range(2))
-        sync.close()
-        detail = {"gen_push_p50_ms_under_load": round(statistics.median(push_ms), 2)}
-    finally:
-        gen.close()
+                def push():
+                    tr.bump()
+                    push_ms.append(sync.push(tr, gen).ms)
+                _throughput(gen, prompts, 1)  # warm-up
+                no_sync = statistics.median(_throughput(gen, prompts, rounds) for _ in range(3))
+                with_sync = statistics.median(_throughput(gen, prompts, rounds, push) for _ in range(3))
+                sync.close()
+                detail = {"gen_push_p50_ms_under_load": round(statistics.median(push_ms), 2)}
+            tr.model.unload()
+        finally:
+            gen.close()
     by = {(r["transport"], r["rank"]): r["p50_ms"] for r in results}
     out = {"results": results, "gen_tok_s_no_sync": round(no_sync, 1), "gen_tok_s_sync_every_step": round(with_sync, 1),
            "gen_slowdown_frac": round(1 - with_sync / no_sync, 4),
            "speedup_vs_files_rank16": {t: round(by[("files", 16)] / by[(t, 16)], 1)
                                        for t in transports if t != "files" and ("files", 16) in by},
-           "engine_dtype": "bfloat16 (vLLM CPU default)", "mode": "in-memory: in-place (inflight); files: new id",
+           "engine_dtype": "bfloat16 (vLLM CPU default)", "max_lora_rank": "= rank (one engine per rank)",
+           "cores": {"engine": split_cores()[0], "trainer": sorted(split_cores()[1] or [])}, "mode": "in-memory: in-place (inflight); files: new id",
            "cpu_count": os.cpu_count(), **detail}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "sync.json").write_text(json.dumps(out, indent=2))

@@ -149,6 +149,7 @@ def build_model(cfg: Config, device: str):
     """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+    from .transports import make_contiguous
     kw = {}
     if cfg.load_in_4bit:
         from transformers import BitsAndBytesConfig
@@ -160,7 +161,9 @@ def build_model(cfg: Config, device: str):
     base.config.use_cache = False
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.target_modules, task_type="CAUSAL_LM")
-    return get_peft_model(base, lora)
+    model = get_peft_model(base, lora)
+    make_contiguous(model)  # one buffer for the whole adapter: a sync packs it with one copy
+    return model
 
 
 class Trainer:

@@ -59,7 +59,8 @@ def _jsonable(x):
 
 
 def adapter_params(model, adapter: str = "default") -> dict[str, torch.Tensor]:
-    """peft-format name (as in adapter_model.safetensors) -> the live LoRA parameter of a peft model."""
+    """peft-format name (as in adapter_model.safetensors) -> the live LoRA parameter of a peft model; all lora_A
+    first, then all lora_B (so the B scaling is one range of a packed buffer)."""
     from peft import get_peft_model_state_dict
     want = set(get_peft_model_state_dict(model, adapter_name=adapter))
     out = {}
@@ -71,11 +72,57 @@ def adapter_params(model, adapter: str = "default") -> dict[str, torch.Tensor]:
     missing = want - set(out)
     if missing:
         raise SyncError(f"adapter tensors without a parameter: {sorted(missing)[:3]} …")
-    return out
+    return dict(sorted(out.items(), key=lambda kv: ".lora_B." in kv[0]))  # stable: model order within A, B
+
+
+def make_contiguous(model, adapter: str = "default") -> torch.Tensor | None:
+    """Rebind the adapter's LoRA parameters to consecutive views of one buffer, in `adapter_params` order, so that
+    a sync packs the whole adapter with one flat copy instead of hundreds of small ones. Call it before the
+    optimizer is built. Returns the buffer (None, changing nothing, when the parameters differ in dtype/device)."""
+    params = list(adapter_params(model, adapter).values())
+    if not params or len({(p.dtype, p.device) for p in params}) != 1:
+        return None
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            view = flat[off:off + p.numel()].view_as(p)
+            view.copy_(p)
+            p.data = view
+            off += p.numel()
+    return flat
+
+
+def _span(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One 1-D tensor over `ts` when they are consecutive contiguous views of one storage, in order; else None."""
+    t0 = ts[0]
+    ptr, es, base = t0.data_ptr(), t0.element_size(), t0.untyped_storage().data_ptr()
+    for t in ts:
+        if (t.data_ptr() != ptr or not t.is_contiguous() or t.dtype != t0.dtype
+                or t.untyped_storage().data_ptr() != base):
+            return None
+        ptr += t.numel() * es
+    return t0.detach().as_strided(((ptr - t0.data_ptr()) // es,), (1,))
 
 
 def peft_config_dict(model, adapter: str = "default") -> dict:
     return json.loads(json.dumps(model.peft_config[adapter].to_dict(), default=_jsonable))
+
+
+def b_scalings(model, adapter: str = "default") -> dict[str, float]:
+    """peft-format name of each lora_B weight -> the scaling peft applies to that module's LoRA output (alpha / r,
+    or alpha / sqrt(r) with rsLoRA; per-module rank/alpha patterns included)."""
+    out = {}
+    for name, module in model.named_modules():
+        sc = getattr(module, "scaling", None)
+        if isinstance(sc, dict) and adapter in sc and hasattr(module, "lora_B"):
+            out[f"{name}.lora_B.weight"] = float(sc[adapter])
+    return out
+
+
+def prescaled_config(peft_config: dict) -> dict:
+    """The peft config to send with pre-scaled lora_B tensors: vLLM then computes scaling 1 and folds nothing."""
+    return {**peft_config, "lora_alpha": peft_config["r"], "use_rslora": False, "alpha_pattern": {}}
 
 
 def make_layout(tensors: dict[str, torch.Tensor], peft_config: dict, dtype: torch.dtype | None = None) -> dict:
@@ -92,16 +139,40 @@ def make_layout(tensors: dict[str, torch.Tensor], peft_config: dict, dtype: torc
 
 
 class Packer:
-    """Copies the live tensors into views of a flat buffer with one fused `_foreach_copy_`."""
+    """Copies the live tensors into a flat buffer laid out by `layout`: one flat copy when they are consecutive views
+    of one buffer in layout order (`make_contiguous`), else one fused `_foreach_copy_`. With `scales` (name ->
+    factor, e.g. `b_scalings`) those tensors are multiplied in the buffer (one `mul_` per run of equal factors):
+    the LoRA scaling travels folded into lora_B, so the engine has nothing left to scale."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor, layout: dict):
+    def __init__(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor, layout: dict,
+                 scales: dict[str, float] | None = None):
         self.src = list(tensors.values())
+        self.flat = flat
         views = unpack(flat, layout)
         self.dst = [views[n] for n in tensors]
+        self.runs: list[list] = []  # [start, end, factor]: ranges of `flat` to scale
+        order = sorted(zip(layout["offsets"], layout["names"], layout["shapes"]))
+        for off, n, shape in order:
+            sc = (scales or {}).get(n, 1.0)
+            end = off + views[n].numel()
+            if sc == 1.0:
+                continue
+            if self.runs and self.runs[-1][1] == off and self.runs[-1][2] == sc:
+                self.runs[-1][1] = end
+            else:
+                self.runs.append([off, end, sc])
+        in_order = [n for _, n, _ in order] == list(tensors)
+        self._span = _span(self.src) if in_order and views and flat.numel() == layout["numel"] else None
+        self._ptrs = [t.data_ptr() for t in self.src]
 
     @torch.no_grad()
     def pack(self) -> None:
-        torch._foreach_copy_(self.dst, [t.detach() for t in self.src])
+        if self._span is not None and [t.data_ptr() for t in self.src] == self._ptrs:
+            self.flat.copy_(self._span)
+        else:
+            torch._foreach_copy_(self.dst, [t.detach() for t in self.src])
+        for lo, hi, sc in self.runs:  # in the buffer's dtype, as vLLM folds it (a fused out= mul measured slower)
+            self.flat[lo:hi].mul_(sc)
 
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
@@ -148,8 +219,15 @@ async def install(generator, channel: str, lora_id: int, version: int, timeout_s
 class _Sender:
     transport = "?"
 
-    def __init__(self, generator, tensors: dict[str, torch.Tensor], peft_config: dict, timeout_s: float = 30.0):
+    def __init__(self, generator, tensors: dict[str, torch.Tensor], peft_config: dict, timeout_s: float = 30.0,
+                 scales: dict[str, float] | None = None):
         self.generator, self.tensors, self.timeout_s = generator, tensors, timeout_s
+        if scales is not None:  # lora_B goes pre-scaled: the worker's in-place swap is then copies only
+            missing = [n for n in tensors if ".lora_B." in n and n not in scales]
+            if missing:
+                raise SyncError(f"no LoRA scaling known for {missing[:3]} …")
+            peft_config = prescaled_config(peft_config)
+        self.scales = scales
         # ship in the engine's LoRA dtype: half the bytes for a bf16 engine, and the worker can alias them
         self.info = call_on_loop(generator, rpc(generator, "minirl_info", timeout_s=timeout_s), timeout_s)
         dtype = getattr(torch, self.info["lora_dtype"].removeprefix("torch."), None)
@@ -189,8 +267,8 @@ class IpcSender(_Sender):
     """Shared-memory file (CPU) or CUDA IPC handle (GPU) that the engine worker maps once."""
     transport = "ipc"
 
-    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0):
-        super().__init__(generator, tensors, peft_config, timeout_s)
+    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None):
+        super().__init__(generator, tensors, peft_config, timeout_s, scales)
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
         self.path = None
         if self.device.type == "cuda":
@@ -203,7 +281,7 @@ class IpcSender(_Sender):
                 f.truncate(self.nbytes)
             self.raw = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
             source = {"kind": "shm", "path": self.path}
-        self.packer = Packer(tensors, self.raw.view(dtype), self.layout)
+        self.packer = Packer(tensors, self.raw.view(dtype), self.layout, self.scales)
         try:
             call_on_loop(generator, rpc(generator, "minirl_open_channel", self.channel, self.layout, source,
                                         timeout_s=timeout_s), timeout_s)
@@ -233,15 +311,15 @@ class CollectiveSender(_Sender):
     """Two-rank torch.distributed group with the engine worker; each sync broadcasts the flat buffer."""
     transport = "collective"
 
-    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 port: int | None = None):
-        super().__init__(generator, tensors, peft_config, timeout_s)
+    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None,
+                 host: str = "127.0.0.1", port: int | None = None):
+        super().__init__(generator, tensors, peft_config, timeout_s, scales)
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
         on_gpu = self.device.type == "cuda" and not getattr(generator, "on_cpu", True)
         self.backend = "nccl" if on_gpu else "gloo"
         self.device = self.device if on_gpu else torch.device("cpu")
         self.raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-        self.packer = Packer(tensors, self.raw.view(dtype), self.layout)
+        self.packer = Packer(tensors, self.raw.view(dtype), self.layout, self.scales)
         port = port or free_port(host)
         source = {"kind": "collective", "host": host, "port": port, "backend": self.backend, "timeout_s": timeout_s}
         fut = asyncio.run_coroutine_threadsafe(
@@ -344,7 +422,8 @@ class TensorSync:
                 raise SyncError(f"sync_transport={self.requested!r} needs the engine started with "
                                 f"worker_extension_cls={WORKER_EXTENSION!r}")
             self.sender = SENDERS[self.transport](generator, adapter_params(trainer.model),
-                                                  peft_config_dict(trainer.model), timeout_s=self.timeout_s)
+                                                  peft_config_dict(trainer.model), timeout_s=self.timeout_s,
+                                                  scales=b_scalings(trainer.model))
             self._gen, self.lora_id = generator, None
         return self.sender
 

@@ -155,6 +155,7 @@ class _State:
         self.built: dict[int, tuple[Any, Any, list]] = {}    # lora id -> (LoRAModel, its flat, [(lora_b, scaling)])
         self.plans: dict[int, tuple] = {}                    # lora id -> fast in-place copy plan
         self.started: dict[int, list] = {}   # lora id -> [(worker request id, version it started on)] since last install
+        self.stale: dict[int, tuple] = {}    # lora id -> (its LoRAModel tensors, its slot views): slots are newer
         self.wrapped = False
 
 
@@ -190,7 +191,20 @@ class AdapterReceiver:
                 return receiver._minirl_build(lora_request.lora_int_id)
             return orig_load(lora_request)
 
+        orig_add = wm.add_adapter
+        mgr = wm._adapter_manager
+
+        def add_adapter(lora_request) -> bool:
+            # The fast in-place path writes only the slots; the LoRAModel's own tensors catch up here, before
+            # anything can activate, evict or reload an adapter (which would read them or reuse the slot).
+            lid = lora_request.lora_int_id
+            if st.stale and (lid not in wm.list_adapters() or getattr(lora_request, "load_inplace", False)
+                             or lid not in mgr.lora_index_to_id):
+                receiver._minirl_flush()
+            return orig_add(lora_request)
+
         def remove_adapter(adapter_id: int) -> bool:
+            st.stale.pop(adapter_id, None)
             st.store.pop(adapter_id, None)
             st.built.pop(adapter_id, None)
             st.plans.pop(adapter_id, None)
@@ -199,6 +213,7 @@ class AdapterReceiver:
             return orig_remove(adapter_id)
 
         wm._load_adapter = _load_adapter
+        wm.add_adapter = add_adapter
         wm.remove_adapter = remove_adapter
         # Record the adapter version each request starts on (first time the worker is given the request), so that
         # per-token versions stay exact across in-place swaps.
@@ -214,12 +229,21 @@ class AdapterReceiver:
             runner._update_states = _update_states
         st.wrapped = True
 
+    def _minirl_flush(self) -> None:
+        """Copy the slots written by fast in-place installs back into their LoRAModels' tensors."""
+        import torch
+        st = self._minirl()
+        for own_views, slot_views in st.stale.values():
+            torch._foreach_copy_(own_views, slot_views)
+        st.stale.clear()
+
     def _minirl_build(self, lora_id: int):
         """A vLLM LoRAModel for `lora_id` from the store (what `_load_adapter` does for a folder)."""
         import torch
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
         st = self._minirl()
+        self._minirl_flush()
         if lora_id not in st.store:
             raise RuntimeError(f"minirl adapter receiver: LoRA id {lora_id} is not in the in-memory store "
                                "(it was removed, or the engine restarted); push the adapter again")
@@ -302,7 +326,9 @@ class AdapterReceiver:
         for b, sc in scales:
             if sc != 1.0:
                 by_scale.setdefault(sc, []).append(b)
-        plan = (lora, idx, own, list(by_scale.items()), dst, src)
+        es, base = own.element_size(), own.data_ptr()
+        where = [((t.data_ptr() - base) // es, t.shape) for t in src]  # the same tensors in any flat of this layout
+        plan = (lora, idx, own, list(by_scale.items()), dst, src, where, {})
         st.plans[lora_id] = plan
         return plan
 
@@ -364,8 +390,24 @@ class AdapterReceiver:
         swap = self._minirl_snapshot(lora_id) if inplace else {}
         plan = self._minirl_plan(lora_id) if inplace and fast else None
         t_plan = time.perf_counter()
-        if plan is not None and plan[2].numel() == flat.numel():
-            _, _, own, by_scale, dst, src = plan
+        if plan is not None and plan[2].numel() == flat.numel() and not plan[3] and plan[2].dtype == flat.dtype:
+            # pre-scaled lora_B (nothing to fold): the channel's bytes go straight into the slot; the LoRAModel's
+            # tensors are brought up to date only if something is about to read them (`_minirl_flush`)
+            _, _, own, _, dst, src, where, by_flat = plan
+            views = by_flat.get(flat.data_ptr())
+            if views is None:
+                by_flat.clear()
+                views = by_flat[flat.data_ptr()] = [flat[o:o + t.numel()].view(t.shape) for (o, _), t in
+                                                    zip(where, src)]
+            torch._foreach_copy_(dst, views)
+            st.stale[lora_id] = (src, dst)
+            st.timings = {"plan_ms": (t_plan - t1) * 1e3, "own_ms": 0.0, "mul_ms": 0.0,
+                          "slots_ms": (time.perf_counter() - t_plan) * 1e3}
+            st.store[lora_id] = (None, ch.layout, ch.layout["peft_config"])
+            path = "fast"
+        elif plan is not None and plan[2].numel() == flat.numel():
+            _, _, own, by_scale, dst, src = plan[:6]
+            st.stale.pop(lora_id, None)
             own.copy_(flat)                      # the registered LoRAModel's tensors are views of `own`
             t_own = time.perf_counter()
             for sc, bs in by_scale:

@@ -36,6 +36,42 @@ def test_layout_pack_unpack_roundtrip():
         assert torch.equal(out[k], v.to(torch.bfloat16))
 
 
+def test_contiguous_adapter_packs_with_one_copy_and_prescaled_b():
+    """`make_contiguous` + `Packer` (one flat copy, lora_B scaled in the buffer) gives the same bytes as the
+    per-tensor path; a parameter rebound elsewhere afterwards sends the packer back to the per-tensor path."""
+    from peft import LoraConfig, get_peft_model
+    from minirl.transports import Packer, _span, adapter_params, b_scalings, make_contiguous, make_layout
+    from minirl.vllm_ext import unpack
+    base = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
+    pm = get_peft_model(base, LoraConfig(r=2, lora_alpha=6, target_modules=["0", "2"]))
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.normal_()
+    ts, sc = adapter_params(pm), b_scalings(pm)
+    assert list(ts)[:2] == [n for n in ts if ".lora_A." in n] and set(sc) == {n for n in ts if ".lora_B." in n}
+    assert set(sc.values()) == {3.0}
+    lay = make_layout(ts, {"r": 2}, torch.bfloat16)
+    ref = torch.empty(lay["numel"], dtype=torch.bfloat16)
+    Packer(ts, ref, lay, sc).pack()
+    assert _span(list(ts.values())) is None
+    buf = make_contiguous(pm)
+    assert buf is not None and _span(list(adapter_params(pm).values())) is not None
+    flat = torch.empty_like(ref)
+    packer = Packer(adapter_params(pm), flat, lay, sc)
+    packer.pack()
+    assert torch.equal(flat, ref)
+    for n, v in unpack(flat, lay).items():
+        assert torch.equal(v, ts[n].detach().to(torch.bfloat16) * sc.get(n, 1.0))  # scaled in bf16, as vLLM does
+    with torch.no_grad():  # an optimizer-style in-place update is seen by the next pack
+        buf.add_(1.0)
+    packer.pack()
+    assert torch.equal(unpack(flat, lay)[list(ts)[0]], ts[list(ts)[0]].detach().to(torch.bfloat16))
+    p0 = list(ts.values())[0]
+    p0.data = p0.data.clone() + 5  # rebound: no longer a view of the buffer
+    packer.pack()
+    assert torch.equal(unpack(flat, lay)[list(ts)[0]], p0.detach().to(torch.bfloat16))
+
+
 def test_swap_log_token_versions():
     from minirl.transports import SwapLog, split_worker_request_id
     assert split_worker_request_id("3_minirl-17-ab12cd34") == ("minirl-17", 3)
@@ -118,9 +154,11 @@ def trainer(embedded_model):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from minirl.trainer import sequence_logprobs
+    from minirl.transports import make_contiguous
     base = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
     pm = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
+    make_contiguous(pm)  # as minirl.trainer.build_model does
     t = types.SimpleNamespace(model=pm, version=0)
     t.logprobs = lambda p, c, temp=1.0: sequence_logprobs(pm, p, c, temp)
 
@@ -184,6 +222,40 @@ def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflig
         if transport != "files":
             # in-memory adapters of earlier versions are removed once idle (memory stays bounded)
             assert len(gen.loaded_adapters()) <= 2
+    finally:
+        sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weights(gen, trainer, probe, tmp_path):
+    """Fast in-place installs write only the engine's slot; when other adapters take every slot and ours comes
+    back, vLLM re-activates it from its LoRAModel tensors: they must hold the latest version, not the first."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+    from minirl.transports import TensorSync, call_on_loop, rpc
+    sync = TensorSync("ipc", inflight=True, timeout_s=30)
+    try:
+        for _ in range(3):
+            set_version(trainer, trainer.version + 1)
+            sync.push(trainer, gen)
+        assert sync.last["path"] == "fast"
+        ours, want = sync.lora_id, trainer.logprobs(*probe)
+        dirs = []
+        for k in range(gen.engine_args.max_loras):
+            set_version(trainer, 500 + k)
+            dirs.append(trainer.save_adapter(str(tmp_path / f"other{k}")))
+
+        async def others():
+            for k, d in enumerate(dirs):
+                async for _ in gen._engine.llm.generate(TokensPrompt(prompt_token_ids=probe[0]),
+                                                        SamplingParams(max_tokens=1), f"evict-{k}",
+                                                        lora_request=LoRARequest(f"other{k}", 900_000 + k, d)):
+                    pass
+        asyncio.run_coroutine_threadsafe(others(), gen.loop).result(timeout=300)
+        assert ours not in call_on_loop(gen, rpc(gen, "minirl_info"), 30)["slots"], "ours was not evicted"
+        assert _max_diff(gen.score(*probe), want) < ATOL
     finally:
         sync.close()
 
