@@ -49,13 +49,16 @@ def _trainer(base, rank: int):
     return t
 
 
-def _throughput(gen, prompts, rounds: int, push=None) -> float:
-    """Generated tokens/s over `rounds` rounds (one round = one step's rollouts). With `push`, an adapter sync is
-    issued at the start of every round, concurrently with that round's generation (as the async pipeline does)."""
+def _throughput(gen, rounds: list, push=None) -> tuple[float, int]:
+    """(Generated tokens/s, tokens) over `rounds` (one round = one step's rollouts: a list of prompts). With `push`, an
+    adapter sync is issued at the start of every round, concurrently with that round's generation (as the async
+    pipeline does). Seeded and restarted per call, so that calls with the same rounds sample the same tokens when
+    the weights are the same: a difference is then the cost of the syncs alone."""
     from minirl.generator import SamplingParams
-    params = SamplingParams(temperature=1.0, max_tokens=48)
+    params = SamplingParams(temperature=1.0, max_tokens=24, seed=0)
+    gen._visits.clear()  # the per-request seeds restart
     t0, toks = time.perf_counter(), 0
-    for _ in range(rounds):
+    for prompts in rounds:
         th = threading.Thread(target=push) if push else None
         fut = gen.submit(prompts, 2, params)
         if th:
@@ -64,7 +67,7 @@ def _throughput(gen, prompts, rounds: int, push=None) -> float:
         if th:
             th.join()
         toks += sum(len(c.token_ids) for g in groups for c in g.completions)
-    return toks / (time.perf_counter() - t0)
+    return toks / (time.perf_counter() - t0), toks
 
 
 def split_cores() -> tuple[str | None, set[int] | None]:
@@ -77,14 +80,15 @@ def split_cores() -> tuple[str | None, set[int] | None]:
 
 
 def pin_trainer(cores: set[int] | None) -> None:
-    """Bind this (trainer) thread and torch's threads to `cores`; call after the engine has started."""
+    """Bind this (trainer) thread and torch's threads to `cores` (None: leave as is); call after the engine has
+    started (an engine started later would inherit it: `unpin` first)."""
     if cores:
         import torch
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
 
 
-def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, rounds: int = 4) -> dict:
+def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, rounds: int = 2) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -97,11 +101,13 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
     path = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
     results, detail, no_sync, with_sync = [], {}, float("nan"), float("nan")
+    gen_cores, train_cores = split_cores()
+    all_cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
     for rank in ranks:
         # one engine per rank, sized to the adapter as a run sizes it (max_lora_rank = the LoRA rank)
-        gen_cores, train_cores = split_cores()
+        os.sched_setaffinity(0, all_cores)  # the engine processes must not inherit the trainer's pinning
         gen = VLLMGenerator(path, max_lora_rank=rank, max_model_len=512, kv_cache_gb=1, cpu_cores=gen_cores,
-                            engine_kwargs=engine_kwargs())
+                            engine_kwargs={**engine_kwargs(), "enable_prefix_caching": False})
         pin_trainer(train_cores)
         try:
             base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -122,31 +128,47 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
                                 "p95_ms": round(_pct(ms, 0.95), 2), "bytes": nbytes})
                 print(json.dumps(results[-1]), flush=True)
             if rank == 16:  # generation speed: never syncing vs one in-place ipc sync per step
-                prompts = [Prompt(i, tuple(tok(f"Tell me a fact about the number {i}.")["input_ids"]), "")
-                           for i in range(8)]
+                # the same weights pushed every round (the engine's work per sync does not depend on the values),
+                # so that both kinds of blocks generate the same tokens; no prefix caching (the engine is started
+                # without it) so that neither reuses the other's KV blocks
+                def chat(i):
+                    ids = tok.apply_chat_template([{"role": "user", "content": f"Write a story about the number {i}."}],
+                                                  add_generation_prompt=True, tokenize=True)
+                    return Prompt(i, tuple(ids if isinstance(ids, list) else ids["input_ids"]), "")
+                rounds_ = [[chat(i) for i in range(8 * r, 8 * r + 8)] for r in range(rounds)]
                 sync = TensorSync("ipc", inflight=True, timeout_s=60)
                 tr.bump()
                 sync.push(tr, gen)
                 push_ms = []
 
                 def push():
-                    tr.bump()
                     push_ms.append(sync.push(tr, gen).ms)
-                _throughput(gen, prompts, 1)  # warm-up
-                no_sync = statistics.median(_throughput(gen, prompts, rounds) for _ in range(3))
-                with_sync = statistics.median(_throughput(gen, prompts, rounds, push) for _ in range(3))
+                _throughput(gen, rounds_[:1])  # warm-up
+                # interleaved (no sync, sync, no sync, ...) so that the machine's drift hits both alike
+                plain, synced, toks = [], [], set()
+                for _ in range(3):
+                    for out, fn in ((plain, None), (synced, push)):
+                        rate, n_tok = _throughput(gen, rounds_, fn)
+                        out.append(rate)
+                        toks.add(n_tok)
+                no_sync, with_sync = statistics.median(plain), statistics.median(synced)
                 sync.close()
-                detail = {"gen_push_p50_ms_under_load": round(statistics.median(push_ms), 2)}
+                detail = {"gen_push_p50_ms_under_load": round(statistics.median(push_ms), 2),
+                          "gen_tokens_per_block": sorted(toks),
+                          "gen_tok_s_blocks": {"no_sync": [round(x, 1) for x in plain],
+                                               "sync_every_step": [round(x, 1) for x in synced]}}
             tr.model.unload()
         finally:
             gen.close()
+    os.sched_setaffinity(0, all_cores)
+    torch.set_num_threads(threads)
     by = {(r["transport"], r["rank"]): r["p50_ms"] for r in results}
     out = {"results": results, "gen_tok_s_no_sync": round(no_sync, 1), "gen_tok_s_sync_every_step": round(with_sync, 1),
            "gen_slowdown_frac": round(1 - with_sync / no_sync, 4),
            "speedup_vs_files_rank16": {t: round(by[("files", 16)] / by[(t, 16)], 1)
                                        for t in transports if t != "files" and ("files", 16) in by},
            "engine_dtype": "bfloat16 (vLLM CPU default)", "max_lora_rank": "= rank (one engine per rank)",
-           "cores": {"engine": split_cores()[0], "trainer": sorted(split_cores()[1] or [])}, "mode": "in-memory: in-place (inflight); files: new id",
+           "cores": {"engine": gen_cores, "trainer": sorted(train_cores or [])}, "mode": "in-memory: in-place (inflight); files: new id",
            "cpu_count": os.cpu_count(), **detail}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "sync.json").write_text(json.dumps(out, indent=2))

@@ -233,7 +233,7 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None
     for f in dataclasses.fields(Config):
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
                             metavar="X",
-                            help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})")
+                            help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%"))
 
 
 def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:

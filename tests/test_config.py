@@ -24,3 +24,14 @@ def test_cli_flags_parse_as_yaml_values():
     ov = overrides_from_args(ns)
     assert ov == {"steps": 5, "target_modules": ["q_proj", "v_proj"], "tis_cap": None, "lr": 1e-3}
     assert Config(**ov).steps == 5
+
+
+def test_every_cli_help_prints(capsys):
+    """`minirl <command> --help` lists the Config flags (a '%' in a field's docstring once crashed argparse)."""
+    import pytest
+    from minirl.cli import main
+    for cmd in ("demo", "train", "eval", "bench"):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        assert "usage: minirl" in capsys.readouterr().out
