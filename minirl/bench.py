@@ -42,7 +42,40 @@ def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size:
     return _write(out, "pipeline.json", res)
 
 
-def run(what: str, out: str | Path, seed: int = 0) -> dict:
+def bench_learning(out: str | Path, seeds=(0, 1, 2), steps: int = 12, eval_size: int = 128, **overrides: Any) -> dict:
+    """Does asynchrony cost learning? For each seed, the demo task with K = 0, 1 and 2 for the same number of
+    steps; held-out greedy accuracy (the same `eval_size` problems for every K of a seed) before and after.
+    K = 0 runs the synchronous loop on every core (the pipeline with K = 0 reproduces it exactly, only slower on
+    the 1 + 1 split); K >= 1 runs the pipeline on the split (generator on core 0, trainer on core 1).
+    Writes learning.json: per seed and K the gain; per K the mean gain and its standard error over seeds; and the
+    paired difference K - K0 (same seed, same problems) with its standard error."""
+    from .run import Run
+    base = Config(**{**dict(steps=steps, prompts_per_step=8, group_size=8, max_tokens=24, lr=5e-4,
+                            eval_size=eval_size), **overrides})
+    res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "runs": {}}
+    for seed in seeds:
+        for K in (0, 1, 2):
+            split = dict(gen_devices="0", train_devices="1") if K else {}
+            run = Run(base.replace(seed=seed, max_async_steps=K, out_dir=str(Path(out) / f"s{seed}_k{K}"), **split))
+            s = run.run()
+            res["runs"][f"s{seed}_k{K}"] = {
+                "before": s["eval_accuracy_before"], "after": s["eval_accuracy_after"],
+                "gain": s["eval_accuracy_after"] - s["eval_accuracy_before"],
+                "max_staleness": max((x.get("staleness/max") or 0) for x in run.history)}
+            _write(out, "learning.json", res)  # partial results survive an interrupted run
+
+    def mean_se(xs):
+        m = statistics.mean(xs)
+        return {"mean": m, "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None, "n": len(xs)}
+    for K in (0, 1, 2):
+        res[f"gain_k{K}"] = mean_se([res["runs"][f"s{s}_k{K}"]["gain"] for s in seeds])
+        if K:
+            res[f"gain_k{K}_minus_k0"] = mean_se([res["runs"][f"s{s}_k{K}"]["after"] - res["runs"][f"s{s}_k0"]["after"]
+                                                  for s in seeds])
+    return _write(out, "learning.json", res)
+
+
+def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2)) -> dict:
     if what == "generation":
         from .bench_generation import bench_generation
         return bench_generation(str(out))
@@ -51,4 +84,6 @@ def run(what: str, out: str | Path, seed: int = 0) -> dict:
     if what == "sync":
         from .bench_sync import bench_sync
         return bench_sync(str(out))
-    raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline or sync")
+    if what == "learning":
+        return bench_learning(out, seeds=seeds)
+    raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync or learning")

@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--adapter", default=None, help="peft adapter folder to evaluate")
     add_cli_args(ev)
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
-    bench.add_argument("what", choices=["generation", "pipeline", "sync"])
+    bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
     bench.add_argument("--seed", type=int, default=0, help="seed of the pipeline benchmark's runs")
+    bench.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the learning benchmark")
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(eval_cli(Config(**overrides_from_args(args)), args.adapter), indent=2))
         elif args.cmd == "bench":
             from . import bench as B
-            print(json.dumps(B.run(args.what, args.out, seed=args.seed), indent=2))
+            print(json.dumps(B.run(args.what, args.out, seed=args.seed,
+                                    seeds=tuple(int(x) for x in args.seeds.split(","))), indent=2))
     except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"minirl: error: {e}", file=sys.stderr)
         return 2
