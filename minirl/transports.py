@@ -1,8 +1,9 @@
 """Trainer-side adapter senders: the adapter travels as tensors straight into the engine's LoRA slots.
 
 Transports (same interface: open once, then `send(lora_id, version, name)` per sync):
-- `ipc`: the adapter is packed into one flat buffer that the engine worker maps once: a shared-memory file on CPU,
-  a CUDA IPC handle on GPU (same code; only the handle differs). A sync is: pack (one fused copy), one small RPC.
+- `ipc`: one flat buffer that the engine worker maps once: a shared-memory file on CPU, a CUDA IPC handle on GPU
+  (same code; only the handle differs). Zero-copy: the trainer's LoRA parameters live in that buffer, so a sync is
+  one small RPC, and the worker copies them into the adapter's slot.
 - `collective`: a dedicated two-rank torch.distributed group (trainer rank 0, engine worker rank 1) over a TCP
   store on 127.0.0.1; the flat buffer is broadcast. gloo on CPU, NCCL on GPU, same code. Every wait is bounded.
 - `files` stays in `minirl.sync.FileSync` (the fallback).

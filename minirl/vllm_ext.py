@@ -9,11 +9,15 @@ How an adapter gets in, without files:
   config) plus where the bytes come from: a shared-memory file (`shm`, CPU), a CUDA IPC handle (`cuda_ipc`, GPU)
   or a broadcast in a dedicated torch.distributed group between trainer (rank 0) and this worker (rank 1)
   (`collective`: gloo on CPU, NCCL on GPU). The buffer is mapped (or allocated) once.
-- `minirl_install(channel, lora_id, ...)` copies the current bytes into an in-memory store keyed by LoRA id and
-  asks vLLM's own LoRA manager to (re)load that id with `load_inplace=True`: vLLM builds the `LoRAModel` (packing
-  q/k/v and gate/up itself), registers it and activates it into a slot of the stacked LoRA tensors. For an id
-  the engine already serves this is the in-place swap: sequences in flight on that id continue on the new
-  weights from the next engine step.
+- `minirl_install(channel, lora_id, ...)` serves the channel's current tensors as LoRA `lora_id`. The first time
+  (or after a change of layout / slot), it copies them into an in-memory store and asks vLLM's own LoRA manager to
+  (re)load that id with `load_inplace=True`: vLLM builds the `LoRAModel` (packing q/k/v and gate/up itself),
+  registers it and activates it into a slot of the stacked LoRA tensors. After that, an install for the active
+  id is the fast in-place swap: the tensors are copied straight into that slot (dtype converted, lora_B scaled as
+  vLLM would fold it, unless it arrived pre-scaled), and sequences in flight on that id continue on the new weights
+  from the next engine step. The `LoRAModel`'s own tensors are then older than the slot; they are refreshed from
+  the slot (`_minirl_flush`) before anything that could read them or reuse the slot (loading, activating or
+  evicting an adapter).
 - The manager's `_load_adapter` is wrapped once so that LoRA paths starting with `minirl-mem://` are built from
   the store instead of files; so a LoRARequest with such a path can be served, evicted and reloaded like a file
   adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry.
@@ -92,6 +96,11 @@ def broadcast(pg, buf, timeout_s: float, what: str) -> None:
                            f"{timeout_s:.0f} s): {type(e).__name__}: {e}") from e
 
 
+def _same_layout(a: dict, b: dict) -> bool:
+    """Same tensors at the same offsets under the same LoRA config (the dtype may differ)."""
+    return all(a[k] == b[k] for k in ("names", "shapes", "offsets", "peft_config"))
+
+
 def _device_uuid(device) -> str | None:
     import torch
     device = torch.device(device)
@@ -152,7 +161,7 @@ class _State:
         self.channels: dict[str, _Channel] = {}
         self.store: dict[int, tuple[Any, dict, dict]] = {}   # lora id -> (flat CPU copy, layout, peft config)
         self.versions: dict[int, int] = {}
-        self.built: dict[int, tuple[Any, Any, list]] = {}    # lora id -> (LoRAModel, its flat, [(lora_b, scaling)])
+        self.built: dict[int, tuple] = {}  # lora id -> (LoRAModel, its flat, [(lora_b, scaling)], layout it came in)
         self.plans: dict[int, tuple] = {}                    # lora id -> fast in-place copy plan
         self.started: dict[int, list] = {}   # lora id -> [(worker request id, version it started on)] since last install
         self.stale: dict[int, tuple] = {}    # lora id -> (its LoRAModel tensors, its slot views): slots are newer
@@ -276,7 +285,7 @@ class AdapterReceiver:
         # for the fast in-place path: the scaling vLLM is about to fold into each lora_b (a view of `own`)
         scales = [(lw.lora_b, float(lw.scaling)) for lw in lora.loras.values()
                   if isinstance(lw.lora_b, torch.Tensor) and isinstance(lw.scaling, (int, float))]
-        st.built[lora_id] = (lora, own, scales, peft_config)
+        st.built[lora_id] = (lora, own, scales, layout)
         st.plans.pop(lora_id, None)
         return lora
 
@@ -392,7 +401,7 @@ class AdapterReceiver:
         swap = self._minirl_snapshot(lora_id) if inplace else {}
         plan = self._minirl_plan(lora_id) if inplace and fast else None
         t_plan = time.perf_counter()
-        if plan is not None and plan[2] == ch.layout["peft_config"] and int(ch.layout["numel"]) == flat.numel():
+        if plan is not None and _same_layout(plan[2], ch.layout) and int(ch.layout["numel"]) == flat.numel():
             # The channel's tensors go straight into the adapter's slot (converted to the slot's dtype as they
             # are copied), then lora_B is scaled there as vLLM folds it, unless it arrived pre-scaled (then vLLM's
             # scaling is 1 and there is nothing to scale). The LoRAModel's own tensors are brought up to date only
