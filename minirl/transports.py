@@ -271,6 +271,19 @@ class _Sender:
             pass
 
 
+def shared_buffer(nbytes: int, device: torch.device, tag: str) -> tuple[torch.Tensor, dict, str | None]:
+    """(bytes, source for the receiver's `_Channel`, file path to unlink once it is mapped or None): a CUDA
+    allocation shared by its IPC handle on GPU, a shared-memory file on CPU."""
+    if device.type == "cuda":
+        raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return raw, {"kind": "cuda_ipc", "handle": list(raw.untyped_storage()._share_cuda_())}, None
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    path = str(shm / f"minirl-{tag}-{os.getpid()}")
+    with open(path, "wb") as f:
+        f.truncate(nbytes)
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), {"kind": "shm", "path": path}, path
+
+
 class IpcSender(_Sender):
     """Shared-memory file (CPU) or CUDA IPC handle (GPU) that the engine worker maps once.
 
@@ -290,17 +303,7 @@ class IpcSender(_Sender):
                          wire_dtype=params[0].dtype if zero_copy else None)
         self.zero_copy = zero_copy
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
-        self.path = None
-        if self.device.type == "cuda":
-            self.raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            source = {"kind": "cuda_ipc", "handle": list(self.raw.untyped_storage()._share_cuda_())}
-        else:
-            shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-            self.path = str(shm / f"minirl-{self.channel}-{os.getpid()}")
-            with open(self.path, "wb") as f:
-                f.truncate(self.nbytes)
-            self.raw = torch.from_file(self.path, shared=True, size=self.nbytes, dtype=torch.uint8)
-            source = {"kind": "shm", "path": self.path}
+        self.raw, source, self.path = shared_buffer(self.nbytes, self.device, self.channel)
         if zero_copy:
             move_into(params, self.raw.view(dtype))
         else:

@@ -15,7 +15,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import tempfile
 import time
 
 
@@ -40,7 +39,7 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=50)
     args = ap.parse_args()
     import torch
-    from minirl.transports import make_layout, move_into
+    from minirl.transports import make_layout, move_into, shared_buffer
     dev = torch.device(args.device)
     # the embedded model's all-linear rank-16 adapter: 30 layers x 7 projections, A (16 x in) and B (out x 16)
     dims = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
@@ -51,17 +50,7 @@ def main() -> None:
             params[f"l{layer}.p{j}.lora_B.weight"] = torch.randn(o, 16, device=dev)
     layout = make_layout(params, {}, torch.float32)
     nbytes = layout["nbytes"]
-    path = None
-    if dev.type == "cuda":
-        raw = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        source = {"kind": "cuda_ipc", "handle": list(raw.untyped_storage()._share_cuda_())}
-    else:
-        path = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir(),
-                            f"minirl-ipc-check-{os.getpid()}")
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        source = {"kind": "shm", "path": path}
+    raw, source, path = shared_buffer(nbytes, dev, "ipc-check")  # as IpcSender shares its buffer
     flat = move_into(list(params.values()), raw.view(torch.float32))
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

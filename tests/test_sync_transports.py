@@ -248,11 +248,12 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
             set_version(trainer, trainer.version + 1)
             sync.push(trainer, gen)
         assert sync.last["path"] == "fast"
-        ours, want = sync.lora_id, trainer.logprobs(*probe)
+        ours, want, served = sync.lora_id, trainer.logprobs(*probe), trainer.version
         dirs = []
         for k in range(gen.engine_args.max_loras):
             set_version(trainer, 500 + k)
             dirs.append(trainer.save_adapter(str(tmp_path / f"other{k}")))
+        set_version(trainer, served)  # the trainer holds what the engine serves again (for the tests after this)
 
         async def others():
             for k, d in enumerate(dirs):
