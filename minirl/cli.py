@@ -30,6 +30,13 @@ def _run(cfg: Config) -> dict:
     return summary
 
 
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 0,1,2)") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="minirl", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -46,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
     bench.add_argument("--seed", type=int, default=0, help="seed of the pipeline benchmark's runs")
-    bench.add_argument("--seeds", default="0,1,2", help="comma-separated seeds of the learning benchmark")
+    bench.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="comma-separated seeds of the learning benchmark")
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
@@ -63,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(eval_cli(Config(**overrides_from_args(args)), args.adapter), indent=2))
         elif args.cmd == "bench":
             from . import bench as B
-            print(json.dumps(B.run(args.what, args.out, seed=args.seed,
-                                    seeds=tuple(int(x) for x in args.seeds.split(","))), indent=2))
+            print(json.dumps(B.run(args.what, args.out, seed=args.seed, seeds=args.seeds), indent=2))
     except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"minirl: error: {e}", file=sys.stderr)
         return 2

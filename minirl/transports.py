@@ -81,10 +81,15 @@ def make_contiguous(model, adapter: str = "default") -> torch.Tensor | None:
     a sync packs the whole adapter with one flat copy instead of hundreds of small ones. Call it before the
     optimizer is built. Returns the buffer (None, changing nothing, when the parameters differ in dtype/device)."""
     params = list(adapter_params(model, adapter).values())
-    if not params or len({(p.dtype, p.device) for p in params}) != 1:
+    if not _uniform(params):
         return None
     return move_into(params, torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
                                          device=params[0].device))
+
+
+def _uniform(params: list[torch.Tensor]) -> bool:
+    """One dtype and one device for all (what one flat buffer needs)."""
+    return bool(params) and len({(p.dtype, p.device) for p in params}) == 1
 
 
 def move_into(params: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
@@ -158,8 +163,8 @@ class Packer:
         views = unpack(flat, layout)
         self.dst = [views[n] for n in tensors]
         self.runs: list[list] = []  # [start, end, factor]: ranges of `flat` to scale
-        order = sorted(zip(layout["offsets"], layout["names"], layout["shapes"]))
-        for off, n, shape in order:
+        order = sorted(zip(layout["offsets"], layout["names"]))
+        for off, n in order:
             sc = (scales or {}).get(n, 1.0)
             end = off + views[n].numel()
             if sc == 1.0:
@@ -168,7 +173,7 @@ class Packer:
                 self.runs[-1][1] = end
             else:
                 self.runs.append([off, end, sc])
-        in_order = [n for _, n, _ in order] == list(tensors)
+        in_order = [n for _, n in order] == list(tensors)
         self._span = _span(self.src) if in_order and views and flat.numel() == layout["numel"] else None
         self._ptrs = [t.data_ptr() for t in self.src]
 
@@ -292,13 +297,13 @@ class IpcSender(_Sender):
     device) moves the trainer's parameters into the shared buffer itself, so a push packs nothing; the worker then
     converts and scales as it copies them into the slot. The trainer must not update them while a push runs (it
     does not: `push` returns once the worker has installed them). Measured on CPU it is no faster end to end
-    (`scripts/sync_breakdown.py` vs `--packed`: 11.4/12.5 ms vs 12.7/11.1 ms) and it moves ~5 ms of work per push
-    onto the engine's core, so it is not the default."""
+    (`scripts/sync_breakdown.py --zero-copy` vs without: 11.4/12.5 ms vs 12.7/11.1 ms) and it moves ~5 ms per push
+    of work onto the engine's core, so it is not the default."""
     transport = "ipc"
 
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False):
         params = list(tensors.values())
-        zero_copy = zero_copy and len({(p.dtype, p.device) for p in params}) == 1
+        zero_copy = zero_copy and _uniform(params)
         super().__init__(generator, tensors, peft_config, timeout_s, None if zero_copy else scales,
                          wire_dtype=params[0].dtype if zero_copy else None)
         self.zero_copy = zero_copy
