@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .config import Config
+from .config import DEMO, Config
 
 
 def _write(out: str | Path, name: str, result: dict) -> dict:
@@ -42,16 +42,22 @@ def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size:
     return _write(out, "pipeline.json", res)
 
 
-def bench_learning(out: str | Path, seeds=(0, 1, 2), steps: int = 12, eval_size: int = 128, **overrides: Any) -> dict:
-    """Does asynchrony cost learning? For each seed, the demo task with K = 0, 1 and 2 for the same number of
-    steps; held-out greedy accuracy (the same `eval_size` problems for every K of a seed) before and after.
-    K = 0 runs the synchronous loop on every core (the pipeline with K = 0 reproduces it exactly, only slower on
-    the 1 + 1 split); K >= 1 runs the pipeline on the split (generator on core 0, trainer on core 1).
-    Writes learning.json: per seed and K the gain; per K the mean gain and its standard error over seeds; and the
-    paired difference K - K0 (same seed, same problems) with its standard error."""
+def _eval_curve(metrics_jsonl: Path) -> list[list[float]]:
+    """[[step, held-out accuracy], ...] from a run's metrics log."""
+    recs = (json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip())
+    return [[r["step"], r["accuracy"]] for r in recs if r.get("event") == "eval"]
+
+
+def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_every: int = 10,
+                   **overrides: Any) -> dict:
+    """Does asynchrony cost learning? For each seed, the demo (its config and number of steps) with K = 0, 1 and 2;
+    held-out greedy accuracy on the same `eval_size` problems for every K of a seed, before, every `eval_every`
+    steps and after. K = 0 runs the synchronous loop on every core (the pipeline with K = 0 reproduces it exactly,
+    only slower on the 1 + 1 split); K >= 1 runs the pipeline on the split (generator on core 0, trainer on core 1).
+    Writes learning.json: per seed and K the gain and the accuracy curve; per K the mean gain and its standard
+    error over seeds; and the paired difference K - K0 (same seed, same problems) with its standard error."""
     from .run import Run
-    base = Config(**{**dict(steps=steps, prompts_per_step=8, group_size=8, max_tokens=24, lr=5e-4,
-                            eval_size=eval_size), **overrides})
+    base = Config(**{**DEMO, "eval_size": eval_size, "eval_every": eval_every, **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "runs": {}}
     for seed in seeds:
         for K in (0, 1, 2):
@@ -61,7 +67,8 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), steps: int = 12, eval_size:
             res["runs"][f"s{seed}_k{K}"] = {
                 "before": s["eval_accuracy_before"], "after": s["eval_accuracy_after"],
                 "gain": s["eval_accuracy_after"] - s["eval_accuracy_before"],
-                "max_staleness": max((x.get("staleness/max") or 0) for x in run.history)}
+                "max_staleness": max((x.get("staleness/max") or 0) for x in run.history),
+                "curve": _eval_curve(Path(out) / f"s{seed}_k{K}" / "metrics.jsonl")}
             _write(out, "learning.json", res)  # partial results survive an interrupted run
 
     def mean_se(xs):

@@ -6,11 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import Config, ConfigError, add_cli_args, overrides_from_args
-
-# The demo: GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on 2 CPU cores.
-DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
-            out_dir="runs/demo")
+from .config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
 
 
 def _print_step(rec: dict) -> None:

@@ -204,6 +204,12 @@ class Config:
         return dataclasses.replace(self, **kw)
 
 
+# The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
+# 2 CPU cores. `minirl bench learning` runs this same config.
+DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
+            out_dir="runs/demo")
+
+
 @lru_cache(maxsize=None)
 def field_docs() -> dict[str, str]:
     """The docstring under each field, read from the source (used for CLI help and the docs)."""
