@@ -6,6 +6,7 @@ implementation lives in `engine_vllm.py`, the only module that imports vllm.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -44,17 +45,63 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
+def _mergeable_lora_layers(model) -> list | None:
+    """The peft LoRA linear layers of `model` if every one can be merged exactly as a plain `W + delta` (a float
+    base weight, one active adapter, no DoRA); else None."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear, LoraLayer
+    except ImportError:
+        return None
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    ok = layers and hasattr(model, "disable_adapter") and all(
+        type(m) is LoraLinear and len(m.active_adapters) == 1 and not m.use_dora.get(m.active_adapters[0], False)
+        and isinstance(m.get_base_layer(), torch.nn.Linear) and m.get_base_layer().weight.dtype.is_floating_point
+        for m in layers)
+    return layers if ok else None
+
+
+@contextmanager
+def merged_lora(model, buffers: dict):
+    """Run `model` (a peft LoRA model) with each LoRA folded into its base weight: `W + scaling * B @ A` computed
+    into a buffer of its own (kept in `buffers` for the next call) and swapped in for the frozen `W`, adapters
+    disabled. One matmul per layer instead of three: faster transformers decoding (`minirl bench generation`).
+    The base weights are swapped back untouched afterwards, so training never sees merge/unmerge rounding. A
+    model that cannot be merged exactly (quantized base, DoRA, several adapters) runs unmerged."""
+    layers = _mergeable_lora_layers(model)
+    if layers is None:
+        yield
+        return
+    swapped = []
+    try:
+        with torch.no_grad():
+            for m in layers:
+                w = m.get_base_layer().weight
+                buf = buffers.get(id(m))
+                if buf is None or buf.shape != w.shape or buf.dtype != w.dtype or buf.device != w.device:
+                    buf = buffers[id(m)] = torch.empty_like(w.data)
+                torch.add(w.data, m.get_delta_weight(m.active_adapters[0]).to(w.dtype), out=buf)
+                swapped.append((w, w.data))
+                w.data = buf
+        with model.disable_adapter():
+            yield
+    finally:
+        for w, original in swapped:
+            w.data = original
+
+
 class HFGenerator:
     """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
     synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
-    asynchronous pipeline runs one in a process of its own: `genproc.py`).
+    asynchronous pipeline runs one in a process of its own: `genproc.py`). Generation runs with the LoRA merged
+    into the base weights (`merged_lora`; `merge=False`: unmerged); `score` runs unmerged, as the trainer does.
     Slower than vLLM; the fallback and the reference."""
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, get_version=None):
+    def __init__(self, model, tokenizer, get_version=None, merge: bool = True):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
         self._version = 0
+        self.merge, self._merge_buffers = merge, {}
 
     @property
     def version(self) -> int:
@@ -83,12 +130,15 @@ class HFGenerator:
         self.model.eval()
         kw = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-        out = self.model.generate(
-            input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
-            max_new_tokens=params.max_tokens, output_scores=True, return_dict_in_generate=True,
-            pad_token_id=pad, eos_token_id=self.tok.eos_token_id, stop_strings=list(params.stop) or None,
-            tokenizer=self.tok if params.stop else None, **kw)
-        self.model.train(was_training)
+        try:
+            with merged_lora(self.model, self._merge_buffers) if self.merge else nullcontext():
+                out = self.model.generate(
+                    input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
+                    max_new_tokens=params.max_tokens, output_scores=True, return_dict_in_generate=True,
+                    pad_token_id=pad, eos_token_id=self.tok.eos_token_id, stop_strings=list(params.stop) or None,
+                    tokenizer=self.tok if params.stop else None, **kw)
+        finally:
+            self.model.train(was_training)
         seqs = out.sequences[:, width:].cpu()
         # out.scores are the processed logits (temperature / top-k / top-p applied) that were sampled from.
         logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).cpu()

@@ -57,6 +57,31 @@ def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
     assert not gen.proc.is_alive()
 
 
+def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_untouched(trainer):
+    from minirl.generator import _mergeable_lora_layers
+    _bump(trainer, 3)
+    assert _mergeable_lora_layers(trainer.model) is not None
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    prompts = _prompts(trainer, 3)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=7)
+    merged = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
+    plain = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, merge=False)
+    got = merged.generate(prompts, 2, params)
+    assert len(merged._merge_buffers) == len(_mergeable_lora_layers(trainer.model))  # it did run merged
+    for g in got:
+        for c in g.completions:  # the behaviour logprobs are the trainer's (unmerged) policy's
+            assert c.logprobs == pytest.approx(trainer.logprobs(list(g.prompt.token_ids), list(c.token_ids), 1.0),
+                                               abs=1e-4)
+    assert [c.token_ids for g in got for c in g.completions] == \
+        [c.token_ids for g in plain.generate(prompts, 2, params) for c in g.completions]
+    assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # base and LoRA untouched
+    _bump(trainer, 4)  # a new adapter: the cached merge buffers are recomputed, not reused stale
+    again = merged.generate(prompts, 2, params)
+    c = again[0].completions[0]
+    assert c.logprobs == pytest.approx(trainer.logprobs(list(again[0].prompt.token_ids), list(c.token_ids), 1.0),
+                                       abs=1e-4)
+
+
 def test_a_dead_generator_process_raises_a_clear_error(trainer, toy_cfg):
     gen = ProcGenerator(toy_cfg, adapter_params(trainer.model))
     try:
