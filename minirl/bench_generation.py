@@ -5,6 +5,10 @@ same prompts (arithmetic questions through the chat template) and the same sampl
 prompt with n samples, per-token logprobs, per-request seeds. Raw = `AsyncLLM.generate` driven directly on the
 engine loop; minirl = `VLLMGenerator.generate` from the caller thread (Completion objects, versions, ...).
 
+transformers generation (the HF backend), merged vs unmerged LoRA: the same peft model (rank 16, all linear
+layers, random lora_B) through `HFGenerator` with `merge=True` and `merge=False`, alternating rounds, the same
+seeds (so the same tokens: checked).
+
 Sync latency (file transport): a rank-16 all-linear peft LoRA of the model is saved to tmpfs (/dev/shm) and
 loaded with `load_adapter`; measured from the start of `save_pretrained` until `add_lora` has returned (new
 requests are served with it). Writes `out_dir/generation.json`.
@@ -66,6 +70,34 @@ def _lora_model(model_path: str, rank: int):
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     return get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+
+
+def bench_hf_merge(model_path: str, prompts, n: int = 8, max_tokens: int = 24, rounds: int = 2) -> dict:
+    """transformers tokens/s with the LoRA merged for generation (the default) vs unmerged, side by side."""
+    import torch
+    from transformers import AutoTokenizer
+    from .generator import HFGenerator
+    model = _lora_model(model_path, 16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    gens = {"merged": HFGenerator(model, tok), "unmerged": HFGenerator(model, tok, merge=False)}
+    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0)
+    gens["merged"].generate(prompts[:2], 2, params)  # warm-up
+    secs, toks = {k: 0.0 for k in gens}, {k: 0 for k in gens}
+    for r in range(rounds):
+        for k in (("merged", "unmerged") if r % 2 == 0 else ("unmerged", "merged")):
+            t = time.perf_counter()
+            groups = gens[k].generate(prompts, n, params)
+            secs[k] += time.perf_counter() - t
+            toks[k] += sum(len(c.token_ids) for g in groups for c in g.completions)
+    rate = {k: toks[k] / secs[k] for k in gens}
+    return {"hf_merged_tok_s": round(rate["merged"], 2), "hf_unmerged_tok_s": round(rate["unmerged"], 2),
+            "hf_merge_speedup": round(rate["merged"] / rate["unmerged"], 3), "hf_same_tokens": toks["merged"] == toks["unmerged"],
+            "hf_workload": {"prompts": len(prompts), "n": n, "max_tokens": max_tokens, "rounds": rounds,
+                            "torch_threads": torch.get_num_threads()}}
 
 
 def bench_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: int = 16,
@@ -139,6 +171,7 @@ def bench_generation(out_dir: str, model: str = "smollm2-135m-instruct", num_pro
         result["ratio"] = round(result["minirl_tok_s"] / result["raw_tok_s"], 4)
         result.update(rounds=rounds_log, raw_tokens=raw_tok, minirl_tokens=mini_tok)
         result.update(bench_sync(gen, model_path, reps=sync_reps))
+        result.update(bench_hf_merge(model_path, prompts[:8]))
         result.update(model=model, num_prompts=num_prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                       dtype=str(gen.engine_args.dtype), device="cpu" if gen.on_cpu else "gpu",
                       engine_startup_s=round(startup_s, 1))

@@ -67,7 +67,7 @@ def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_un
     merged = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
     plain = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, merge=False)
     got = merged.generate(prompts, 2, params)
-    assert len(merged._merge_buffers) == len(_mergeable_lora_layers(trainer.model))  # it did run merged
+    assert len(merged._merge_cache["bufs"]) == len(_mergeable_lora_layers(trainer.model))  # it did run merged
     for g in got:
         for c in g.completions:  # the behaviour logprobs are the trainer's (unmerged) policy's
             assert c.logprobs == pytest.approx(trainer.logprobs(list(g.prompt.token_ids), list(c.token_ids), 1.0),
@@ -75,11 +75,14 @@ def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_un
     assert [c.token_ids for g in got for c in g.completions] == \
         [c.token_ids for g in plain.generate(prompts, 2, params) for c in g.completions]
     assert all(torch.equal(before[n], p) for n, p in trainer.model.named_parameters())  # base and LoRA untouched
-    _bump(trainer, 4)  # a new adapter: the cached merge buffers are recomputed, not reused stale
-    again = merged.generate(prompts, 2, params)
-    c = again[0].completions[0]
-    assert c.logprobs == pytest.approx(trainer.logprobs(list(again[0].prompt.token_ids), list(c.token_ids), 1.0),
-                                       abs=1e-4)
+    # new weights (with or without a version bump): the cached merge is recomputed, never reused stale
+    for seed, bump_version in ((4, True), (5, False)):
+        _bump(trainer, seed)
+        trainer.version -= 0 if bump_version else 1
+        again = merged.generate(prompts, 2, params)
+        c = again[0].completions[0]
+        assert c.logprobs == pytest.approx(
+            trainer.logprobs(list(again[0].prompt.token_ids), list(c.token_ids), 1.0), abs=1e-4)
 
 
 def test_a_dead_generator_process_raises_a_clear_error(trainer, toy_cfg):
