@@ -103,16 +103,19 @@ def merged_lora(model, cache: dict, version: int = 0):
 class HFGenerator:
     """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
     synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
-    asynchronous pipeline runs one in a process of its own: `genproc.py`). Generation runs with the LoRA merged
-    into the base weights (`merged_lora`; `merge=False`: unmerged); `score` runs unmerged, as the trainer does.
+    asynchronous pipeline runs one in a process of its own: `genproc.py`). On CPU, generation runs with the LoRA
+    merged into a copy of the base weights (`merged_lora`: faster, and RAM is plentiful); on a GPU it runs unmerged
+    by default, since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
+    runs unmerged, as the trainer does.
     Slower than vLLM; the fallback and the reference."""
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, get_version=None, merge: bool = True):
+    def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
         self._version = 0
-        self.merge, self._merge_cache = merge, {}
+        self.merge = model.device.type == "cpu" if merge is None else merge
+        self._merge_cache: dict = {}
 
     @property
     def version(self) -> int:
