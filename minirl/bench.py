@@ -55,12 +55,21 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
     steps and after. K = 0 runs the synchronous loop on every core (the pipeline with K = 0 reproduces it exactly,
     only slower on the 1 + 1 split); K >= 1 runs the pipeline on the split (generator on core 0, trainer on core 1).
     Writes learning.json: per seed and K the gain and the accuracy curve; per K the mean gain and its standard
-    error over seeds; and the paired difference K - K0 (same seed, same problems) with its standard error."""
+    error over seeds; and the paired differences K - K0 (same seed, same problems) with their standard errors, of
+    the final accuracy and of the curve's mean after step 0 (less noisy than one endpoint). Runs already in
+    DIR/learning.json with the same config are kept, so an interrupted benchmark resumes, and more seeds add on."""
     from .run import Run
     base = Config(**{**DEMO, "eval_size": eval_size, "eval_every": eval_every, **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "runs": {}}
+    done = Path(out) / "learning.json"
+    if done.exists():
+        prev = json.loads(done.read_text())
+        if prev.get("config") == res["config"]:
+            res["runs"] = prev.get("runs", {})
     for seed in seeds:
         for K in (0, 1, 2):
+            if f"s{seed}_k{K}" in res["runs"]:
+                continue
             split = dict(gen_devices="0", train_devices="1") if K else {}
             run = Run(base.replace(seed=seed, max_async_steps=K, out_dir=str(Path(out) / f"s{seed}_k{K}"), **split))
             s = run.run()
@@ -74,11 +83,18 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
     def mean_se(xs):
         m = statistics.mean(xs)
         return {"mean": m, "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None, "n": len(xs)}
+
+    def curve_mean(r):
+        return statistics.mean(a for step, a in r["curve"] if step > 0)
+    runs = res["runs"]
     for K in (0, 1, 2):
-        res[f"gain_k{K}"] = mean_se([res["runs"][f"s{s}_k{K}"]["gain"] for s in seeds])
+        res[f"gain_k{K}"] = mean_se([runs[f"s{s}_k{K}"]["gain"] for s in seeds])
+        res[f"curve_mean_k{K}"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) for s in seeds])
         if K:
-            res[f"gain_k{K}_minus_k0"] = mean_se([res["runs"][f"s{s}_k{K}"]["after"] - res["runs"][f"s{s}_k0"]["after"]
+            res[f"gain_k{K}_minus_k0"] = mean_se([runs[f"s{s}_k{K}"]["after"] - runs[f"s{s}_k0"]["after"]
                                                   for s in seeds])
+            res[f"curve_mean_k{K}_minus_k0"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) - curve_mean(runs[f"s{s}_k0"])
+                                                        for s in seeds])
     return _write(out, "learning.json", res)
 
 
