@@ -95,7 +95,8 @@ def bench_hf_merge(model_path: str, prompts, n: int = 8, max_tokens: int = 24, r
             toks[k] += sum(len(c.token_ids) for g in groups for c in g.completions)
     rate = {k: toks[k] / secs[k] for k in gens}
     return {"hf_merged_tok_s": round(rate["merged"], 2), "hf_unmerged_tok_s": round(rate["unmerged"], 2),
-            "hf_merge_speedup": round(rate["merged"] / rate["unmerged"], 3), "hf_same_tokens": toks["merged"] == toks["unmerged"],
+            "hf_merge_speedup": round(rate["merged"] / rate["unmerged"], 3),
+            "hf_same_tokens": toks["merged"] == toks["unmerged"],
             "hf_workload": {"prompts": len(prompts), "n": n, "max_tokens": max_tokens, "rounds": rounds,
                             "torch_threads": torch.get_num_threads()}}
 

@@ -53,6 +53,7 @@ def _mergeable_lora_layers(model) -> list | None:
     except ImportError:
         return None
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+
     def plain(m) -> bool:
         a = m.active_adapters
         return (type(m) is LoraLinear and len(a) == 1 and not m.fan_in_fan_out and not m.use_dora.get(a[0], False)

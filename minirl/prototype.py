@@ -254,8 +254,9 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
         check_columns(fn, name, cols)
     m, tok = load_policy(model, adapter)
     ps = D.to_prompts(rows[:prompts], tok, prompt_column, system_prompt)
-    groups = HFGenerator(m, tok).generate(ps, n, SamplingParams(temperature=temperature, max_tokens=max_tokens,
-                                                                seed=seed))
+    # one small generate on a fresh model: merging the LoRA first would cost more than it saves
+    groups = HFGenerator(m, tok, merge=False).generate(ps, n, SamplingParams(temperature=temperature,
+                                                                             max_tokens=max_tokens, seed=seed))
     return Preview([scorer.score_group(g) for g in groups], [n_ for n_, _ in scorer.rewards],
                    dict(scorer.versions), groups)
 
