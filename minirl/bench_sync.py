@@ -70,6 +70,18 @@ def _throughput(gen, rounds: list, push=None) -> tuple[float, int]:
     return toks / (time.perf_counter() - t0), toks
 
 
+def story_rounds(tok, rounds: int, per_round: int = 8) -> list:
+    """`rounds` lists of `per_round` chat prompts ("Write a story about the number i."): long, seeded generations
+    for measuring generation speed."""
+    from minirl.types import Prompt
+
+    def chat(i):
+        ids = tok.apply_chat_template([{"role": "user", "content": f"Write a story about the number {i}."}],
+                                      add_generation_prompt=True, tokenize=True)
+        return Prompt(i, tuple(ids if isinstance(ids, list) else ids["input_ids"]), "")
+    return [[chat(i) for i in range(per_round * r, per_round * (r + 1))] for r in range(rounds)]
+
+
 def split_cores() -> tuple[str | None, set[int] | None]:
     """The async pipeline's CPU split for a sync benchmark: the engine worker on the first core, the trainer (this
     thread) on the others. (None, None) with fewer than 2 usable cores."""
@@ -96,7 +108,6 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
     from minirl.models import resolve_model
     from minirl.sync import FileSync
     from minirl.transports import TensorSync, engine_kwargs
-    from minirl.types import Prompt
 
     path = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
@@ -131,11 +142,7 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
                 # the same weights pushed every round (the engine's work per sync does not depend on the values),
                 # so that both kinds of blocks generate the same tokens; no prefix caching (the engine is started
                 # without it) so that neither reuses the other's KV blocks
-                def chat(i):
-                    ids = tok.apply_chat_template([{"role": "user", "content": f"Write a story about the number {i}."}],
-                                                  add_generation_prompt=True, tokenize=True)
-                    return Prompt(i, tuple(ids if isinstance(ids, list) else ids["input_ids"]), "")
-                rounds_ = [[chat(i) for i in range(8 * r, 8 * r + 8)] for r in range(rounds)]
+                rounds_ = story_rounds(tok, rounds)
                 sync = TensorSync("ipc", inflight=True, timeout_s=60)
                 tr.bump()
                 sync.push(tr, gen)

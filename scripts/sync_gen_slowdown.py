@@ -18,11 +18,10 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from minirl.bench_sync import _throughput, _trainer, pin_trainer, split_cores
+    from minirl.bench_sync import _throughput, _trainer, pin_trainer, split_cores, story_rounds
     from minirl.engine_vllm import VLLMGenerator
     from minirl.models import resolve_model
     from minirl.transports import TensorSync, call_on_loop, engine_kwargs, rpc
-    from minirl.types import Prompt
     from minirl.vllm_ext import lora_path_for
 
     path = resolve_model("smollm2-135m-instruct")
@@ -32,12 +31,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
                         engine_kwargs={**engine_kwargs(), "enable_prefix_caching": False})
     pin_trainer(train_cores)
     tr = _trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 16)
-
-    def chat(i):
-        ids = tok.apply_chat_template([{"role": "user", "content": f"Write a story about the number {i}."}],
-                                      add_generation_prompt=True, tokenize=True)
-        return Prompt(i, tuple(ids if isinstance(ids, list) else ids["input_ids"]), "")
-    rounds = [[chat(i) for i in range(8 * r, 8 * r + 8)] for r in range(2)]
+    rounds = story_rounds(tok, 2)
     sync = TensorSync("ipc", inflight=True, timeout_s=60)
     tr.bump()
     sync.push(tr, gen)
