@@ -2,8 +2,8 @@
 
 Transports (same interface: open once, then `send(lora_id, version, name)` per sync):
 - `ipc`: one flat buffer that the engine worker maps once: a shared-memory file on CPU, a CUDA IPC handle on GPU
-  (same code; only the handle differs). A sync is: pack (one flat copy into the engine's dtype, lora_B pre-scaled),
-  one small RPC; the worker copies the buffer into the adapter's slot. (`IpcSender(zero_copy=True)` skips the pack.)
+  (same code; only the handle differs). A sync is: one small RPC and a pack (flat copies into the engine's dtype,
+  lora_B pre-scaled); the worker copies the buffer into the adapter's slot, on CPU while the trainer still packs.
 - `collective`: a dedicated two-rank torch.distributed group (trainer rank 0, engine worker rank 1) over a TCP
   store on 127.0.0.1; the flat buffer is broadcast. gloo on CPU, NCCL on GPU, same code. Every wait is bounded.
 - `files` stays in `minirl.sync.FileSync` (the fallback).
@@ -179,12 +179,29 @@ class Packer:
 
     @torch.no_grad()
     def pack(self) -> None:
-        if self._span is not None and [t.data_ptr() for t in self.src] == self._ptrs:
-            self.flat.copy_(self._span)
-        else:
+        for _ in self.pack_chunks(self.flat.numel()):
+            pass
+
+    @torch.no_grad()
+    def pack_chunks(self, chunk: int):
+        """Pack in ranges of about `chunk` elements, yielding after each the number of leading elements of the
+        buffer that are final (copied and scaled), so that a reader can start on them; cache-hot per range."""
+        n = self.flat.numel()
+        if self._span is None or [t.data_ptr() for t in self.src] != self._ptrs:
             torch._foreach_copy_(self.dst, [t.detach() for t in self.src])
-        for lo, hi, sc in self.runs:  # in the buffer's dtype, as vLLM folds it (a fused out= mul measured slower)
-            self.flat[lo:hi].mul_(sc)
+            self._scale(0, n)
+            yield n
+            return
+        for lo in range(0, n, max(1, chunk)):
+            hi = min(n, lo + chunk)
+            self.flat[lo:hi].copy_(self._span[lo:hi])
+            self._scale(lo, hi)
+            yield hi
+
+    def _scale(self, lo: int, hi: int) -> None:
+        for a, b, sc in self.runs:  # in the buffer's dtype, as vLLM folds it (a fused out= mul measured slower)
+            if a < hi and b > lo:
+                self.flat[max(a, lo):min(b, hi)].mul_(sc)
 
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
@@ -211,19 +228,16 @@ async def rpc(generator, method: str, *args, timeout_s: float = 30.0):
 
 def call_on_loop(generator, coro, timeout_s: float):
     """Run `coro` on the generator's loop from another thread; bounded wait, clear errors."""
-    import concurrent.futures
-    fut = asyncio.run_coroutine_threadsafe(coro, generator.loop)
-    try:
-        return fut.result(timeout=timeout_s + 5)
-    except concurrent.futures.TimeoutError as e:
-        fut.cancel()
-        raise SyncTimeout(f"adapter sync did not finish within {timeout_s:.0f} s") from e
+    return _result(asyncio.run_coroutine_threadsafe(coro, generator.loop), timeout_s)
 
 
-async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0) -> dict:
-    """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id`, then new requests use it."""
+async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0,
+                  seq: int | None = None) -> dict:
+    """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id`, then new requests use it. With
+    `seq`, the worker reads the bytes as the sender's push number `seq` marks them packed (see `IpcSender`)."""
     name = f"minirl-v{version}-{lora_id}"
-    info = await rpc(generator, "minirl_install", channel, lora_id, version, name, timeout_s, timeout_s=timeout_s)
+    info = await rpc(generator, "minirl_install", channel, lora_id, version, name, timeout_s, True, seq,
+                     timeout_s=timeout_s + 2)  # the worker's own wait ends first: its error says why
     await generator.serve_installed_async(lora_id, name, lora_path_for(lora_id, version), version, info)
     return info
 
@@ -293,31 +307,69 @@ class IpcSender(_Sender):
     """Shared-memory file (CPU) or CUDA IPC handle (GPU) that the engine worker maps once.
 
     By default the adapter is packed into the buffer in the engine's dtype, lora_B pre-scaled (as `collective`
-    does), so the worker's install is plain copies. `zero_copy=True` (when the parameters share one dtype and
-    device) moves the trainer's parameters into the shared buffer itself, so a push packs nothing; the worker then
-    converts and scales as it copies them into the slot. The trainer must not update them while a push runs (it
-    does not: `push` returns once the worker has installed them). Measured on CPU it is no faster end to end
-    (`scripts/sync_breakdown.py --zero-copy` vs without: 11.4/12.5 ms vs 12.7/11.1 ms) and it moves ~5 ms per push
-    of work onto the engine's core, so it is not the default."""
-    transport = "ipc"
+    does), so the worker's install is plain copies. On CPU the two overlap: the RPC goes first, then the trainer
+    packs in chunks of `chunk_bytes` and after each one publishes how far it got in a small header after the data
+    (int64 [push number, elements packed]); the worker, on its own core, copies each tensor into the slot as soon
+    as its bytes are marked packed (waiting with `sched_yield`, bounded by the timeout). On GPU the pack is
+    kernels on the trainer's stream: it is synchronized, then the RPC is sent (no header).
 
-    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False):
+    `zero_copy=True` (when the parameters share one dtype and device) moves the trainer's parameters into the
+    shared buffer itself, so a push packs nothing; the worker then converts and scales as it copies them into the
+    slot. The trainer must not update them while a push runs (it does not: `push` returns once the worker has
+    installed them). It moves the conversion onto the engine's core and is not the default."""
+    transport = "ipc"
+    HEADER = 64  # bytes
+
+    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False,
+                 chunk_bytes: int = 1 << 20):
         params = list(tensors.values())
         zero_copy = zero_copy and _uniform(params)
         super().__init__(generator, tensors, peft_config, timeout_s, None if zero_copy else scales,
                          wire_dtype=params[0].dtype if zero_copy else None)
         self.zero_copy = zero_copy
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
-        self.raw, source, self.path = shared_buffer(self.nbytes, self.device, self.channel)
+        pipelined = self.device.type == "cpu"
+        data_bytes = -(-self.nbytes // self.HEADER) * self.HEADER  # the header starts 64-byte aligned
+        self.raw, source, self.path = shared_buffer(data_bytes + self.HEADER * pipelined, self.device, self.channel)
+        flat = self.raw[:self.nbytes].view(dtype)
+        self.header, self.seq = None, 0
+        if pipelined:
+            self.header = self.raw[data_bytes:data_bytes + 16].view(torch.int64)
+            self.header.zero_()
+            source["header"] = data_bytes
+        self.chunk = max(1, chunk_bytes // flat.element_size())
         if zero_copy:
-            move_into(params, self.raw.view(dtype))
+            move_into(params, flat)
         else:
-            self.packer = Packer(tensors, self.raw.view(dtype), self.layout, self.scales)
+            self.packer = Packer(tensors, flat, self.layout, self.scales)
         try:
             call_on_loop(generator, rpc(generator, "minirl_open_channel", self.channel, self.layout, source,
                                         timeout_s=timeout_s), timeout_s)
         finally:
             self._unlink()  # both sides hold their mapping now; the name is not needed (and cannot leak)
+
+    def send(self, lora_id: int, version: int) -> dict:
+        if self.header is None:
+            return super().send(lora_id, version)
+        if self.closed:
+            raise SyncError("this adapter sender is closed")
+        self.seq += 1
+        self.header[1] = 0  # progress reset before the number changes: x86 keeps stores in order
+        self.header[0] = self.seq
+        fut = asyncio.run_coroutine_threadsafe(
+            install(self.generator, self.channel, lora_id, version, self.timeout_s, seq=self.seq),
+            self.generator.loop)
+        try:
+            if self.packer is None:
+                self.header[1] = self.layout["numel"]
+            else:
+                for done in self.packer.pack_chunks(self.chunk):
+                    self.header[1] = done
+        except BaseException:
+            self.header[1] = -1  # the worker stops waiting and reports it
+            fut.cancel()
+            raise
+        return _result(fut, self.timeout_s)
 
     def _unlink(self) -> None:
         if self.path:
@@ -330,6 +382,16 @@ class IpcSender(_Sender):
     def close(self) -> None:
         super().close()
         self._unlink()
+
+
+def _result(fut, timeout_s: float):
+    """The result of an engine-loop future, bounded."""
+    import concurrent.futures
+    try:
+        return fut.result(timeout=timeout_s + 5)
+    except concurrent.futures.TimeoutError as e:
+        fut.cancel()
+        raise SyncTimeout(f"adapter sync did not finish within {timeout_s + 5:.0f} s") from e
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -463,7 +525,13 @@ class TensorSync:
         sender = self._sender(trainer, generator)
         if self.lora_id is None or not self.inflight:
             self.lora_id = next(_LORA_IDS)
-        self.last = sender.send(self.lora_id, trainer.version)
+        try:
+            self.last = sender.send(self.lora_id, trainer.version)
+        except BaseException:
+            # an in-place push that failed midway may have left that id's slot part old, part new: a later push
+            # starts a fresh id
+            self.lora_id = None
+            raise
         return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, sender.nbytes, self.transport)
 
     def close(self) -> None:

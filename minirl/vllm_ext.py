@@ -26,6 +26,7 @@ Everything a call needs travels as plain msgpack-able values (ints, strings, byt
 """
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 from typing import Any
@@ -117,8 +118,14 @@ class _Channel:
         self.group = self.store = None
         dtype = torch_dtype(layout["dtype"])
         nbytes = int(layout["nbytes"])
+        self.header = None
         if self.kind == "shm":
-            raw = torch.from_file(source["path"], shared=True, size=nbytes, dtype=torch.uint8)
+            at = source.get("header")  # the sender publishes its pack progress there (see `wait`)
+            raw = torch.from_file(source["path"], shared=True, size=nbytes if at is None else int(at) + 16,
+                                  dtype=torch.uint8)
+            if at is not None:
+                self.header = raw[int(at):int(at) + 16].view(torch.int64)
+                raw = raw[:nbytes]
         elif self.kind == "cuda_ipc":
             h = source["handle"]
             torch.cuda.set_device(int(h[0]))  # the sender's device; the mapping is readable from ours
@@ -133,6 +140,28 @@ class _Channel:
             raise ValueError(f"unknown minirl channel kind {self.kind!r}")
         self.raw = raw
         self.flat = raw.view(dtype)
+
+    def wait(self, seq: int | None, upto: int, deadline: float) -> int:
+        """Until the sender's push `seq` has packed at least the first `upto` elements (a header channel; others
+        are complete once received): returns how many are packed. Yields the core while waiting; raises when the
+        sender gave up or at `deadline` (monotonic)."""
+        if self.header is None or seq is None:
+            return self.flat.numel()
+        h = self.header
+        while True:
+            now = int(h[0])  # the number first: the sender reset the progress before changing it
+            if now == seq:
+                done = int(h[1])
+                if done < 0:
+                    raise RuntimeError(f"minirl adapter receiver: the sender abandoned push {seq} mid-pack")
+                if done >= upto:
+                    return done
+            elif now > seq:
+                raise RuntimeError(f"minirl adapter receiver: push {seq} was superseded by push {now}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"minirl adapter receiver: push {seq} was not packed in time (the trainer is "
+                                   f"gone or stuck)")
+            os.sched_yield()
 
     def receive(self, timeout_s: float):
         """The current adapter bytes (a view; copy before the sender may write again)."""
@@ -153,7 +182,7 @@ class _Channel:
                     self.group.abort()
             except Exception:
                 pass
-        self.group = self.store = self.raw = self.flat = None
+        self.group = self.store = self.raw = self.flat = self.header = None
 
 
 class _State:
@@ -381,15 +410,18 @@ class AdapterReceiver:
         return ch is not None
 
     def minirl_install(self, channel: str, lora_id: int, version: int, name: str, timeout_s: float = 30.0,
-                       fast: bool = True) -> dict:
+                       fast: bool = True, seq: int | None = None) -> dict:
         """Take the channel's current adapter and serve it as LoRA `lora_id` (new, or replacing that id's weights
         in place, slot included). Returns timings and, for exact per-token versions across in-place swaps:
         `swap`: worker request id -> output tokens it had at the swap (all produced by `prev_version`), for the
         requests the worker holds on this id; `started`: [(worker request id, version)] of the requests that
-        started on this id since its previous install (a request never listed started on the newest version)."""
+        started on this id since its previous install (a request never listed started on the newest version).
+        `seq`: the sender's push number on a channel with a progress header; the fast path copies each tensor
+        as soon as it is packed, the others wait for the whole buffer."""
         import torch
         from vllm.lora.request import LoRARequest
         t0 = time.perf_counter()
+        deadline = time.monotonic() + timeout_s
         st = self._minirl()
         ch = st.channels.get(channel)
         if ch is None:
@@ -407,11 +439,22 @@ class AdapterReceiver:
             # scaling is 1 and there is nothing to scale). The LoRAModel's own tensors are brought up to date only
             # if something is about to read them (`_minirl_flush`).
             _, _, _, by_scale, dst, src, where, by_flat = plan
-            views = by_flat.get(flat.data_ptr())
-            if views is None:
+            got = by_flat.get(flat.data_ptr())
+            if got is None:  # slot views and buffer views in buffer order, with where each one's bytes end
                 by_flat.clear()
-                views = by_flat[flat.data_ptr()] = [flat[o:o + t.numel()].view(t.shape) for o, t in zip(where, src)]
-            torch._foreach_copy_(dst, views)
+                order = sorted(range(len(src)), key=where.__getitem__)
+                got = by_flat[flat.data_ptr()] = ([dst[i] for i in order],
+                                                 [flat[where[i]:where[i] + src[i].numel()].view(src[i].shape)
+                                                  for i in order],
+                                                 [where[i] + src[i].numel() for i in order])
+            dsts, views, ends = got
+            i = 0
+            while i < len(ends):  # as the sender marks them packed (all at once without a progress header)
+                done, j = ch.wait(seq, ends[i], deadline), i
+                while j < len(ends) and ends[j] <= done:
+                    j += 1
+                torch._foreach_copy_(dsts[i:j], views[i:j])
+                i = j
             t_copy = time.perf_counter()
             for sc, ds in by_scale:
                 torch._foreach_mul_(ds, sc)
@@ -421,6 +464,7 @@ class AdapterReceiver:
             st.store[lora_id] = (None, ch.layout, ch.layout["peft_config"])  # raw = the LoRAModel, scaling undone
             path = "fast"
         else:
+            ch.wait(seq, flat.numel(), deadline)
             prev = st.store.get(lora_id)
             raw = prev[0] if prev is not None else None
             if raw is not None and raw.numel() == flat.numel() and raw.dtype == flat.dtype:

@@ -72,6 +72,31 @@ def test_contiguous_adapter_packs_with_one_copy_and_prescaled_b():
     assert torch.equal(unpack(flat, lay)[list(ts)[0]], p0.detach().to(torch.bfloat16))
 
 
+def test_chunked_pack_gives_the_same_bytes_and_reports_progress_in_order():
+    """The ipc sender packs in chunks and publishes after each how much of the buffer is final: chunk bounds that
+    cut tensors and scaled runs give the bytes of a whole pack, progress only grows and ends at the total."""
+    from peft import LoraConfig, get_peft_model
+    from minirl.transports import Packer, adapter_params, b_scalings, make_contiguous, make_layout
+    base = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    pm = get_peft_model(base, LoraConfig(r=3, lora_alpha=5, target_modules=["0", "2"]))
+    make_contiguous(pm)
+    with torch.no_grad():
+        for p in pm.parameters():
+            p.normal_()
+    ts, sc = adapter_params(pm), b_scalings(pm)
+    lay = make_layout(ts, {"r": 3}, torch.bfloat16)
+    ref = torch.empty(lay["numel"], dtype=torch.bfloat16)
+    Packer(ts, ref, lay, sc).pack()
+    for chunk in (1, 5, 13, lay["numel"], 10 * lay["numel"]):
+        flat = torch.full_like(ref, float("nan"))
+        packer = Packer(ts, flat, lay, sc)
+        seen = []
+        for done in packer.pack_chunks(chunk):
+            assert not flat[:done].isnan().any() and (done == flat.numel() or flat[done:].isnan().all())
+            seen.append(done)
+        assert seen == sorted(seen) and seen[-1] == lay["numel"] and torch.equal(flat, ref), chunk
+
+
 def test_swap_log_token_versions():
     from minirl.transports import SwapLog, split_worker_request_id
     assert split_worker_request_id("3_minirl-17-ab12cd34") == ("minirl-17", 3)
@@ -412,6 +437,59 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
         if len(set(c.versions)) == 2:  # discriminates: the old adapter does not explain the later tokens
             assert _max_diff(list(c.logprobs), lp[old][j]) > 10 * ATOL
     assert spanning, "no sequence was aborted and resubmitted mid-way"
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe, monkeypatch):
+    """On CPU the worker copies into the slot while the trainer still packs: a slow pack in small chunks still
+    serves exactly the trainer's adapter (a worker that read ahead of the progress header would copy stale
+    bytes); a pack that fails midway, or a trainer that never packs, gives a clear error within the timeout,
+    and the next push serves the right adapter again."""
+    from minirl import transports
+    from minirl.transports import Packer, SyncError, TensorSync, call_on_loop, install
+    slow = Packer.pack_chunks
+
+    def crawling(self, chunk):
+        for done in slow(self, chunk):
+            time.sleep(0.002)  # a slow trainer core
+            yield done
+    monkeypatch.setattr(Packer, "pack_chunks", crawling)
+    monkeypatch.setitem(transports.SENDERS, "ipc", lambda *a, **k: transports.IpcSender(*a, chunk_bytes=64 << 10, **k))
+    sync = TensorSync("ipc", inflight=True, timeout_s=10)
+    try:
+        for _ in range(3):
+            set_version(trainer, trainer.version + 1)
+            sync.push(trainer, gen)
+            assert sync.sender.header is not None and sync.last["path"] in ("fast", "vllm")
+            assert _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL
+        assert sync.last["path"] == "fast"
+
+        def failing(self, chunk):
+            it = slow(self, chunk)
+            yield next(it)
+            raise MemoryError("the trainer ran out of memory mid-pack")
+        monkeypatch.setattr(Packer, "pack_chunks", failing)
+        set_version(trainer, trainer.version + 1)
+        t0 = time.perf_counter()
+        with pytest.raises(MemoryError):
+            sync.push(trainer, gen)
+        assert sync.lora_id is None and time.perf_counter() - t0 < 5  # the next push starts a fresh id
+
+        s = sync.sender  # a push number the trainer announces but never packs: the worker gives up in time
+        s.seq += 1
+        s.header[1], s.header[0] = 0, s.seq
+        t0 = time.perf_counter()
+        with pytest.raises(SyncError, match="not packed in time"):
+            call_on_loop(gen, install(gen, s.channel, 3_000_000, trainer.version, 2.0, seq=s.seq), 2.0)
+        assert time.perf_counter() - t0 < 10
+
+        monkeypatch.setattr(Packer, "pack_chunks", slow)
+        set_version(trainer, trainer.version + 1)
+        sync.push(trainer, gen)
+        assert _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL
+    finally:
+        sync.close()
 
 
 @pytest.mark.vllm
