@@ -311,7 +311,8 @@ class IpcSender(_Sender):
     packs in chunks of `chunk_bytes` and after each one publishes how far it got in a small header after the data
     (int64 [push number, elements packed]); the worker, on its own core, copies each tensor into the slot as soon
     as its bytes are marked packed (waiting with `sched_yield`, bounded by the timeout). On GPU the pack is
-    kernels on the trainer's stream: it is synchronized, then the RPC is sent (no header).
+    kernels on the trainer's stream: it is synchronized, then the RPC is sent (no header; `overlap=False` does
+    the same on CPU).
 
     `zero_copy=True` (when the parameters share one dtype and device) moves the trainer's parameters into the
     shared buffer itself, so a push packs nothing; the worker then converts and scales as it copies them into the
@@ -321,14 +322,14 @@ class IpcSender(_Sender):
     HEADER = 64  # bytes
 
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False,
-                 chunk_bytes: int = 1 << 20):
+                 chunk_bytes: int = 1 << 20, overlap: bool | None = None):
         params = list(tensors.values())
         zero_copy = zero_copy and _uniform(params)
         super().__init__(generator, tensors, peft_config, timeout_s, None if zero_copy else scales,
                          wire_dtype=params[0].dtype if zero_copy else None)
         self.zero_copy = zero_copy
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
-        pipelined = self.device.type == "cpu"
+        pipelined = self.device.type == "cpu" if overlap is None else overlap and self.device.type == "cpu"
         data_bytes = -(-self.nbytes // self.HEADER) * self.HEADER  # the header starts 64-byte aligned
         self.raw, source, self.path = shared_buffer(data_bytes + self.HEADER * pipelined, self.device, self.channel)
         flat = self.raw[:self.nbytes].view(dtype)

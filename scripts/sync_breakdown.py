@@ -1,10 +1,12 @@
-"""Where an in-place ipc adapter push spends its time (rank 16, all-linear, embedded model, bf16 vLLM-CPU engine):
-trainer-side pack (nothing with --zero-copy), worker install (plan / slot copy / lora_B scaling) and the
-rest (the RPC round trip).
+"""Where an in-place ipc adapter push spends its time (rank 16, all-linear, embedded model, bf16 vLLM-CPU engine),
+for the CPU default (the worker copies into the slot while the trainer packs) and the serial order (pack, then
+the RPC), pushed alternately: push latency p50/p95, worker install (plan / slot copy incl. waiting for the pack /
+lora_B scaling).
 
     python scripts/sync_breakdown.py [--pushes 30]
 """
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -24,6 +26,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM
+    from minirl import transports
     from minirl.bench_sync import _trainer, pin_trainer, split_cores
     from minirl.engine_vllm import VLLMGenerator
     from minirl.models import resolve_model
@@ -35,30 +38,33 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
                         cpu_cores=gen_cores, engine_kwargs=engine_kwargs())
     pin_trainer(train_cores)
     tr = _trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), args.rank)
-    if args.zero_copy:
-        import functools
-        from minirl import transports
-        transports.SENDERS["ipc"] = functools.partial(transports.IpcSender, zero_copy=True)
+    # one in-place ipc sync, pushed alternately in the CPU default order (the worker copies while the trainer
+    # packs) and the serial order (pack, then the RPC), so that the machine's drift hits both alike
+    transports.SENDERS["ipc"] = functools.partial(transports.IpcSender, zero_copy=args.zero_copy)
     sync = TensorSync("ipc", inflight=True, timeout_s=60)
-    rows = []
+    rows = {"overlap": [], "serial": []}
     try:
         for i in range(args.pushes + 2):
-            tr.bump()
-            time.sleep(args.gap)
-            push_ms = sync.push(tr, gen).ms
-            if i == 0:  # time the pack inside each push from now on
-                pack, timed = sync.sender._pack, {}
-
-                def _pack():
-                    t0 = time.perf_counter()
-                    pack()
-                    timed["ms"] = (time.perf_counter() - t0) * 1e3
-                sync.sender._pack = _pack
-            if i >= 2:  # the first pushes open the channel and register the adapter
-                rows.append({"push_ms": push_ms, "pack_ms": timed["ms"], **{k: sync.last.get(k, 0.0) for k in KEYS}})
+            for name, rs in rows.items():
+                tr.bump()
+                time.sleep(args.gap)
+                header = getattr(sync.sender, "header", None)
+                if name == "serial" and header is not None:
+                    sync.sender.header = None  # the sender then packs first; the worker sees no push number
+                try:
+                    push_ms = sync.push(tr, gen).ms
+                finally:
+                    if header is not None:
+                        sync.sender.header = header
+                if i >= 2:  # the first pushes open the channel, register the adapter, build the slot plan
+                    assert sync.last["path"] == "fast", sync.last
+                    rs.append({"push_ms": push_ms, **{k: sync.last.get(k, 0.0) for k in KEYS}})
     finally:
         sync.close()
         gen.close()
-    med = {k: round(statistics.median(r[k] for r in rows), 2) for k in rows[0]}
-    med["rpc_and_rest_ms"] = round(med["push_ms"] - med["pack_ms"] - med["install_ms"], 2)
-    print(med)
+    out = {}
+    for name, rs in rows.items():
+        med = {k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0]}
+        med["push_p95_ms"] = round(sorted(r["push_ms"] for r in rs)[int(0.95 * (len(rs) - 1))], 2)
+        out[name] = med
+    print(out)
