@@ -15,7 +15,7 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
     return result
 
 
-def bench_pipeline(out: str | Path, steps: int = 16, warmup: int = 2, eval_size: int = 64, async_k: int = 2,
+def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size: int = 64, async_k: int = 2,
                    **overrides: Any) -> dict:
     """The same config with K = 0, 1 and 2 on the same device split (on CPU: the generator process pinned to
     core 0, the trainer to core 1), one after the other, all through the pipeline. Speed: median step
@@ -28,7 +28,7 @@ def bench_pipeline(out: str | Path, steps: int = 16, warmup: int = 2, eval_size:
     carry signal (the others have zero advantage), so it swings from step to step; with G = 8 fewer groups carry
     signal and the trainer idles ~20% of the time whatever the pipeline does."""
     from .run import Run
-    base = Config(**{**dict(steps=steps, prompts_per_step=4, group_size=16, max_tokens=24, lr=5e-4,
+    base = Config(**{**dict(steps=steps, prompts_per_step=5, group_size=12, max_tokens=24, lr=5e-4,
                             eval_size=eval_size, gen_devices="0", train_devices="1", seed=0), **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "learning": {}, "async_k": async_k}
     for K in (0, 1, 2):
