@@ -15,7 +15,7 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
     return result
 
 
-def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size: int = 64, async_k: int = 2,
+def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size: int = 64, async_k: int = 1,
                    **overrides: Any) -> dict:
     """The same config with K = 0, 1 and 2 on the same device split (on CPU: the generator process pinned to
     core 0, the trainer to core 1), one after the other, all through the pipeline. Speed: median step
@@ -23,12 +23,13 @@ def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size:
     every K's figures are under "k0", "k1", "k2"). Learning: held-out greedy accuracy before/after for each K
     (same seed, same prompts).
 
-    The workload is the demo's task with G = 16 samples of 4 prompts (64 per step, as the demo's 8 x 8): the two
-    sides then take about the same time on average. The trainer's work per step is the samples of groups that
-    carry signal (the others have zero advantage), so it swings from step to step; with G = 8 fewer groups carry
-    signal and the trainer idles ~20% of the time whatever the pipeline does."""
+    The workload is the demo's (8 prompts x G = 8, 24 tokens). The trainer's work per step is the samples of the
+    groups that carry signal (the others have zero advantage): it swings 2-4x from step to step and shrinks as
+    the policy learns, so on average the trainer waits for the generator. G = 12 x 5 and G = 16 x 4 were tried
+    for a better balance: the first averaged the same trainer work over steps 2-11, the second gave the trainer
+    ~1.5x the generator's time."""
     from .run import Run
-    base = Config(**{**dict(steps=steps, prompts_per_step=5, group_size=12, max_tokens=24, lr=5e-4,
+    base = Config(**{**dict(steps=steps, prompts_per_step=8, group_size=8, max_tokens=24, lr=5e-4,
                             eval_size=eval_size, gen_devices="0", train_devices="1", seed=0), **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "learning": {}, "async_k": async_k}
     for K in (0, 1, 2):
