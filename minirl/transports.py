@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .sync import SyncStats
-from .vllm_ext import broadcast, lora_path_for, open_group, unpack
+from .vllm_ext import PROGRESS_BITS, PROGRESS_MASK, broadcast, lora_path_for, open_group, unpack
 
 WORKER_EXTENSION = "minirl.vllm_ext.AdapterReceiver"
 TRANSPORTS = ("auto", "ipc", "collective", "files")
@@ -309,7 +309,7 @@ class IpcSender(_Sender):
     By default the adapter is packed into the buffer in the engine's dtype, lora_B pre-scaled (as `collective`
     does), so the worker's install is plain copies. On CPU the two overlap: the RPC goes first, then the trainer
     packs in chunks of `chunk_bytes` and after each one publishes how far it got in a small header after the data
-    (int64 [push number, elements packed]); the worker, on its own core, copies each tensor into the slot as soon
+    (one int64: push number << 40 | elements packed); the worker, on its own core, copies each tensor into the slot as soon
     as its bytes are marked packed (waiting with `sched_yield`, bounded by the timeout). On GPU the pack is
     kernels on the trainer's stream: it is synchronized, then the RPC is sent (no header; `overlap=False` does
     the same on CPU).
@@ -329,13 +329,13 @@ class IpcSender(_Sender):
                          wire_dtype=params[0].dtype if zero_copy else None)
         self.zero_copy = zero_copy
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
-        pipelined = self.device.type == "cpu" if overlap is None else overlap and self.device.type == "cpu"
+        pipelined = self.device.type == "cpu" and overlap is not False
         data_bytes = -(-self.nbytes // self.HEADER) * self.HEADER  # the header starts 64-byte aligned
         self.raw, source, self.path = shared_buffer(data_bytes + self.HEADER * pipelined, self.device, self.channel)
         flat = self.raw[:self.nbytes].view(dtype)
         self.header, self.seq = None, 0
         if pipelined:
-            self.header = self.raw[data_bytes:data_bytes + 16].view(torch.int64)
+            self.header = self.raw[data_bytes:data_bytes + 8].view(torch.int64)
             self.header.zero_()
             source["header"] = data_bytes
         self.chunk = max(1, chunk_bytes // flat.element_size())
@@ -355,22 +355,26 @@ class IpcSender(_Sender):
         if self.closed:
             raise SyncError("this adapter sender is closed")
         self.seq += 1
-        self.header[1] = 0  # progress reset before the number changes: x86 keeps stores in order
-        self.header[0] = self.seq
+        self._progress(0)
         fut = asyncio.run_coroutine_threadsafe(
             install(self.generator, self.channel, lora_id, version, self.timeout_s, seq=self.seq),
             self.generator.loop)
         try:
             if self.packer is None:
-                self.header[1] = self.layout["numel"]
+                self._progress(self.layout["numel"])
             else:
                 for done in self.packer.pack_chunks(self.chunk):
-                    self.header[1] = done
+                    self._progress(done)
         except BaseException:
-            self.header[1] = -1  # the worker stops waiting and reports it
+            self._progress(PROGRESS_MASK)  # the worker stops waiting and reports it
             fut.cancel()
             raise
         return _result(fut, self.timeout_s)
+
+    def _progress(self, done: int) -> None:
+        """Publish `done` packed elements of push `seq`: one aligned 64-bit store, push number and progress
+        together, so that no reader can pair a new number with an old progress."""
+        self.header[0] = (self.seq << PROGRESS_BITS) | done
 
     def _unlink(self) -> None:
         if self.path:
@@ -440,11 +444,7 @@ class CollectiveSender(_Sender):
         except Exception as e:
             fut.cancel()
             raise SyncTimeout(str(e)) from e
-        try:
-            return fut.result(timeout=self.timeout_s + 5)
-        except TimeoutError as e:
-            fut.cancel()
-            raise SyncTimeout(f"collective adapter sync did not finish within {self.timeout_s:.0f} s") from e
+        return _result(fut, self.timeout_s)
 
     def close(self) -> None:
         super().close()

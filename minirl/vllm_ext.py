@@ -42,6 +42,9 @@ def lora_path_for(lora_id: int, version: int) -> str:
 
 # ---- flat-buffer helpers, shared with the sender side (no vLLM imports) ----------------------------------------
 
+PROGRESS_BITS = 40  # the ipc progress word: push number << 40 | elements packed (all ones: the push was abandoned)
+PROGRESS_MASK = (1 << PROGRESS_BITS) - 1
+
 def torch_dtype(name: str):
     import torch
     return getattr(torch, name.removeprefix("torch."))
@@ -121,10 +124,10 @@ class _Channel:
         self.header = None
         if self.kind == "shm":
             at = source.get("header")  # the sender publishes its pack progress there (see `wait`)
-            raw = torch.from_file(source["path"], shared=True, size=nbytes if at is None else int(at) + 16,
+            raw = torch.from_file(source["path"], shared=True, size=nbytes if at is None else int(at) + 8,
                                   dtype=torch.uint8)
             if at is not None:
-                self.header = raw[int(at):int(at) + 16].view(torch.int64)
+                self.header = raw[int(at):int(at) + 8].view(torch.int64)
                 raw = raw[:nbytes]
         elif self.kind == "cuda_ipc":
             h = source["handle"]
@@ -147,12 +150,11 @@ class _Channel:
         sender gave up or at `deadline` (monotonic)."""
         if self.header is None or seq is None:
             return self.flat.numel()
-        h = self.header
         while True:
-            now = int(h[0])  # the number first: the sender reset the progress before changing it
+            word = int(self.header[0])
+            now, done = word >> PROGRESS_BITS, word & PROGRESS_MASK
             if now == seq:
-                done = int(h[1])
-                if done < 0:
+                if done == PROGRESS_MASK:
                     raise RuntimeError(f"minirl adapter receiver: the sender abandoned push {seq} mid-pack")
                 if done >= upto:
                     return done
