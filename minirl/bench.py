@@ -56,7 +56,7 @@ def _eval_curve(metrics_jsonl: Path) -> list[list[float]]:
     return [[r["step"], r["accuracy"]] for r in recs if r.get("event") == "eval"]
 
 
-def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_every: int = 10,
+def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_every: int = 10, ks=(0, 1, 2),
                    **overrides: Any) -> dict:
     """Does asynchrony cost learning? For each seed, the demo (its config and number of steps) with K = 0, 1 and 2;
     held-out greedy accuracy on the same `eval_size` problems for every K of a seed, before, every `eval_every`
@@ -65,7 +65,8 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
     Writes learning.json: per seed and K the gain and the accuracy curve; per K the mean gain and its standard
     error over seeds; and the paired differences K - K0 (same seed, same problems) with their standard errors, of
     the final accuracy and of the curve's mean after step 0 (less noisy than one endpoint). Runs already in
-    DIR/learning.json with the same config are kept, so an interrupted benchmark resumes, and more seeds add on."""
+    DIR/learning.json with the same config are kept, so an interrupted benchmark resumes, and more seeds add on;
+    `ks` runs only some K (the summaries cover the seeds that have the runs they need)."""
     from .run import Run
     base = Config(**{**DEMO, "eval_size": eval_size, "eval_every": eval_every, **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "runs": {}}
@@ -75,7 +76,7 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
         if prev.get("config") == res["config"]:
             res["runs"] = prev.get("runs", {})
     for seed in seeds:
-        for K in (0, 1, 2):
+        for K in ks:
             if f"s{seed}_k{K}" in res["runs"]:
                 continue
             split = dict(gen_devices="0", train_devices="1") if K else {}
@@ -96,17 +97,20 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
         return statistics.mean(a for step, a in r["curve"] if step > 0)
     runs = res["runs"]
     for K in (0, 1, 2):
-        res[f"gain_k{K}"] = mean_se([runs[f"s{s}_k{K}"]["gain"] for s in seeds])
-        res[f"curve_mean_k{K}"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) for s in seeds])
-        if K:
+        have = [s for s in seeds if f"s{s}_k{K}" in runs]
+        if have:
+            res[f"gain_k{K}"] = mean_se([runs[f"s{s}_k{K}"]["gain"] for s in have])
+            res[f"curve_mean_k{K}"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) for s in have])
+        paired = [s for s in have if f"s{s}_k0" in runs]
+        if K and paired:
             res[f"gain_k{K}_minus_k0"] = mean_se([runs[f"s{s}_k{K}"]["after"] - runs[f"s{s}_k0"]["after"]
-                                                  for s in seeds])
+                                                  for s in paired])
             res[f"curve_mean_k{K}_minus_k0"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) - curve_mean(runs[f"s{s}_k0"])
-                                                        for s in seeds])
+                                                        for s in paired])
     return _write(out, "learning.json", res)
 
 
-def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2)) -> dict:
+def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)) -> dict:
     if what == "generation":
         from .bench_generation import bench_generation
         return bench_generation(str(out))
@@ -116,5 +120,5 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2)) -> dict:
         from .bench_sync import bench_sync
         return bench_sync(str(out))
     if what == "learning":
-        return bench_learning(out, seeds=seeds)
+        return bench_learning(out, seeds=seeds, ks=ks)
     raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync or learning")

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
     bench.add_argument("--seed", type=int, default=0, help="seed of the pipeline benchmark's runs")
     bench.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="comma-separated seeds of the learning benchmark")
+    bench.add_argument("--ks", type=_seeds, default=(0, 1, 2), help="comma-separated K (max_async_steps) of the "
+                       "learning benchmark")
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(eval_cli(Config(**overrides_from_args(args)), args.adapter), indent=2))
         elif args.cmd == "bench":
             from . import bench as B
-            print(json.dumps(B.run(args.what, args.out, seed=args.seed, seeds=args.seeds), indent=2))
+            print(json.dumps(B.run(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks), indent=2))
     except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"minirl: error: {e}", file=sys.stderr)
         return 2

@@ -102,6 +102,11 @@ class Config:
     """Truncated importance sampling cap C on pi_trainer / pi_behaviour; None = no correction."""
     opsm_delta: float | None = None
     """Off-policy sequence masking: drop negative-advantage sequences whose mean |log ratio| exceeds this."""
+    behav_clip: bool = True
+    """Trust region against the policy that sampled the tokens: a token whose probability already moved beyond
+    [1 - clip_low, 1 + clip_high] of its sampling probability, in the direction its advantage pushes, gets no
+    gradient. Off-policy (K >= 1) it keeps a stale batch from pushing the policy further than PPO would; on-policy
+    it does nothing."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL to the reference (the base model, adapter disabled). 0 = off."""
 

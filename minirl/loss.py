@@ -6,6 +6,11 @@ Where this departs from the GRPO paper (Shao et al., 2024):
   batch it is 1 and only the gradient flows), and the gap between that policy and the *behaviour* policy that
   actually sampled the tokens (a stale adapter, or an engine whose numerics differ) is corrected by a truncated
   importance weight min(pi_prox / pi_behav, C) (TIS). The paper assumes the two are the same.
+- With one update per batch that clip is inert, so nothing bounds how far the trainer has already moved from the
+  stale policy that sampled a batch. `behav_clip` restores PPO's trust region against the *behaviour* policy: a
+  token whose probability already moved beyond the clip range since it was sampled, in the direction its
+  advantage pushes, gets no gradient (the gradient of PPO's clipped objective with old = behaviour). On-policy the
+  ratio is 1 and it does nothing.
 - Clipping may be asymmetric (DAPO's clip-higher): ratio in [1 - clip_low, 1 + clip_high].
 - The KL term to the reference is optional and off by default (Dr. GRPO / DAPO drop it); when on it uses the
   k3 estimator, like the paper.
@@ -60,6 +65,7 @@ class LossOut:
     loss: torch.Tensor          # scalar, already aggregated with the given weights (sum over this micro-batch)
     n_tokens: int
     clipped: float              # number of tokens where the clipped branch was active
+    behav_clipped: float        # number of tokens outside the trust region around the behaviour policy
     is_truncated: float         # number of tokens whose IS weight hit the cap
     is_weight_sum: float
     kl_behav_sum: float         # sum of k3 KL(behaviour || trainer) estimates
@@ -80,6 +86,7 @@ def policy_loss(
     ref_logp_B_T: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     opsm_delta: float | None = None,
+    behav_clip: bool = False,
 ) -> LossOut:
     """Decoupled clipped surrogate with truncated IS, optional k3 KL to a reference and optional OPSM.
 
@@ -87,6 +94,8 @@ def policy_loss(
     weight_B_T: per-token aggregation weights from `token_weights` (zero on prompt and padding tokens).
     OPSM (off-policy sequence masking): a sequence with negative advantage whose mean |log ratio| to the
     behaviour policy exceeds `opsm_delta` is masked out.
+    `behav_clip`: tokens whose pi_trainer / pi_behaviour is already above 1 + clip_high with a positive advantage,
+    or below 1 - clip_low with a negative one, are masked out (PPO's clip against the sampling policy).
     """
     mask = mask_B_T.bool()
     adv = adv_B[:, None].to(logp_B_T.dtype)
@@ -99,6 +108,11 @@ def policy_loss(
         is_w = is_w.clamp(max=tis_cap)
     per_tok = -is_w * surr
     w = weight_B_T.to(logp_B_T.dtype)
+    out_B_T = torch.zeros_like(mask)
+    if behav_clip:
+        r_b = torch.exp(logp_B_T.detach() - behav_logp_B_T)
+        out_B_T = ((adv > 0) & (r_b > 1 + clip_high)) | ((adv < 0) & (r_b < 1 - clip_low))
+        w = w * ~out_B_T
     if opsm_delta is not None:
         n = mask.sum(1).clamp(min=1)
         seq_gap = (log_is.abs() * mask).sum(1) / n
@@ -117,6 +131,7 @@ def policy_loss(
             loss=loss,
             n_tokens=int(mask.sum()),
             clipped=float(((surr != ratio * adv) & mask).sum()),
+            behav_clipped=float((out_B_T & mask).sum()),
             is_truncated=float(((torch.exp(log_is) > tis_cap) & mask).sum()) if tis_cap is not None else 0.0,
             is_weight_sum=float((is_w * mask).sum()),
             kl_behav_sum=float(((torch.exp(d_b) - d_b - 1) * mask).sum()),

@@ -22,6 +22,7 @@ METRICS: dict[str, str] = {
     "length/truncated_frac": "fraction of completions cut by max_tokens",
     "loss": "policy loss (aggregated)",
     "clip_frac": "fraction of tokens where the clipped branch was active",
+    "clip_frac/behav": "fraction of tokens outside the trust region around the sampling policy (behav_clip)",
     "kl_behav": "approx KL(behaviour || trainer), k3 estimator, per token",
     "kl_ref": "approx KL to the reference (adapter disabled), per token",
     "entropy": "mean token entropy of the trainer policy on completions",

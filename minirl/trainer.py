@@ -210,7 +210,7 @@ class Trainer:
         micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
         olds: list[torch.Tensor] = []
         self.model.train()
-        tot = dict(loss=0.0, clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0, ent=0.0, n=0)
+        tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0, ent=0.0, n=0)
         for epoch in range(c.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             for i, mb in enumerate(micro):
@@ -222,11 +222,12 @@ class Trainer:
                     with torch.no_grad(), self.model.disable_adapter():
                         ref, _ = completion_logprobs(self.model, mb, c.temperature)
                 out = policy_loss(logp, olds[i], mb.behav_logp_B_L, mb.adv_B, mb.weight_B_L, mb.tgt_mask_B_L,
-                                  c.clip_low, c.clip_high, c.tis_cap, ref, c.kl_coef, c.opsm_delta)
+                                  c.clip_low, c.clip_high, c.tis_cap, ref, c.kl_coef, c.opsm_delta,
+                                  c.behav_clip)
                 out.loss.backward()
                 if epoch == 0:
-                    for k, v in (("clipped", out.clipped), ("is_trunc", out.is_truncated), ("is_w", out.is_weight_sum),
-                                 ("kl_b", out.kl_behav_sum), ("kl_r", out.kl_ref_sum), ("mism", out.mismatch_sum),
+                    for k, v in (("clipped", out.clipped), ("behav_clipped", out.behav_clipped),
+                                 ("is_trunc", out.is_truncated), ("is_w", out.is_weight_sum), ("kl_b", out.kl_behav_sum), ("kl_r", out.kl_ref_sum), ("mism", out.mismatch_sum),
                                  ("ent", ent), ("n", out.n_tokens)):
                         tot[k] += v
                     tot["loss"] += out.loss.item()
@@ -239,7 +240,8 @@ class Trainer:
             self.version += 1
         n = max(1, tot["n"])
         m.update({
-            "loss": tot["loss"], "clip_frac": tot["clipped"] / n, "kl_behav": tot["kl_b"] / n,
+            "loss": tot["loss"], "clip_frac": tot["clipped"] / n, "clip_frac/behav": tot["behav_clipped"] / n,
+            "kl_behav": tot["kl_b"] / n,
             "kl_ref": tot["kl_r"] / n, "entropy": tot["ent"] / n, "is_weight/mean": tot["is_w"] / n,
             "is_weight/truncated_frac": tot["is_trunc"] / n, "logprob_mismatch": tot["mism"] / n,
             "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0],

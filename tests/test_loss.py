@@ -98,3 +98,25 @@ def test_opsm_masks_stale_negative_sequences():
     out = _loss(logp, logp, behav, torch.tensor([1.0, -1.0]), mask, tis_cap=None, opsm_delta=0.5)
     # row 0 (positive adv) kept: -e per token * 1/4 weight * 2 tokens; row 1 masked
     assert out.loss.item() == pytest.approx(-math.e / 2, rel=1e-5)
+
+
+def test_behav_clip_masks_tokens_already_pushed_past_the_trust_region():
+    """PPO's clip against the sampling policy: with one update per batch the proximal ratio is 1, so only
+    `behav_clip` stops a stale batch from pushing a token further than [1 - clip_low, 1 + clip_high] of its sampling
+    probability; tokens it would push back, and on-policy tokens, keep their gradient."""
+    # per token pi/mu: 1.5 (above 1.28), 0.5 (below 0.8), 1.0
+    behav = torch.log(torch.tensor([[1 / 1.5, 1 / 0.5, 1.0]])).repeat(2, 1)
+    logp = torch.zeros(2, 3, requires_grad=True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    out = _loss(logp, logp.detach(), behav, adv, mask, tis_cap=None, behav_clip=True)
+    out.loss.backward()
+    g = logp.grad
+    # advantage > 0: the token already at 1.5x gets nothing; the one at 0.5x is pushed up with IS weight 0.5
+    assert g[0, 0] == 0 and g[0, 1].item() == pytest.approx(-0.5 / 6) and g[0, 2].item() == pytest.approx(-1 / 6)
+    # advantage < 0: the token already at 0.5x gets nothing; the one at 1.5x is pushed down with IS weight 1.5
+    assert g[1, 1] == 0 and g[1, 0].item() == pytest.approx(1.5 / 6) and g[1, 2].item() == pytest.approx(1 / 6)
+    assert out.behav_clipped == 2
+    on = _loss(logp.detach(), logp.detach(), logp.detach(), adv, mask, behav_clip=True)
+    off = _loss(logp.detach(), logp.detach(), logp.detach(), adv, mask, behav_clip=False)
+    assert on.behav_clipped == 0 and on.loss.item() == off.loss.item()
