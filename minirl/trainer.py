@@ -210,7 +210,8 @@ class Trainer:
         micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
         olds: list[torch.Tensor] = []
         self.model.train()
-        tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0, ent=0.0, n=0)
+        tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0,
+                   ent=0.0, n=0)
         for epoch in range(c.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             for i, mb in enumerate(micro):
@@ -227,7 +228,8 @@ class Trainer:
                 out.loss.backward()
                 if epoch == 0:
                     for k, v in (("clipped", out.clipped), ("behav_clipped", out.behav_clipped),
-                                 ("is_trunc", out.is_truncated), ("is_w", out.is_weight_sum), ("kl_b", out.kl_behav_sum), ("kl_r", out.kl_ref_sum), ("mism", out.mismatch_sum),
+                                 ("is_trunc", out.is_truncated), ("is_w", out.is_weight_sum),
+                                 ("kl_b", out.kl_behav_sum), ("kl_r", out.kl_ref_sum), ("mism", out.mismatch_sum),
                                  ("ent", ent), ("n", out.n_tokens)):
                         tot[k] += v
                     tot["loss"] += out.loss.item()
