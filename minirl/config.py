@@ -106,7 +106,7 @@ class Config:
     """Trust region against the policy that sampled the tokens: a token whose probability already moved beyond
     [1 - clip_low, 1 + clip_high] of its sampling probability, in the direction its advantage pushes, gets no
     gradient. Off-policy (K >= 1) it keeps a stale batch from pushing the policy further than PPO would; on-policy
-    it does nothing."""
+    it does nothing (up to engine/trainer numerics)."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL to the reference (the base model, adapter disabled). 0 = off."""
 

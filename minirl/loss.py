@@ -10,7 +10,8 @@ Where this departs from the GRPO paper (Shao et al., 2024):
   stale policy that sampled a batch. `behav_clip` restores PPO's trust region against the *behaviour* policy: a
   token whose probability already moved beyond the clip range since it was sampled, in the direction its
   advantage pushes, gets no gradient (the gradient of PPO's clipped objective with old = behaviour). On-policy the
-  ratio is 1 and it does nothing.
+  ratio is 1 and it does nothing, up to engine numerics (a bf16 engine's token far from the trainer's probability
+  is masked, as PPO with the engine's logprobs as "old" would).
 - Clipping may be asymmetric (DAPO's clip-higher): ratio in [1 - clip_low, 1 + clip_high].
 - The KL term to the reference is optional and off by default (Dr. GRPO / DAPO drop it); when on it uses the
   k3 estimator, like the paper.
