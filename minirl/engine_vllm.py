@@ -35,7 +35,6 @@ import weakref
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
 from typing import AsyncIterator, Callable, Sequence
 
-from .config import parse_cores
 from .generator import SamplingParams
 from .sync import SyncVerificationError  # one error class for every verification path
 from .types import Completion, Group, Prompt
@@ -126,7 +125,6 @@ class VLLMGenerator:
 
         self.model_path = model_path
         self.on_cpu = current_platform.is_cpu()
-        self._cpu_cores = cpu_cores
         kw = dict(model=model_path, enable_lora=True, max_lora_rank=_lora_rank_slot(max_lora_rank),
                   max_loras=max_loras, max_cpu_loras=max_loras + 2, max_model_len=max_model_len, seed=seed,
                   dtype=dtype, logprobs_mode="processed_logprobs", max_logprobs=-1, disable_log_stats=True)
@@ -170,10 +168,6 @@ class VLLMGenerator:
 
     async def _start(self):
         from vllm.v1.engine.async_llm import AsyncLLM
-        if self.on_cpu and self._cpu_cores and hasattr(os, "sched_setaffinity"):
-            # this loop thread, and so the engine processes it spawns, on the generation cores: the engine core
-            # process (which spins while it waits for the worker) then never competes with the trainer's core
-            os.sched_setaffinity(0, parse_cores(self._cpu_cores))
         self._engine.llm = AsyncLLM.from_engine_args(self.engine_args)
         self.dtype = str(self._engine.llm.model_config.dtype).removeprefix("torch.")
 
