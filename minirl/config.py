@@ -209,15 +209,6 @@ class Config:
         return dataclasses.replace(self, **kw)
 
 
-def parse_cores(spec: str) -> list[int]:
-    """CPU cores of a device spec: "0", "0-1", "0,2" -> [0], [0, 1], [0, 2]."""
-    out: list[int] = []
-    for part in str(spec).split(","):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
-
-
 # The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
 # 2 CPU cores. `minirl bench learning` runs this same config.
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import data as D
-from .config import Config, parse_cores
+from .config import Config
 from .engine_vllm import vllm_available  # imports no vllm itself
 from .generator import Generator, HFGenerator, SamplingParams
 from .metrics import MetricsLog, rollout_metrics
@@ -49,13 +49,21 @@ def cpu_split(cfg: Config) -> tuple[str | None, int]:
     n = os.cpu_count() or 1
     gen = None if cfg.gen_devices == "auto" else cfg.gen_devices
     if cfg.train_devices != "auto":
-        train = len(parse_cores(cfg.train_devices))
+        train = len(_cores(cfg.train_devices))
     elif cfg.max_async_steps == 0 or n == 1:
         train = n  # synchronous: the two sides take turns, each may use every core
     else:
         train = max(1, n // 2)
         gen = gen or (f"0-{n - train - 1}" if n - train > 1 else "0")
     return gen, train
+
+
+def _cores(spec: str) -> list[int]:
+    out: list[int] = []
+    for part in str(spec).split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
 
 
 def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, max_tokens: int) -> float:
@@ -129,8 +137,7 @@ class Run:
             from .genproc import ProcGenerator, ShmSync
             from .transports import adapter_params
             self.generator = ProcGenerator(c, adapter_params(self.trainer.model),
-                                           cores=parse_cores(gen_cores) if gen_cores else None,
-                                           device=self.trainer.device)
+                                           cores=_cores(gen_cores) if gen_cores else None, device=self.trainer.device)
             self.sync = ShmSync()
             self._sync_why = "transformers generator process: the adapter goes through one shared-memory buffer"
         else:
@@ -138,7 +145,7 @@ class Run:
             self.sync = SharedSync()
             self._sync_why = "synchronous transformers loop: the generator uses the trainer's own model"
         if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, parse_cores(c.train_devices))  # this (trainer) thread; after the engine spawned
+            os.sched_setaffinity(0, _cores(c.train_devices))  # this (trainer) thread; after the engine spawned
         self.stream = D.prompt_stream(self.train_prompts, c.seed)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         self.log.log("start", config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
