@@ -159,6 +159,9 @@ class VLLMGenerator:
         from .transports import SwapLog
         self.swaps = SwapLog()                  # in-place swap reports (inflight policy)
         self._swapped: set[int] = set()         # LoRA ids whose weights were swapped in place at least once
+        self._swap_lock = threading.Lock()      # direct swaps are reported from the trainer's thread
+        self._swaps_pending = 0                 # direct swaps begun, not yet reported (`begin_swap`)
+        self._settled: list[asyncio.Future] = []
         self.dtype = dtype  # resolved by the engine at start
         try:
             self._engine.call(self._start())
@@ -192,10 +195,11 @@ class VLLMGenerator:
 
     def _acquire(self):
         """The adapter and version for a new request; counted as in flight until `_release`."""
-        lora = self._lora
+        with self._swap_lock:
+            lora, version = self._lora, self._version
         if lora is not None:
             self._inflight[lora.lora_int_id] = self._inflight.get(lora.lora_int_id, 0) + 1
-        return lora, self._version
+        return lora, version
 
     async def _release(self, lora):
         if lora is None:
@@ -226,6 +230,7 @@ class VLLMGenerator:
         finally:
             self._running.pop(rid, None)
             await self._release(lora)
+        await self._swaps_settled()  # a direct swap may have landed during this request: wait for its report
         return final, rid, lora, version
 
     async def generate_group(self, prompt: Prompt, n: int, params: SamplingParams) -> Group:
@@ -335,8 +340,7 @@ class VLLMGenerator:
         """New requests use `lora` as `version`; the previous adapter is removed once no in-flight request uses
         it (unless it is the same id, swapped in place)."""
         if report is not None and report.get("inplace"):
-            self.swaps.add(report)
-            self._swapped.add(lora.lora_int_id)
+            self._note_swap(lora.lora_int_id, report)
         old, self._lora, self._version = self._lora, lora, version
         if self.abort_on_swap:  # generate_group resubmits their unfinished sequences under the new adapter
             new_id = None if lora is None else lora.lora_int_id
@@ -348,6 +352,43 @@ class VLLMGenerator:
                 self._retired.add(old.lora_int_id)
             else:
                 await self._remove(old.lora_int_id)
+
+    def _note_swap(self, lora_id: int, report: dict) -> None:
+        self.swaps.add(report)
+        self._swapped.add(lora_id)
+
+    # Direct in-place swaps (the doorbell, `minirl.transports`) are reported from the trainer's thread, not
+    # through the engine's output stream. Requests that finish while one is in flight wait for its report, so
+    # their per-token versions see every swap that landed before their last step.
+
+    def begin_swap(self) -> None:
+        """A direct in-place swap is about to be sent to the worker."""
+        with self._swap_lock:
+            self._swaps_pending += 1
+
+    def end_swap(self, lora_id: int, name: str, path: str, version: int, report: dict | None) -> None:
+        """That swap is over: with the worker's `report`, LoRA `lora_id` now serves `version` (new requests use
+        `path`, fresh for the prefix cache); with None it failed and nothing changed."""
+        from vllm.lora.request import LoRARequest
+        with self._swap_lock:
+            if report is not None:
+                self._note_swap(lora_id, report)
+                self._lora, self._version = LoRARequest(name, lora_id, path), version
+            self._swaps_pending -= 1
+        self.loop.call_soon_threadsafe(self._wake_settled)
+
+    def _wake_settled(self) -> None:
+        if not self._swaps_pending:
+            for f in self._settled:
+                if not f.done():
+                    f.set_result(None)
+            self._settled.clear()
+
+    async def _swaps_settled(self) -> None:
+        while self._swaps_pending:
+            f = self.loop.create_future()
+            self._settled.append(f)
+            await f
 
     def load_adapter(self, path: str | None, version: int) -> None:
         """Serve the peft adapter saved at `path` (adapter_config.json + adapter_model.safetensors) as policy

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .sync import SyncStats
-from .vllm_ext import PROGRESS_BITS, PROGRESS_MASK, broadcast, lora_path_for, open_group, unpack
+from .vllm_ext import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, lora_path_for, open_group, unpack
 
 WORKER_EXTENSION = "minirl.vllm_ext.AdapterReceiver"
 TRANSPORTS = ("auto", "ipc", "collective", "files")
@@ -242,6 +242,57 @@ async def install(generator, channel: str, lora_id: int, version: int, timeout_s
     return info
 
 
+class _Install:
+    """One install request in flight: rung on the channel's doorbell (`ring`: straight to the worker's thread, the
+    report handed to the generator from here) or sent as vLLM's engine call (`install`, on the engine loop)."""
+
+    def __init__(self, sender: "_Sender", lora_id: int, version: int, seq: int | None, ring: bool,
+                 chunk: int | None = None):
+        self.sender, self.ring = sender, ring and sender.bell is not None
+        gen, name = sender.generator, f"minirl-v{version}-{lora_id}"
+        if not self.ring:
+            self.fut = asyncio.run_coroutine_threadsafe(
+                install(gen, sender.channel, lora_id, version, sender.timeout_s, seq=seq), gen.loop)
+            return
+        self.swap = (lora_id, name, lora_path_for(lora_id, version), version)
+        self.t_ring = time.monotonic()
+        gen.begin_swap()
+        try:
+            sender.bell.send({"channel": sender.channel, "lora_id": lora_id, "version": version, "name": name,
+                              "timeout_s": sender.timeout_s, "seq": seq, "chunk": chunk})
+        except BaseException as e:
+            self.cancel()
+            raise SyncError(f"the engine worker is gone (its doorbell: {type(e).__name__}: {e})") from e
+
+    def result(self) -> dict:
+        if not self.ring:
+            return _result(self.fut, self.sender.timeout_s)
+        report, wait_s = None, self.sender.timeout_s + 2  # the worker's own wait ends first: its error says why
+        try:
+            try:
+                if not self.sender.bell.poll(wait_s):
+                    raise SyncTimeout(f"the engine worker did not answer the push within {wait_s:.0f} s")
+                status, answer = self.sender.bell.recv()
+            except (EOFError, OSError) as e:
+                raise SyncError(f"the engine worker is gone (its doorbell: {type(e).__name__}: {e})") from e
+            if status != "ok":
+                raise SyncError(f"engine install failed: {answer}")
+            report = answer
+            report.update(t_ring=self.t_ring, t_answered=time.monotonic())
+            return report
+        finally:
+            self.sender.generator.end_swap(*self.swap, report)
+            if report is None:
+                self.sender.drop_bell()  # no stale answer can be read by a later push: it goes by engine call
+
+    def cancel(self) -> None:
+        if self.ring:
+            self.sender.generator.end_swap(*self.swap, None)
+            self.sender.drop_bell()
+        else:
+            self.fut.cancel()
+
+
 class _Sender:
     transport = "?"
 
@@ -262,7 +313,20 @@ class _Sender:
         self.channel = f"{self.transport}-{uuid.uuid4().hex[:8]}"
         self.device = next(iter(tensors.values())).device
         self.packer: Packer | None = None
+        self.bell = None  # multiprocessing Connection to the worker's doorbell (see `open_bell`)
         self.closed = False
+
+    def open_bell(self, opened: dict) -> None:
+        """Connect to the doorbell the worker opened with the channel (its `minirl_open_channel` answer)."""
+        from multiprocessing.connection import Client
+        bell = opened.get("doorbell")
+        if bell is not None:
+            self.bell = Client(bell["address"], family="AF_UNIX", authkey=bell["authkey"])
+
+    def drop_bell(self) -> None:
+        bell, self.bell = self.bell, None
+        if bell is not None:
+            bell.close()
 
     def _pack(self) -> None:
         if self.packer is not None:  # zero-copy senders have nothing to pack
@@ -270,18 +334,19 @@ class _Sender:
         if self.device.type == "cuda":  # the trainer's last writes must be done before the worker reads
             torch.cuda.current_stream(self.device).synchronize()
 
-    def send(self, lora_id: int, version: int) -> dict:
-        """Hand over the live tensors as LoRA `lora_id` / policy `version`; returns the worker's report."""
+    def send(self, lora_id: int, version: int, ring: bool = False) -> dict:
+        """Hand over the live tensors as LoRA `lora_id` / policy `version`; returns the worker's report. `ring`:
+        an in-place swap of an installed id, sent by the doorbell when the channel has one."""
         if self.closed:
             raise SyncError("this adapter sender is closed")
         self._pack()
-        return call_on_loop(self.generator, install(self.generator, self.channel, lora_id, version, self.timeout_s),
-                            self.timeout_s)
+        return _Install(self, lora_id, version, None, ring).result()
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        self.drop_bell()
         try:
             if not getattr(self.generator._engine, "closed", True):
                 call_on_loop(self.generator, rpc(self.generator, "minirl_close_channel", self.channel,
@@ -322,7 +387,7 @@ class IpcSender(_Sender):
     HEADER = 64  # bytes
 
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False,
-                 chunk_bytes: int = 1 << 20, overlap: bool | None = None):
+                 chunk_bytes: int = 1 << 20, overlap: bool | None = None, doorbell: bool = True):
         params = list(tensors.values())
         zero_copy = zero_copy and _uniform(params)
         super().__init__(generator, tensors, peft_config, timeout_s, None if zero_copy else scales,
@@ -343,33 +408,33 @@ class IpcSender(_Sender):
             move_into(params, flat)
         else:
             self.packer = Packer(tensors, flat, self.layout, self.scales)
+        source["doorbell"] = doorbell
         try:
-            call_on_loop(generator, rpc(generator, "minirl_open_channel", self.channel, self.layout, source,
-                                        timeout_s=timeout_s), timeout_s)
+            self.open_bell(call_on_loop(generator, rpc(generator, "minirl_open_channel", self.channel, self.layout,
+                                                       source, timeout_s=timeout_s), timeout_s))
         finally:
             self._unlink()  # both sides hold their mapping now; the name is not needed (and cannot leak)
 
-    def send(self, lora_id: int, version: int) -> dict:
+    def send(self, lora_id: int, version: int, ring: bool = False) -> dict:
         if self.header is None:
-            return super().send(lora_id, version)
+            return super().send(lora_id, version, ring)
         if self.closed:
             raise SyncError("this adapter sender is closed")
         self.seq += 1
         self._progress(0)
-        fut = asyncio.run_coroutine_threadsafe(
-            install(self.generator, self.channel, lora_id, version, self.timeout_s, seq=self.seq),
-            self.generator.loop)
+        pending = _Install(self, lora_id, version, self.seq, ring)
         try:
             if self.packer is None:
                 self._progress(self.layout["numel"])
             else:
                 for done in self.packer.pack_chunks(self.chunk):
                     self._progress(done)
+            t_packed = time.monotonic()
         except BaseException:
             self._progress(PROGRESS_MASK)  # the worker stops waiting and reports it
-            fut.cancel()
+            pending.cancel()
             raise
-        return _result(fut, self.timeout_s)
+        return {**pending.result(), "t_packed": t_packed}
 
     def _progress(self, done: int) -> None:
         """Publish `done` packed elements of push `seq`: one aligned 64-bit store, push number and progress
@@ -410,7 +475,8 @@ class CollectiveSender(_Sender):
     transport = "collective"
 
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None,
-                 host: str = "127.0.0.1", port: int | None = None):
+                 host: str = "127.0.0.1", port: int | None = None, doorbell: bool = True,
+                 chunk_bytes: int = 4 << 20):
         super().__init__(generator, tensors, peft_config, timeout_s, scales)
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
         on_gpu = self.device.type == "cuda" and not getattr(generator, "on_cpu", True)
@@ -418,8 +484,10 @@ class CollectiveSender(_Sender):
         self.device = self.device if on_gpu else torch.device("cpu")
         self.raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.packer = Packer(tensors, self.raw.view(dtype), self.layout, self.scales)
+        self.chunk = max(1, chunk_bytes // self.raw.view(dtype).element_size())
         port = port or free_port(host)
-        source = {"kind": "collective", "host": host, "port": port, "backend": self.backend, "timeout_s": timeout_s}
+        source = {"kind": "collective", "host": host, "port": port, "backend": self.backend, "timeout_s": timeout_s,
+                  "doorbell": doorbell}
         fut = asyncio.run_coroutine_threadsafe(
             rpc(generator, "minirl_open_channel", self.channel, self.layout, source, timeout_s=timeout_s + 5),
             generator.loop)
@@ -429,22 +497,39 @@ class CollectiveSender(_Sender):
             fut.cancel()
             raise
         try:
-            fut.result(timeout=timeout_s + 10)
+            self.open_bell(fut.result(timeout=timeout_s + 10))
         except Exception as e:
             raise SyncError(f"the engine worker could not join the collective sync group: {e}") from e
 
-    def send(self, lora_id: int, version: int) -> dict:
+    def send(self, lora_id: int, version: int, ring: bool = False) -> dict:
+        """By engine call: pack, then broadcast the buffer whole. By the doorbell: the request goes first, then
+        each chunk of `chunk_bytes` is broadcast as soon as it is packed, and the worker copies the tensors of
+        each chunk into the slot as it arrives (pack, transfer and copy overlap)."""
         if self.closed:
             raise SyncError("this adapter sender is closed")
-        self._pack()
-        fut = asyncio.run_coroutine_threadsafe(
-            install(self.generator, self.channel, lora_id, version, self.timeout_s), self.generator.loop)
+        if not (ring and self.bell is not None):
+            self._pack()
+        n, es = self.layout["numel"], self.nbytes // self.layout["numel"]
+        pending = _Install(self, lora_id, version, None, ring, chunk=self.chunk)
         try:
-            broadcast(self.group, self.raw, self.timeout_s, "the trainer's send")
+            if not pending.ring:
+                broadcast(self.group, self.raw, self.timeout_s, "the trainer's send")
+            else:
+                works, sent = [], 0
+                for done in self.packer.pack_chunks(self.chunk):
+                    while sent < n and min(n, sent + self.chunk) <= done:
+                        hi = min(n, sent + self.chunk)
+                        works.append(broadcast(self.group, self.raw[sent * es:hi * es], self.timeout_s,
+                                               "the trainer's send", wait=False))
+                        sent = hi
+                t_packed = time.monotonic()
+                for w in works:
+                    finish(w, self.timeout_s, "the trainer's send")
         except Exception as e:
-            fut.cancel()
+            pending.cancel()
             raise SyncTimeout(str(e)) from e
-        return _result(fut, self.timeout_s)
+        report = pending.result()
+        return {**report, "t_packed": t_packed} if pending.ring else report
 
     def close(self) -> None:
         super().close()
@@ -524,10 +609,11 @@ class TensorSync:
     def push(self, trainer, generator) -> SyncStats:
         t0 = time.perf_counter()
         sender = self._sender(trainer, generator)
+        ring = self.inflight and self.lora_id is not None  # an in-place swap of the installed id: the doorbell
         if self.lora_id is None or not self.inflight:
             self.lora_id = next(_LORA_IDS)
         try:
-            self.last = sender.send(self.lora_id, trainer.version)
+            self.last = sender.send(self.lora_id, trainer.version, ring=ring)
         except BaseException:
             # an in-place push that failed midway may have left that id's slot part old, part new: a later push
             # starts a fresh id

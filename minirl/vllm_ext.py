@@ -22,11 +22,19 @@ How an adapter gets in, without files:
   the store instead of files; so a LoRARequest with such a path can be served, evicted and reloaded like a file
   adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry.
 
+The doorbell (CPU and GPU alike): vLLM's utility call reaches the worker through the engine core (client loop →
+ZMQ → engine core → the executor's shared-memory queue → worker, and back): ~5-7 ms on this 2-core machine, more
+than the copy it carries. So a channel also opens a doorbell: a local socket (`multiprocessing.connection`, with an
+authkey) served by a thread in the worker process. The sender rings it for in-place pushes to an installed id;
+the thread runs the same install. A gate makes it exclusive with engine steps (a step is `execute_model` through
+`sample_tokens`) and with the worker's other LoRA calls; a waiting install gets in before the next step.
+
 Everything a call needs travels as plain msgpack-able values (ints, strings, bytes, lists, dicts).
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -85,8 +93,9 @@ def open_group(host: str, port: int, rank: int, backend: str, timeout_s: float, 
     return store, pg
 
 
-def broadcast(pg, buf, timeout_s: float, what: str) -> None:
-    """Broadcast `buf` from rank 0; a peer that is gone or late raises within `timeout_s`."""
+def broadcast(pg, buf, timeout_s: float, what: str, wait: bool = True):
+    """Broadcast `buf` from rank 0; a peer that is gone or late raises within `timeout_s`. `wait=False`: returns
+    the started work, for `finish`."""
     import torch.distributed as dist
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
@@ -94,10 +103,21 @@ def broadcast(pg, buf, timeout_s: float, what: str) -> None:
     opts.timeout = timedelta(seconds=timeout_s)
     try:
         work = pg.broadcast([buf], opts)
+    except Exception as e:
+        raise _broadcast_error(e, timeout_s, what) from e
+    return finish(work, timeout_s, what) if wait else work
+
+
+def finish(work, timeout_s: float, what: str) -> None:
+    try:
         work.wait(timedelta(seconds=timeout_s))
     except Exception as e:
-        raise RuntimeError(f"minirl collective sync failed during {what} (peer gone or no answer within "
-                           f"{timeout_s:.0f} s): {type(e).__name__}: {e}") from e
+        raise _broadcast_error(e, timeout_s, what) from e
+
+
+def _broadcast_error(e: Exception, timeout_s: float, what: str) -> RuntimeError:
+    return RuntimeError(f"minirl collective sync failed during {what} (peer gone or no answer within "
+                        f"{timeout_s:.0f} s): {type(e).__name__}: {e}")
 
 
 def _same_layout(a: dict, b: dict) -> bool:
@@ -111,6 +131,108 @@ def _device_uuid(device) -> str | None:
     if device.type != "cuda":
         return None
     return str(torch.cuda.get_device_properties(device).uuid)
+
+
+class _Gate:
+    """One thing at a time in the worker's LoRA state: an engine step, a LoRA call, or an install. Installs that
+    are waiting go before the next step (`enter(install=True)`)."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.busy = False
+        self.installs_waiting = 0
+
+    def enter(self, install: bool = False, timeout_s: float | None = None) -> None:
+        with self.cv:
+            self.installs_waiting += install
+            try:
+                free = self.cv.wait_for(lambda: not self.busy and (install or not self.installs_waiting), timeout_s)
+            finally:
+                self.installs_waiting -= install
+            if not free:
+                raise TimeoutError(f"minirl adapter receiver: the engine step did not end within {timeout_s:.0f} s")
+            self.busy = True
+
+    def leave(self) -> None:
+        with self.cv:
+            self.busy = False
+            self.cv.notify_all()
+
+    def __enter__(self):
+        self.enter()
+
+    def __exit__(self, *exc):
+        self.leave()
+
+
+class _Doorbell:
+    """A socket served by a thread of the worker process: each request is an install (the `_minirl_install`
+    kwargs), answered ("ok", report) or ("error", message). Only the sender holding the authkey can connect."""
+
+    def __init__(self, receiver, channel: str):
+        from multiprocessing.connection import Listener
+        self.authkey = os.urandom(16)
+        self.listener = Listener(family="AF_UNIX", authkey=self.authkey)
+        self.conn = None
+        self.receiver, self.channel = receiver, channel
+        self.stream = getattr(receiver._minirl(), "stream", None)
+        self.thread = threading.Thread(target=self._serve, name=f"minirl-doorbell-{channel}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        import torch
+        try:
+            self.conn = self.listener.accept()
+        except Exception:
+            return
+        finally:
+            self.listener.close()
+        device = getattr(self.receiver, "device", None)
+        if device is not None and torch.device(device).type == "cuda":
+            torch.cuda.set_device(device)
+        gate = self.receiver._minirl().gate
+        while True:
+            try:
+                req = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            stamps = {"t_rung": time.monotonic()}  # for scripts/sync_breakdown.py (one clock for all processes)
+            try:
+                ch = self.receiver._minirl().channels.get(req["channel"])
+                if ch is not None:  # a whole transfer (collective) needs no gate: the buffer is ours alone
+                    ch.receive(req["timeout_s"], req.get("chunk"))
+                stamps["t_received"] = time.monotonic()
+                gate.enter(install=True, timeout_s=req["timeout_s"])
+                stamps["t_gate"] = time.monotonic()
+                try:
+                    with _on_stream(self.stream):
+                        report = self.receiver._minirl_install(**req, received=True)
+                    answer = ("ok", {**report, "via": "doorbell", **stamps, "t_done": time.monotonic()})
+                finally:
+                    gate.leave()
+            except Exception as e:
+                answer = ("error", f"{type(e).__name__}: {e}")
+            try:
+                self.conn.send(answer)
+            except (EOFError, OSError):
+                return
+
+    def close(self) -> None:
+        for c in (self.conn, self.listener):
+            try:
+                if c is not None:
+                    c.close()
+            except Exception:
+                pass
+
+
+def _on_stream(stream):
+    """The engine's CUDA stream for the doorbell thread's copies (so they are ordered with the forward passes)."""
+    import contextlib
+    if stream is None:
+        return contextlib.nullcontext()
+    import torch
+    return torch.cuda.stream(stream)
 
 
 class _Channel:
@@ -143,11 +265,21 @@ class _Channel:
             raise ValueError(f"unknown minirl channel kind {self.kind!r}")
         self.raw = raw
         self.flat = raw.view(dtype)
+        self.bell: _Doorbell | None = None
+        self.chunk, self.got = None, 0  # a chunked broadcast in progress: its chunk size, elements received
 
     def wait(self, seq: int | None, upto: int, deadline: float) -> int:
-        """Until the sender's push `seq` has packed at least the first `upto` elements (a header channel; others
-        are complete once received): returns how many are packed. Yields the core while waiting; raises when the
-        sender gave up or at `deadline` (monotonic)."""
+        """Until the sender's push `seq` has packed at least the first `upto` elements (a header channel), or
+        they have arrived (a chunked broadcast; others are complete once received): returns how many are there.
+        Yields the core while waiting; raises when the sender gave up or at `deadline` (monotonic)."""
+        if self.chunk:
+            n, es = self.flat.numel(), self.flat.element_size()
+            while self.got < upto:
+                hi = min(n, self.got + self.chunk)
+                broadcast(self.group, self.raw[self.got * es:hi * es], max(0.1, deadline - time.monotonic()),
+                          "the engine worker's receive")
+                self.got = hi
+            return self.got
         if self.header is None or seq is None:
             return self.flat.numel()
         while True:
@@ -165,9 +297,13 @@ class _Channel:
                                    f"gone or stuck)")
             os.sched_yield()
 
-    def receive(self, timeout_s: float):
-        """The current adapter bytes (a view; copy before the sender may write again)."""
-        if self.kind == "collective":
+    def receive(self, timeout_s: float, chunk: int | None = None):
+        """The current adapter bytes (a view; copy before the sender may write again). A broadcast sent in
+        chunks of `chunk` elements is only announced here: `wait` takes the chunks as they are needed."""
+        self.chunk, self.got = None, 0
+        if self.kind == "collective" and chunk:
+            self.chunk = int(chunk)
+        elif self.kind == "collective":
             broadcast(self.group, self.raw, timeout_s, "the engine worker's receive")
         elif self.kind == "cuda_ipc":
             import torch
@@ -175,6 +311,9 @@ class _Channel:
         return self.flat
 
     def close(self):
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
         if self.group is not None:
             try:
                 import torch.distributed as dist
@@ -196,6 +335,9 @@ class _State:
         self.plans: dict[int, tuple] = {}                    # lora id -> fast in-place copy plan
         self.started: dict[int, list] = {}   # lora id -> [(worker request id, version it started on)] since last install
         self.stale: dict[int, tuple] = {}    # lora id -> (its LoRAModel tensors, its slot views): slots are newer
+        self.gate = _Gate()                  # steps vs installs from the doorbell thread
+        self.mid_step = False                # execute_model returned; the step ends with sample_tokens
+        self.stream = None                   # CUDA: the stream the worker's calls run on
         self.wrapped = False
 
 
@@ -255,6 +397,7 @@ class AdapterReceiver:
         wm._load_adapter = _load_adapter
         wm.add_adapter = add_adapter
         wm.remove_adapter = remove_adapter
+        self._minirl_gate_calls(st)
         # Record the adapter version each request starts on (first time the worker is given the request), so that
         # per-token versions stay exact across in-place swaps.
         runner = self.model_runner
@@ -268,6 +411,47 @@ class AdapterReceiver:
                 return orig_update(scheduler_output, *a, **kw)
             runner._update_states = _update_states
         st.wrapped = True
+
+    def _minirl_gate_calls(self, st: _State) -> None:
+        """Engine steps and the worker's LoRA calls pass the gate, so that a doorbell install never lands inside
+        one. A step is `execute_model` through `sample_tokens` (when execute_model defers the sampling, it
+        returns None): the tokens it samples come from the weights of its forward pass."""
+        gate = st.gate
+        execute, sample = self.execute_model, getattr(self, "sample_tokens", None)
+
+        def execute_model(*a, **kw):
+            gate.enter()
+            try:
+                out = execute(*a, **kw)
+            except BaseException:
+                gate.leave()
+                raise
+            if out is None and sample is not None:
+                st.mid_step = True
+            else:
+                gate.leave()
+            return out
+
+        def sample_tokens(*a, **kw):
+            try:
+                return sample(*a, **kw)
+            finally:
+                if st.mid_step:
+                    st.mid_step = False
+                    gate.leave()
+
+        def gated(fn):
+            def call(*a, **kw):
+                with gate:
+                    return fn(*a, **kw)
+            return call
+
+        self.execute_model = execute_model
+        if sample is not None:
+            self.sample_tokens = sample_tokens
+        for name in ("add_lora", "remove_lora", "pin_lora"):
+            if hasattr(self, name):
+                setattr(self, name, gated(getattr(self, name)))
 
     def _minirl_flush(self) -> None:
         """Copy the slots written by fast in-place installs back into their LoRAModels' tensors."""
@@ -397,29 +581,49 @@ class AdapterReceiver:
                 "modules": len(mgr.modules), "device_uuid": _device_uuid(self.device)}
 
     def minirl_open_channel(self, channel: str, layout: dict, source: dict) -> dict:
-        """Map (shm, CUDA IPC) or join (collective) the sender's buffer; idempotent per channel name."""
+        """Map (shm, CUDA IPC) or join (collective) the sender's buffer; idempotent per channel name. With
+        `source["doorbell"]`, also opens the channel's doorbell: the answer carries its address and authkey."""
         st = self._minirl()
-        old = st.channels.pop(channel, None)
-        if old is not None:
-            old.close()
-        st.channels[channel] = _Channel(layout, source, self.device)
-        return {"channel": channel, "kind": source["kind"], "nbytes": int(layout["nbytes"])}
+        with st.gate:
+            old = st.channels.pop(channel, None)
+            if old is not None:
+                old.close()
+            ch = st.channels[channel] = _Channel(layout, source, self.device)
+            out = {"channel": channel, "kind": source["kind"], "nbytes": int(layout["nbytes"])}
+            if source.get("doorbell"):
+                if ch.raw.device.type == "cuda":
+                    import torch
+                    st.stream = torch.cuda.current_stream(ch.raw.device)
+                ch.bell = _Doorbell(self, channel)
+                out["doorbell"] = {"address": ch.bell.listener.address, "authkey": ch.bell.authkey}
+            return out
 
     def minirl_close_channel(self, channel: str) -> bool:
-        ch = self._minirl().channels.pop(channel, None)
-        if ch is not None:
-            ch.close()
+        st = self._minirl()
+        with st.gate:
+            ch = st.channels.pop(channel, None)
+            if ch is not None:
+                ch.close()
         return ch is not None
 
     def minirl_install(self, channel: str, lora_id: int, version: int, name: str, timeout_s: float = 30.0,
                        fast: bool = True, seq: int | None = None) -> dict:
+        """`_minirl_install` as an engine call (between two engine steps)."""
+        with self._minirl().gate:
+            return {**self._minirl_install(channel, lora_id, version, name, timeout_s, fast, seq), "via": "rpc"}
+
+    def _minirl_install(self, channel: str, lora_id: int, version: int, name: str, timeout_s: float = 30.0,
+                        fast: bool = True, seq: int | None = None, received: bool = False,
+                        chunk: int | None = None) -> dict:
         """Take the channel's current adapter and serve it as LoRA `lora_id` (new, or replacing that id's weights
         in place, slot included). Returns timings and, for exact per-token versions across in-place swaps:
         `swap`: worker request id -> output tokens it had at the swap (all produced by `prev_version`), for the
         requests the worker holds on this id; `started`: [(worker request id, version)] of the requests that
         started on this id since its previous install (a request never listed started on the newest version).
         `seq`: the sender's push number on a channel with a progress header; the fast path copies each tensor
-        as soon as it is packed, the others wait for the whole buffer."""
+        as soon as it is packed, the others wait for the whole buffer. `received`: the caller already took the
+        channel's transfer (the doorbell does, before the gate). `chunk`: a broadcast sent in chunks of that many
+        elements (the fast path copies each tensor as soon as its chunk is in). Call it inside the gate."""
         import torch
         from vllm.lora.request import LoRARequest
         t0 = time.perf_counter()
@@ -428,7 +632,7 @@ class AdapterReceiver:
         ch = st.channels.get(channel)
         if ch is None:
             raise RuntimeError(f"minirl adapter receiver: no channel {channel!r} (open it first)")
-        flat = ch.receive(timeout_s)
+        flat = ch.flat if received else ch.receive(timeout_s, chunk)
         t1 = time.perf_counter()
         wm = self._minirl_manager()
         inplace = lora_id in wm.list_adapters()
@@ -460,6 +664,8 @@ class AdapterReceiver:
             t_copy = time.perf_counter()
             for sc, ds in by_scale:
                 torch._foreach_mul_(ds, sc)
+            if flat.is_cuda:  # done reading the sender's buffer before it may be packed again
+                torch.cuda.current_stream(flat.device).synchronize()
             st.stale[lora_id] = (src, dst)
             st.timings = {"plan_ms": (t_plan - t1) * 1e3, "slots_ms": (t_copy - t_plan) * 1e3,
                           "mul_ms": (time.perf_counter() - t_copy) * 1e3}

@@ -249,6 +249,9 @@ def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflig
             if transport != "files":
                 assert getattr(sync.sender, "zero_copy", False) == zero_copy
                 assert sync.last["inplace"] == (inflight and step > 0)
+                # the first push installs the id by engine call; in-place swaps ring the worker's doorbell (collective:
+                # the broadcast in chunks, each copied into the slot as it arrives)
+                assert sync.last["via"] == ("doorbell" if inflight and step > 0 else "rpc")
                 if inflight and step > 0:
                     assert sync.last["path"] == "fast"  # the direct slot copy (vLLM's reload path otherwise)
         if transport != "files":
@@ -296,34 +299,30 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer, tok):
-    """100 in-place syncs while requests stream: no request fails; the SwapLog's per-token versions are exact
-    (each sampled token's logprob equals the one recomputed under the adapter of its tagged version)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-    from minirl.transports import SwapLog, TensorSync
+    """100 in-place syncs while requests stream through the generator: no request fails; every token's version
+    tag (`Completion.versions`, from the worker's swap reports) is the adapter that produced it (its sampled
+    logprob equals the one recomputed under that version). The first push installs the id by engine call, the
+    other 100 ring the worker's doorbell (the swap lands between two engine steps; the report comes back outside
+    the engine's output stream, so finishing requests must wait for it)."""
+    from minirl.generator import SamplingParams
+    from minirl.transports import TensorSync
+    from minirl.types import Prompt
     sync = TensorSync("ipc", inflight=True, timeout_s=30)
-    log = SwapLog()
     set_version(trainer, trainer.version + 1)
     sync.push(trainer, gen)
+    assert sync.last["via"] == "rpc"
     first = trainer.version
-    prompts = [tok(f"Write a short story about the number {i}.")["input_ids"] for i in range(6)]
-    sp = SamplingParams(n=2, temperature=1.0, max_tokens=32, ignore_eos=True, logprobs=0,
-                        output_kind=RequestOutputKind.FINAL_ONLY)
+    prompts = [Prompt(i, tuple(tok(f"Write a short story about the number {i}.")["input_ids"]), "") for i in range(6)]
+    sp = SamplingParams(temperature=1.0, max_tokens=32)
     stop = False
-    results, errors = [], []
+    groups, errors = [], []
 
     async def worker(w):
         i = 0
         while not stop:
-            rid = f"swaptest-{w}-{i}"
             i += 1
             try:
-                final = None
-                async for out in gen._engine.llm.generate(TokensPrompt(prompt_token_ids=prompts[(w + i) % 6]), sp,
-                                                          rid, lora_request=gen._lora):
-                    final = out
-                results.append(final)
+                groups.append(await gen.generate_group(prompts[(w + i) % 6], 2, sp))
             except Exception as e:  # noqa: BLE001
                 errors.append(repr(e))
 
@@ -337,38 +336,34 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
         for _ in range(100):
             set_version(trainer, trainer.version + 1)
             sync.push(trainer, gen)
-            log.add(sync.last)
-            assert sync.last["path"] == "fast"
+            assert sync.last["path"] == "fast" and sync.last["via"] == "doorbell", sync.last
     finally:
         stop = True
         fut.result(timeout=120)
         sync.close()
     sync_s = time.perf_counter() - t0
     assert not errors, errors[:3]
-    assert len(results) >= 3 and all(o.finished for o in results)
-    # per-token versions from the worker's reports
-    tagged = []
-    for o in results:
-        for c in o.outputs:
-            vers = log.token_versions(o.request_id, len(c.token_ids), c.index)
-            assert len(vers) == len(c.token_ids) and vers == sorted(vers)
-            assert first <= vers[0] and vers[-1] <= trainer.version
-            tagged.append((o.prompt_token_ids, c, vers))
-    spanning = [t for t in tagged if len(set(t[2])) >= 2]
+    assert gen.version == trainer.version
+    comps = [(g.prompt.token_ids, c) for g in groups for c in g.completions]
+    assert len(groups) >= 3 and all(c.token_ids for _, c in comps)
+    for _, c in comps:
+        assert len(c.versions) == len(c.token_ids) and list(c.versions) == sorted(c.versions)
+        assert first <= c.versions[0] and c.versions[-1] <= trainer.version
+    spanning = sorted((t for t in comps if len(set(t[1].versions)) >= 2), key=lambda t: -len(set(t[1].versions)))
     assert spanning, "no sequence saw an in-flight swap"
-    # exactness: replay the most-swapped sequence token by token in transformers, switching to each token's
+    # exactness: replay the most-swapped sequences token by token in transformers, switching to each token's
     # tagged version at the step that sampled it (the engine computed the KV of token i-1 in that same step)
-    prompt_ids, comp, vers = max(spanning, key=lambda t: len(set(t[2])))
-    engine_lp = _sampled_logprobs(comp)
     last = trainer.version
-    exact = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), vers)
-    assert _max_diff(exact, engine_lp) < ATOL, list(zip(vers, exact, engine_lp))
+    for prompt_ids, comp in spanning[:3]:
+        exact = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), list(comp.versions))
+        assert _max_diff(exact, list(comp.logprobs)) < ATOL, list(zip(comp.versions, exact, comp.logprobs))
     # and the check discriminates: one version for the whole sequence does not explain the tokens
-    wrong = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), [vers[0]] * len(vers))
-    assert _max_diff(wrong, engine_lp) > 10 * ATOL
+    prompt_ids, comp = spanning[0]
+    wrong = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), [comp.versions[0]] * len(comp.versions))
+    assert _max_diff(wrong, list(comp.logprobs)) > 10 * ATOL
     set_version(trainer, last)
-    print(f"100 in-place syncs in {sync_s:.1f} s during generation; {len(results)} requests, "
-          f"{len(spanning)} sequences spanned >= 2 versions (max {len(set(vers))})")
+    print(f"100 in-place syncs in {sync_s:.1f} s during generation; {len(groups)} groups, "
+          f"{len(spanning)} sequences spanned >= 2 versions (max {len(set(spanning[0][1].versions))})")
 
 
 @torch.no_grad()
@@ -509,15 +504,19 @@ def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe)
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
-def test_trainer_side_collective_times_out_when_the_worker_does_not_receive(gen, trainer):
-    """The trainer broadcasts but the worker never takes part: bounded, clear error."""
+@pytest.mark.parametrize("ring", [False, True])
+def test_trainer_side_collective_times_out_when_the_worker_does_not_receive(gen, trainer, ring):
+    """The trainer broadcasts (whole, or in chunks after ringing the doorbell) but the worker never takes part:
+    bounded, clear error."""
     from minirl.transports import CollectiveSender, SyncError, adapter_params, peft_config_dict
-    s = CollectiveSender(gen, adapter_params(trainer.model), peft_config_dict(trainer.model), timeout_s=3)
+    s = CollectiveSender(gen, adapter_params(trainer.model), peft_config_dict(trainer.model), timeout_s=3,
+                         chunk_bytes=1 << 20)
     try:
+        assert s.bell is not None
         s.channel = "not-the-channel"  # the worker answers "no channel" and never joins the broadcast
         t0 = time.perf_counter()
         with pytest.raises(SyncError):
-            s.send(2_000_000, 1)
+            s.send(2_000_000, 1, ring=ring)
         assert time.perf_counter() - t0 < 15
     finally:
         s.close()
@@ -538,7 +537,8 @@ def test_killed_engine_worker_gives_a_clear_error(gen, trainer):
     time.sleep(1.0)
     set_version(trainer, trainer.version + 1)
     t0 = time.perf_counter()
-    with pytest.raises(SyncError):
+    with pytest.raises(SyncError, match="worker is gone"):  # an in-place swap: rung on the dead worker's doorbell
         sync.push(trainer, gen)
     assert time.perf_counter() - t0 < 20
+    assert gen._swaps_pending == 0  # finishing requests do not wait for a report that will never come
     sync.close()  # the engine is gone: closing only unlinks the shared-memory file
