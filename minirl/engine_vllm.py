@@ -137,6 +137,8 @@ class VLLMGenerator:
             if device_ids is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = device_ids
             kw.update(gpu_memory_utilization=gpu_memory_utilization)
+            if inflight == "inflight":  # exact per-token versions across in-place swaps assume the worker samples
+                kw["async_scheduling"] = False  # each step before the next one starts (on CPU it always does)
         kw["worker_extension_cls"] = "minirl.vllm_ext.AdapterReceiver"  # in-memory adapter sync (transports.py)
         kw.update(engine_kwargs or {})
         self.engine_args = AsyncEngineArgs(**kw)

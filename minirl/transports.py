@@ -1,12 +1,18 @@
 """Trainer-side adapter senders: the adapter travels as tensors straight into the engine's LoRA slots.
 
-Transports (same interface: open once, then `send(lora_id, version, name)` per sync):
+Transports (same interface: open once, then `send(lora_id, version, ring)` per sync):
 - `ipc`: one flat buffer that the engine worker maps once: a shared-memory file on CPU, a CUDA IPC handle on GPU
-  (same code; only the handle differs). A sync is: one small RPC and a pack (flat copies into the engine's dtype,
-  lora_B pre-scaled); the worker copies the buffer into the adapter's slot, on CPU while the trainer still packs.
+  (same code; only the handle differs). A sync is: one small request and a pack (flat copies into the engine's
+  dtype, lora_B pre-scaled); the worker copies the buffer into the adapter's slot, on CPU while the trainer still
+  packs.
 - `collective`: a dedicated two-rank torch.distributed group (trainer rank 0, engine worker rank 1) over a TCP
-  store on 127.0.0.1; the flat buffer is broadcast. gloo on CPU, NCCL on GPU, same code. Every wait is bounded.
+  store on 127.0.0.1; the flat buffer is broadcast (in-place swaps: in chunks, each as soon as it is packed). gloo
+  on CPU, NCCL on GPU, same code. Every wait is bounded.
 - `files` stays in `minirl.sync.FileSync` (the fallback).
+
+The request goes by vLLM's engine call (`collective_rpc`) for a new LoRA id, and by the channel's doorbell (a
+socket to a thread in the worker, see `minirl.vllm_ext`) for an in-place swap of an installed id (`ring=True`):
+that skips the engine core's round trip, and the worker's report reaches the generator from the trainer's thread.
 
 `TensorSync` is the `WeightSync` for these: a new LoRA id per version (policy `continue`: requests in flight keep
 their adapter), or one LoRA id whose weights are replaced in place between engine steps (policy `inflight`).

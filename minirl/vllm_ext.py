@@ -199,17 +199,16 @@ class _Doorbell:
             stamps = {"t_rung": time.monotonic()}  # for scripts/sync_breakdown.py (one clock for all processes)
             try:
                 ch = self.receiver._minirl().channels.get(req["channel"])
-                if ch is not None:  # a whole transfer (collective) needs no gate: the buffer is ours alone
-                    ch.receive(req["timeout_s"], req.get("chunk"))
-                stamps["t_received"] = time.monotonic()
-                gate.enter(install=True, timeout_s=req["timeout_s"])
-                stamps["t_gate"] = time.monotonic()
-                try:
-                    with _on_stream(self.stream):
+                with _on_stream(self.stream):  # GPU: the transfer and the copies ordered with the forward passes
+                    if ch is not None:  # a whole transfer (collective) needs no gate: the buffer is ours alone
+                        ch.receive(req["timeout_s"], req.get("chunk"))
+                    gate.enter(install=True, timeout_s=req["timeout_s"])
+                    stamps["t_gate"] = time.monotonic()
+                    try:
                         report = self.receiver._minirl_install(**req, received=True)
-                    answer = ("ok", {**report, "via": "doorbell", **stamps, "t_done": time.monotonic()})
-                finally:
-                    gate.leave()
+                    finally:
+                        gate.leave()
+                answer = ("ok", {**report, "via": "doorbell", **stamps, "t_done": time.monotonic()})
             except Exception as e:
                 answer = ("error", f"{type(e).__name__}: {e}")
             try:

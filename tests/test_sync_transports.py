@@ -115,6 +115,40 @@ def test_swap_log_token_versions():
     assert log.token_versions("r4", 2) == [3, 3]
 
 
+def test_gate_lets_a_waiting_install_in_before_the_next_step():
+    """The worker's gate: an install never overlaps a step; one that waits goes before the next step; a step
+    that does not end makes the install time out."""
+    import threading
+    from minirl.vllm_ext import _Gate
+    gate, order = _Gate(), []
+    gate.enter()  # a step in progress
+
+    def run(name, install):
+        gate.enter(install=install, timeout_s=10)
+        order.append(name)
+        time.sleep(0.05)
+        order.append(name + " done")
+        gate.leave()
+    inst = threading.Thread(target=run, args=("install", True))
+    inst.start()
+    while not gate.installs_waiting:
+        time.sleep(0.001)
+    step = threading.Thread(target=run, args=("next step", False))
+    step.start()
+    time.sleep(0.1)
+    assert order == []  # both wait for the step in progress
+    gate.leave()
+    inst.join(5)
+    step.join(5)
+    assert order == ["install", "install done", "next step", "next step done"]
+    gate.enter()
+    t0 = time.perf_counter()
+    with pytest.raises(TimeoutError, match="engine step did not end"):
+        gate.enter(install=True, timeout_s=0.2)
+    assert time.perf_counter() - t0 < 2 and gate.installs_waiting == 0
+    gate.leave()
+
+
 def test_absent_peer_times_out_quickly():
     from minirl.vllm_ext import open_group
     from minirl.transports import free_port
