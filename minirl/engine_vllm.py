@@ -370,14 +370,18 @@ class VLLMGenerator:
 
     def end_swap(self, lora_id: int, name: str, path: str, version: int, report: dict | None) -> None:
         """That swap is over: with the worker's `report`, LoRA `lora_id` now serves `version` (new requests use
-        `path`, fresh for the prefix cache); with None it failed and nothing changed."""
+        `path`, fresh for the prefix cache); with None it failed (the push raises; the slot may be part old, part
+        new, so the sync moves to a fresh id)."""
         from vllm.lora.request import LoRARequest
         with self._swap_lock:
             if report is not None:
                 self._note_swap(lora_id, report)
                 self._lora, self._version = LoRARequest(name, lora_id, path), version
             self._swaps_pending -= 1
-        self.loop.call_soon_threadsafe(self._wake_settled)
+        try:
+            self.loop.call_soon_threadsafe(self._wake_settled)
+        except RuntimeError:  # the engine loop is closed: nobody waits
+            pass
 
     def _wake_settled(self) -> None:
         if not self._swaps_pending:

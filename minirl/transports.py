@@ -621,9 +621,10 @@ class TensorSync:
         try:
             self.last = sender.send(self.lora_id, trainer.version, ring=ring)
         except BaseException:
-            # an in-place push that failed midway may have left that id's slot part old, part new: a later push
-            # starts a fresh id
+            # a push that failed midway may have left that id's slot part old, part new, and the channel mid-way
+            # through a transfer: a later push starts a fresh id on a fresh channel
             self.lora_id = None
+            self.close()
             raise
         return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, sender.nbytes, self.transport)
 

@@ -332,7 +332,7 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
-def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer, tok):
+def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer, tok, monkeypatch):
     """100 in-place syncs while requests stream through the generator: no request fails; every token's version
     tag (`Completion.versions`, from the worker's swap reports) is the adapter that produced it (its sampled
     logprob equals the one recomputed under that version). The first push installs the id by engine call, the
@@ -345,6 +345,17 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
     set_version(trainer, trainer.version + 1)
     sync.push(trainer, gen)
     assert sync.last["via"] == "rpc"
+    # widen the window between a swap landing in the worker and its report reaching the generator (every 4th
+    # report 0.6 s late: longer than an engine step here): requests that finish in it must wait for the report, or
+    # their tokens after the swap would be tagged with the older version
+    end_swap, calls = gen.end_swap, []
+
+    def late_end_swap(*a):
+        calls.append(1)
+        if len(calls) % 4 == 0:
+            time.sleep(0.6)
+        end_swap(*a)
+    monkeypatch.setattr(gen, "end_swap", late_end_swap)
     first = trainer.version
     prompts = [Prompt(i, tuple(tok(f"Write a short story about the number {i}.")["input_ids"]), "") for i in range(6)]
     sp = SamplingParams(temperature=1.0, max_tokens=32)
@@ -385,10 +396,10 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
         assert first <= c.versions[0] and c.versions[-1] <= trainer.version
     spanning = sorted((t for t in comps if len(set(t[1].versions)) >= 2), key=lambda t: -len(set(t[1].versions)))
     assert spanning, "no sequence saw an in-flight swap"
-    # exactness: replay the most-swapped sequences token by token in transformers, switching to each token's
-    # tagged version at the step that sampled it (the engine computed the KV of token i-1 in that same step)
+    # exactness: replay every sequence token by token in transformers, switching to each token's tagged version
+    # at the step that sampled it (the engine computed the KV of token i-1 in that same step)
     last = trainer.version
-    for prompt_ids, comp in spanning[:3]:
+    for prompt_ids, comp in comps:
         exact = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), list(comp.versions))
         assert _max_diff(exact, list(comp.logprobs)) < ATOL, list(zip(comp.versions, exact, comp.logprobs))
     # and the check discriminates: one version for the whole sequence does not explain the tokens
