@@ -514,7 +514,11 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
         t0 = time.perf_counter()
         with pytest.raises(MemoryError):
             sync.push(trainer, gen)
-        assert sync.lora_id is None and time.perf_counter() - t0 < 5  # the next push starts a fresh id
+        assert time.perf_counter() - t0 < 5
+        assert sync.lora_id is None and sync.sender is None  # the next push: a fresh id on a fresh channel
+        monkeypatch.setattr(Packer, "pack_chunks", slow)
+        sync.push(trainer, gen)
+        assert sync.last["via"] == "rpc" and _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL
 
         s = sync.sender  # a push number the trainer announces but never packs: the worker gives up in time
         s.seq += 1
@@ -524,10 +528,9 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
             call_on_loop(gen, install(gen, s.channel, 3_000_000, trainer.version, 2.0, seq=s.seq), 2.0)
         assert time.perf_counter() - t0 < 10
 
-        monkeypatch.setattr(Packer, "pack_chunks", slow)
         set_version(trainer, trainer.version + 1)
         sync.push(trainer, gen)
-        assert _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL
+        assert sync.last["via"] == "doorbell" and _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL
     finally:
         sync.close()
 
