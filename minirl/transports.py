@@ -237,11 +237,16 @@ def call_on_loop(generator, coro, timeout_s: float):
     return _result(asyncio.run_coroutine_threadsafe(coro, generator.loop), timeout_s)
 
 
+def adapter_name(lora_id: int, version: int) -> str:
+    """The LoRARequest name of an in-memory adapter (its path: `vllm_ext.lora_path_for`)."""
+    return f"minirl-v{version}-{lora_id}"
+
+
 async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0,
                   seq: int | None = None) -> dict:
     """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id`, then new requests use it. With
     `seq`, the worker reads the bytes as the sender's push number `seq` marks them packed (see `IpcSender`)."""
-    name = f"minirl-v{version}-{lora_id}"
+    name = adapter_name(lora_id, version)
     info = await rpc(generator, "minirl_install", channel, lora_id, version, name, timeout_s, True, seq,
                      timeout_s=timeout_s + 2)  # the worker's own wait ends first: its error says why
     await generator.serve_installed_async(lora_id, name, lora_path_for(lora_id, version), version, info)
@@ -255,7 +260,7 @@ class _Install:
     def __init__(self, sender: "_Sender", lora_id: int, version: int, seq: int | None, ring: bool,
                  chunk: int | None = None):
         self.sender, self.ring = sender, ring and sender.bell is not None
-        gen, name = sender.generator, f"minirl-v{version}-{lora_id}"
+        gen, name = sender.generator, adapter_name(lora_id, version)
         if not self.ring:
             self.fut = asyncio.run_coroutine_threadsafe(
                 install(gen, sender.channel, lora_id, version, sender.timeout_s, seq=seq), gen.loop)
