@@ -398,7 +398,7 @@ class IpcSender(_Sender):
     HEADER = 64  # bytes
 
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False,
-                 chunk_bytes: int = 1 << 20, overlap: bool | None = None, doorbell: bool = True):
+                 chunk_bytes: int = 1 << 20, overlap: bool | None = None):
         params = list(tensors.values())
         zero_copy = zero_copy and _uniform(params)
         super().__init__(generator, tensors, peft_config, timeout_s, None if zero_copy else scales,
@@ -419,7 +419,7 @@ class IpcSender(_Sender):
             move_into(params, flat)
         else:
             self.packer = Packer(tensors, flat, self.layout, self.scales)
-        source["doorbell"] = doorbell
+        source["doorbell"] = True  # `send(ring=False)` still goes by engine call
         try:
             self.open_bell(call_on_loop(generator, rpc(generator, "minirl_open_channel", self.channel, self.layout,
                                                        source, timeout_s=timeout_s), timeout_s))
@@ -486,8 +486,7 @@ class CollectiveSender(_Sender):
     transport = "collective"
 
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None,
-                 host: str = "127.0.0.1", port: int | None = None, doorbell: bool = True,
-                 chunk_bytes: int = 4 << 20):
+                 host: str = "127.0.0.1", port: int | None = None, chunk_bytes: int = 4 << 20):
         super().__init__(generator, tensors, peft_config, timeout_s, scales)
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
         on_gpu = self.device.type == "cuda" and not getattr(generator, "on_cpu", True)
@@ -498,7 +497,7 @@ class CollectiveSender(_Sender):
         self.chunk = max(1, chunk_bytes // self.raw.view(dtype).element_size())
         port = port or free_port(host)
         source = {"kind": "collective", "host": host, "port": port, "backend": self.backend, "timeout_s": timeout_s,
-                  "doorbell": doorbell}
+                  "doorbell": True}
         fut = asyncio.run_coroutine_threadsafe(
             rpc(generator, "minirl_open_channel", self.channel, self.layout, source, timeout_s=timeout_s + 5),
             generator.loop)
