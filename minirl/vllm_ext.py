@@ -266,17 +266,16 @@ class _Channel:
         self.flat = raw.view(dtype)
         self.bell: _Doorbell | None = None
         self.chunk, self.got = None, 0  # a chunked broadcast in progress: its chunk size, elements received
+        self.next: list = []  # (work, end) of each chunk still being received
 
     def wait(self, seq: int | None, upto: int, deadline: float) -> int:
         """Until the sender's push `seq` has packed at least the first `upto` elements (a header channel), or
         they have arrived (a chunked broadcast; others are complete once received): returns how many are there.
         Yields the core while waiting; raises when the sender gave up or at `deadline` (monotonic)."""
         if self.chunk:
-            n, es = self.flat.numel(), self.flat.element_size()
             while self.got < upto:
-                hi = min(n, self.got + self.chunk)
-                broadcast(self.group, self.raw[self.got * es:hi * es], max(0.1, deadline - time.monotonic()),
-                          "the engine worker's receive")
+                work, hi = self.next.pop(0)
+                finish(work, max(0.1, deadline - time.monotonic()), "the engine worker's receive")
                 self.got = hi
             return self.got
         if self.header is None or seq is None:
@@ -298,10 +297,15 @@ class _Channel:
 
     def receive(self, timeout_s: float, chunk: int | None = None):
         """The current adapter bytes (a view; copy before the sender may write again). A broadcast sent in
-        chunks of `chunk` elements is only announced here: `wait` takes the chunks as they are needed."""
-        self.chunk, self.got = None, 0
+        chunks of `chunk` elements is only started here, every chunk's receive at once (gloo's threads take the
+        next chunks while the caller copies the first ones); `wait` says which ones are in."""
+        self.chunk, self.got, self.next = None, 0, []
         if self.kind == "collective" and chunk:
             self.chunk = int(chunk)
+            n, es = self.flat.numel(), self.flat.element_size()
+            self.next = [(broadcast(self.group, self.raw[lo * es:min(n, lo + self.chunk) * es], timeout_s,
+                                    "the engine worker's receive", wait=False), min(n, lo + self.chunk))
+                         for lo in range(0, n, self.chunk)]
         elif self.kind == "collective":
             broadcast(self.group, self.raw, timeout_s, "the engine worker's receive")
         elif self.kind == "cuda_ipc":
