@@ -1,8 +1,9 @@
 """What an in-place `collective` push of the rank-16 adapter cannot go below on this machine: its parts timed
 alone, with the trainer on core 1 and the engine worker on core 0 as `minirl bench sync` splits them.
 
-- pack: fp32 -> bf16 of the adapter's 4,884,480 elements (lora_B scaled; what `Packer` does), on one core, right
-  after the parameters were rewritten elsewhere (as the optimizer leaves them; `cold`) and again at once (`warm`);
+- pack: fp32 -> bf16 of the adapter's 4,884,480 elements (`Packer`'s copy, without its lora_B scaling), on one core,
+  after 156 MB of other memory and then the parameters were rewritten (as an optimizer step leaves them: `cold`),
+  and again at once (`warm`);
 - gloo: one broadcast of the packed 9.8 MB between two processes (torch.distributed, TCP over loopback);
 - tcp: the same bytes by a plain socket `sendall` (the kernel's two copies, no gloo);
 - pack + gloo: both in turn on the trainer's core, the receiver copying into a second buffer (the slot copy).
