@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 from .sync import SyncStats
-from .vllm_ext import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, lora_path_for, open_group, unpack
+from .vllm_ext import (PROGRESS_BITS, PROGRESS_MASK, CollectiveError, broadcast, finish, lora_path_for, open_group,
+                       unpack)
 
 WORKER_EXTENSION = "minirl.vllm_ext.AdapterReceiver"
 TRANSPORTS = ("auto", "ipc", "collective", "files")
@@ -521,11 +522,12 @@ class CollectiveSender(_Sender):
             self._pack()
         n, es = self.layout["numel"], self.nbytes // self.layout["numel"]
         pending = _Install(self, lora_id, version, None, ring, chunk=self.chunk)
+        works = []  # the chunks' broadcasts: they hold the group's connections open (see `close`)
         try:
             if not pending.ring:
                 broadcast(self.group, self.raw, self.timeout_s, "the trainer's send")
             else:
-                works, sent = [], 0
+                sent = 0
                 for done in self.packer.pack_chunks(self.chunk):
                     while sent < n and min(n, sent + self.chunk) <= done:
                         hi = min(n, sent + self.chunk)
@@ -535,20 +537,28 @@ class CollectiveSender(_Sender):
                 t_packed = time.monotonic()
                 for w in works:
                     finish(w, self.timeout_s, "the trainer's send")
-        except Exception as e:
+        except CollectiveError as e:
+            works.clear()
             pending.cancel()
             raise SyncTimeout(str(e)) from e
+        except BaseException:  # e.g. the pack failed: the worker may be waiting for chunks (`close` ends that)
+            works.clear()
+            pending.cancel()
+            raise
         report = pending.result()
         return {**report, "t_packed": t_packed} if pending.ring else report
 
     def close(self) -> None:
-        super().close()
+        # the group first: a worker still waiting for chunks of an abandoned push fails at once (its peer is gone)
+        # instead of holding the engine's gate until its timeout, and then takes the channel-close call
         g, self.group = getattr(self, "group", None), None
         if g is not None and hasattr(g, "shutdown"):
             try:
                 g.shutdown()
             except Exception:
                 pass
+        del g  # gloo closes the connections when the group's last reference goes
+        super().close()
 
 
 SENDERS = {"ipc": IpcSender, "collective": CollectiveSender}

@@ -115,9 +115,13 @@ def finish(work, timeout_s: float, what: str) -> None:
         raise _broadcast_error(e, timeout_s, what) from e
 
 
-def _broadcast_error(e: Exception, timeout_s: float, what: str) -> RuntimeError:
-    return RuntimeError(f"minirl collective sync failed during {what} (peer gone or no answer within "
-                        f"{timeout_s:.0f} s): {type(e).__name__}: {e}")
+class CollectiveError(RuntimeError):
+    """A broadcast of the collective sync failed: the peer is gone or did not answer in time."""
+
+
+def _broadcast_error(e: Exception, timeout_s: float, what: str) -> CollectiveError:
+    return CollectiveError(f"minirl collective sync failed during {what} (peer gone or no answer within "
+                           f"{timeout_s:.0f} s): {type(e).__name__}: {e}")
 
 
 def _same_layout(a: dict, b: dict) -> bool:

@@ -572,6 +572,44 @@ def test_trainer_side_collective_times_out_when_the_worker_does_not_receive(gen,
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_collective_push_abandoned_midway_frees_the_engine_at_once(gen, trainer, probe, monkeypatch):
+    """A chunked collective swap whose pack fails after the first chunk: the trainer's error comes through as is,
+    and the worker, which waits for the other chunks inside the engine's gate, is released at once (the trainer
+    drops its end of the group) instead of at its 20 s timeout: the engine generates and the next push serves the
+    trainer's adapter within seconds."""
+    from minirl.generator import SamplingParams
+    from minirl.transports import Packer, TensorSync
+    from minirl.types import Prompt
+    slow = Packer.pack_chunks
+    sync = TensorSync("collective", inflight=True, timeout_s=20)
+    try:
+        for _ in range(2):
+            set_version(trainer, trainer.version + 1)
+            sync.push(trainer, gen)
+        assert sync.last["via"] == "doorbell"
+
+        def failing(self, chunk):
+            it = slow(self, chunk)
+            yield next(it)
+            raise MemoryError("the trainer ran out of memory mid-pack")
+        monkeypatch.setattr(Packer, "pack_chunks", failing)
+        set_version(trainer, trainer.version + 1)
+        t0 = time.perf_counter()
+        with pytest.raises(MemoryError):
+            sync.push(trainer, gen)
+        assert time.perf_counter() - t0 < 4
+        monkeypatch.setattr(Packer, "pack_chunks", slow)
+        done = gen.generate([Prompt(0, tuple(probe[0]), "probe")], 1, SamplingParams(max_tokens=4))
+        assert done[0].completions[0].token_ids
+        sync.push(trainer, gen)
+        assert _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL
+        assert time.perf_counter() - t0 < 10  # the worker's own wait would have held the engine for 20 s
+    finally:
+        sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_killed_engine_worker_gives_a_clear_error(gen, trainer):
     """Last test of the module (it kills the engine's worker): a push then fails fast with SyncError."""
     import signal
