@@ -479,6 +479,24 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
     assert spanning, "no sequence was aborted and resubmitted mid-way"
 
 
+def _push_failing_midpack(sync, trainer, gen, monkeypatch) -> float:
+    """Push the next version with a pack that raises MemoryError after its first chunk (the error must come
+    through as is); returns the seconds until the push raised. The pack stays failing: restore it."""
+    from minirl.transports import Packer
+    real = Packer.pack_chunks
+
+    def failing(self, chunk):
+        it = real(self, chunk)
+        yield next(it)
+        raise MemoryError("the trainer ran out of memory mid-pack")
+    monkeypatch.setattr(Packer, "pack_chunks", failing)
+    set_version(trainer, trainer.version + 1)
+    t0 = time.perf_counter()
+    with pytest.raises(MemoryError):
+        sync.push(trainer, gen)
+    return time.perf_counter() - t0
+
+
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe, monkeypatch):
@@ -505,16 +523,7 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
             assert _max_diff(gen.score(*probe), trainer.logprobs(*probe)) < ATOL
         assert sync.last["path"] == "fast"
 
-        def failing(self, chunk):
-            it = slow(self, chunk)
-            yield next(it)
-            raise MemoryError("the trainer ran out of memory mid-pack")
-        monkeypatch.setattr(Packer, "pack_chunks", failing)
-        set_version(trainer, trainer.version + 1)
-        t0 = time.perf_counter()
-        with pytest.raises(MemoryError):
-            sync.push(trainer, gen)
-        assert time.perf_counter() - t0 < 5
+        assert _push_failing_midpack(sync, trainer, gen, monkeypatch) < 5
         assert sync.lora_id is None and sync.sender is None  # the next push: a fresh id on a fresh channel
         monkeypatch.setattr(Packer, "pack_chunks", slow)
         sync.push(trainer, gen)
@@ -588,16 +597,8 @@ def test_collective_push_abandoned_midway_frees_the_engine_at_once(gen, trainer,
             sync.push(trainer, gen)
         assert sync.last["via"] == "doorbell"
 
-        def failing(self, chunk):
-            it = slow(self, chunk)
-            yield next(it)
-            raise MemoryError("the trainer ran out of memory mid-pack")
-        monkeypatch.setattr(Packer, "pack_chunks", failing)
-        set_version(trainer, trainer.version + 1)
         t0 = time.perf_counter()
-        with pytest.raises(MemoryError):
-            sync.push(trainer, gen)
-        assert time.perf_counter() - t0 < 4
+        assert _push_failing_midpack(sync, trainer, gen, monkeypatch) < 4
         monkeypatch.setattr(Packer, "pack_chunks", slow)
         done = gen.generate([Prompt(0, tuple(probe[0]), "probe")], 1, SamplingParams(max_tokens=4))
         assert done[0].completions[0].token_ids
