@@ -537,13 +537,11 @@ class CollectiveSender(_Sender):
                 t_packed = time.monotonic()
                 for w in works:
                     finish(w, self.timeout_s, "the trainer's send")
-        except CollectiveError as e:
+        except BaseException as e:  # a broadcast failed, or e.g. the pack: the worker may wait for chunks (`close`)
             works.clear()
             pending.cancel()
-            raise SyncTimeout(str(e)) from e
-        except BaseException:  # e.g. the pack failed: the worker may be waiting for chunks (`close` ends that)
-            works.clear()
-            pending.cancel()
+            if isinstance(e, CollectiveError):
+                raise SyncTimeout(str(e)) from e
             raise
         report = pending.result()
         return {**report, "t_packed": t_packed} if pending.ring else report
