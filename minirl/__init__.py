@@ -1,9 +1,8 @@
 """minirl: asynchronous RL fine-tuning of small LLMs with LoRA on one machine."""
 from .config import Config, ConfigError
-from .dashboard import Dashboard, doctor, render
-from .prototype import check, preview, rescore
 from .rewards import REGISTRY, Scorer, reward
 from .run import Run
+from .ui import Dashboard, check, doctor, preview, render, rescore
 
 plot = render  # minirl.plot(out_dir or metrics.jsonl): the dashboard's panels from a saved run
 

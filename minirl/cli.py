@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from .config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
 
@@ -21,7 +20,13 @@ def _run(cfg: Config) -> dict:
     run.setup()
     print(f"minirl: model={cfg.model} backend={run.backend} ({run.backend_why}) transport={run.sync.transport} "
           f"steps={cfg.steps} out={cfg.out_dir}", flush=True)
-    summary = run.run()
+    try:
+        summary = run.run()
+    finally:
+        if run.history:  # the run's pictures, drawn from its log
+            from .ui import render
+            render(run.out / "metrics.jsonl", run.out / "reward.png", panels=("reward",), dpi=100)
+            render(run.out / "metrics.jsonl", run.out / "dashboard.png")
     print(json.dumps(summary, indent=2))
     return summary
 
@@ -67,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             from .run import eval_cli
             print(json.dumps(eval_cli(Config(**overrides_from_args(args)), args.adapter), indent=2))
         elif args.cmd == "bench":
-            from . import bench as B
-            print(json.dumps(B.run(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks), indent=2))
+            from .benchmarks import run as bench
+            print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks), indent=2))
     except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"minirl: error: {e}", file=sys.stderr)
         return 2

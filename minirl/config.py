@@ -215,6 +215,15 @@ DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperatu
             out_dir="runs/demo")
 
 
+def parse_cores(spec: str) -> list[int]:
+    """CPU cores from a device string: '1', '0-3', '0,2-3'."""
+    out: list[int] = []
+    for part in str(spec).split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b or a) + 1))
+    return out
+
+
 @lru_cache(maxsize=None)
 def field_docs() -> dict[str, str]:
     """The docstring under each field, read from the source (used for CLI help and the docs)."""

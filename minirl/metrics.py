@@ -91,8 +91,62 @@ class MetricsLog:
         self._f.close()
 
 
+class LogTail:
+    """Incremental reader of a JSONL log that another thread is appending to: only complete lines are read."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._pos = 0
+        self._buf = b""
+        self.events: list[dict] = []
+
+    def poll(self) -> list[dict]:
+        """Read what was appended since the last call; return the new events."""
+        try:
+            if self.path.stat().st_size < self._pos:  # truncated: a new run rewrote the log
+                self._pos, self._buf, self.events = 0, b"", []
+            with open(self.path, "rb") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self._pos += len(chunk)
+        data = self._buf + chunk
+        lines = data.split(b"\n")
+        self._buf = lines.pop()  # an incomplete last line waits for the next poll
+        new = []
+        for line in lines:
+            if line.strip():
+                try:
+                    new.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        self.events.extend(new)
+        return new
+
+
+
+
 def read_log(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """Every complete event of a run's log (`metrics.jsonl`, or the run folder holding it)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "metrics.jsonl"
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no metrics log here; give a run's out_dir or its metrics.jsonl")
+    tail = LogTail(p)
+    tail.poll()
+    return tail.events
+
+
+def load_events(source: Any) -> list[dict]:
+    """Events from a path (metrics.jsonl or its run folder), a Run, or a list (events or step records)."""
+    if hasattr(source, "history") and hasattr(source, "out"):  # a Run
+        p = Path(source.out) / "metrics.jsonl"
+        return read_log(p) if p.exists() else [{"event": "step", **h} for h in source.history]
+    if isinstance(source, (str, Path)):
+        return read_log(source)
+    return [e if "event" in e else {"event": "step", **e} for e in source]
 
 
 def steps(events: list[dict]) -> Iterator[dict]:

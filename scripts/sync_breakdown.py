@@ -29,18 +29,19 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM
-    from minirl import transports
-    from minirl.bench_sync import _trainer, pin_trainer, split_cores
-    from minirl.engine_vllm import VLLMGenerator
+    from minirl.sync import senders as transports
+    from minirl.benchmarks.sync import fake_trainer, pin_trainer, split_cores
+    from minirl.generators.vllm import VLLMGenerator
     from minirl.models import resolve_model
-    from minirl.transports import TensorSync, engine_kwargs
+    from minirl.sync.tensor import TensorSync
+    from minirl.sync.wire import engine_kwargs
 
     path = resolve_model("smollm2-135m-instruct")
     gen_cores, train_cores = split_cores() if args.split else (None, None)
     gen = VLLMGenerator(path, max_lora_rank=args.rank, max_model_len=512, kv_cache_gb=1, cpu_cores=gen_cores,
                         engine_kwargs=engine_kwargs())
     pin_trainer(train_cores)
-    tr = _trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), args.rank)
+    tr = fake_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), args.rank)
     kw = {"chunk_bytes": args.chunk_bytes} if args.chunk_bytes else {}
     if args.zero_copy:
         kw["zero_copy"] = True

@@ -18,11 +18,13 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from minirl.bench_sync import _throughput, _trainer, pin_trainer, split_cores, story_rounds
-    from minirl.engine_vllm import VLLMGenerator
+    from minirl.benchmarks.sync import fake_trainer, pin_trainer, split_cores, story_rounds, throughput
+    from minirl.generators.vllm import VLLMGenerator
     from minirl.models import resolve_model
-    from minirl.transports import TensorSync, call_on_loop, engine_kwargs, rpc
-    from minirl.vllm_ext import lora_path_for
+    from minirl.sync.senders import call_on_loop, rpc
+    from minirl.sync.tensor import TensorSync
+    from minirl.sync.wire import engine_kwargs
+    from minirl.sync.wire import lora_path_for
 
     path = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
@@ -30,7 +32,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     gen = VLLMGenerator(path, max_lora_rank=16, max_model_len=512, kv_cache_gb=1, cpu_cores=gen_cores,
                         engine_kwargs={**engine_kwargs(), "enable_prefix_caching": False})
     pin_trainer(train_cores)
-    tr = _trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 16)
+    tr = fake_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), 16)
     rounds = story_rounds(tok, 2)
     sync = TensorSync("ipc", inflight=True, timeout_s=60)
     tr.bump()
@@ -56,11 +58,11 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
             ts.append((time.perf_counter() - t) * 1e3)
         out = {"idle_noop_rpc_ms": round(statistics.median(ts), 2)}
         variants = {"no_push": None, "push": push, "noop_rpc": noop, "reserve": reserve}
-        _throughput(gen, rounds[:1])  # warm-up
+        throughput(gen, rounds[:1])  # warm-up
         blocks = {k: [] for k in variants}
         for _ in range(args.reps):
             for k, fn in variants.items():
-                rate, n_tok = _throughput(gen, rounds, fn)
+                rate, n_tok = throughput(gen, rounds, fn)
                 blocks[k].append({"tok_s": round(rate, 1), "tokens": n_tok})
                 print(k, blocks[k][-1], flush=True)
         out.update({k: {"median_tok_s": statistics.median(b["tok_s"] for b in v), "blocks": v}

@@ -6,8 +6,9 @@ import threading
 import pytest
 
 from minirl import Run
-from minirl.dashboard import PANELS, Dashboard, LogTail, doctor, read_events, render, samples_html
-from minirl.prototype import check, preview, rescore
+from minirl.ui import Dashboard, doctor, PANELS, render, samples_html
+from minirl.metrics import LogTail, read_log
+from minirl.ui import check, preview, rescore
 
 from conftest import TOY_ROWS, yes_reward
 
@@ -110,7 +111,7 @@ def test_samples_panel_escapes_html_and_shows_failures():
 
 
 def test_live_dashboard_refreshes_on_the_callers_thread_during_a_real_run(tiny_model, tmp_path, monkeypatch):
-    import minirl.dashboard as D
+    import minirl.ui.dashboard as D
     from minirl import Config
     drawn_on = []
     real_figure = D.figure
@@ -201,7 +202,7 @@ def test_rescore_cached_rollouts_of_a_run_records_the_new_reward_version(finishe
     def says_yes_or_no(prompt, completion, **_):
         return 1.0 if {"yes", "no"} & set(completion.split()) else 0.0
     t = rescore(finished_run, says_yes_or_no)
-    n_logged = sum(len(e["samples"]) for e in read_events(finished_run.out) if e["event"] == "samples")
+    n_logged = sum(len(e["samples"]) for e in read_log(finished_run.out) if e["event"] == "samples")
     assert len(t) == n_logged > 0
     r = t.rows[0]
     assert r["reward_versions"] == {"says_yes_or_no": source_hash(says_yes_or_no)}

@@ -25,7 +25,8 @@ def test_embedded_model_answers_arithmetic(embedded_model):
     import torch
     from minirl import Config
     from minirl.data import to_prompts
-    from minirl.generator import HFGenerator, SamplingParams
+    from minirl.generators.hf import HFGenerator
+    from minirl.types import SamplingParams
     from minirl.models import load_tokenizer
     from transformers import AutoModelForCausalLM
 

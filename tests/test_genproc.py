@@ -7,10 +7,13 @@ import time
 import pytest
 import torch
 
-from minirl.generator import HFGenerator, SamplingParams
-from minirl.genproc import GeneratorProcessError, ProcGenerator, ShmSync
+from minirl.generators.hf import HFGenerator
+
+from minirl.types import SamplingParams
+from minirl.generators.hf_process import GeneratorProcessError, ProcGenerator
+from minirl.sync.local import ShmSync
 from minirl.trainer import Trainer
-from minirl.transports import adapter_params
+from minirl.adapter import adapter_params
 
 
 @pytest.fixture
@@ -43,7 +46,7 @@ def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
         for seed in (1, 2):
             _bump(trainer, seed)
             st = sync.push(trainer, gen)
-            assert st.version == gen.version == trainer.version and st.bytes > 0 and st.transport == "ipc"
+            assert st.version == gen.version == trainer.version and st.bytes > 0 and st.transport == "shm"
             got = gen.generate(prompts, 3, params)
             want = local.generate(prompts, 3, params)  # the trainer's own model, same seed
             assert got == want  # tokens, logprobs, versions, text: bit for bit
@@ -58,7 +61,7 @@ def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
 
 
 def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_untouched(trainer):
-    from minirl.generator import _mergeable_lora_layers
+    from minirl.generators.hf import _mergeable_lora_layers
     _bump(trainer, 3)
     assert _mergeable_lora_layers(trainer.model) is not None
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

@@ -6,8 +6,8 @@ import time
 
 from hypothesis import given, settings, strategies as st
 
-from minirl.generator import SamplingParams
-from minirl.pipeline import Pipeline
+from minirl.types import SamplingParams
+from minirl.rollout import Pipeline
 from minirl.rewards import Scorer
 from minirl.types import Completion, Group, Prompt
 

@@ -1,4 +1,4 @@
-"""In-memory adapter sync (minirl.transports + the engine-side receiver minirl.vllm_ext) with real vLLM on CPU.
+"""In-memory adapter sync (minirl.sync senders + the engine-side receiver minirl.sync.receiver) with real vLLM on CPU.
 
 One float32 engine (worker extension installed) for the module. Each transport: after a push the engine's probe
 logprobs equal the trainer's and differ from the previous version's; 100 rapid in-place syncs during continuous
@@ -24,8 +24,8 @@ RANK = 8
 # ---- pure helpers (no engine) ----------------------------------------------------------------------------------
 
 def test_layout_pack_unpack_roundtrip():
-    from minirl.transports import Packer, make_layout
-    from minirl.vllm_ext import unpack
+    from minirl.adapter import make_layout, Packer
+    from minirl.adapter import unpack
     ts = {"a.lora_A.weight": torch.randn(4, 6), "a.lora_B.weight": torch.randn(5, 4), "b": torch.randn(3)}
     lay = make_layout(ts, {"r": 4}, torch.bfloat16)
     assert lay["nbytes"] == 2 * (24 + 20 + 3)
@@ -40,8 +40,8 @@ def test_contiguous_adapter_packs_with_one_copy_and_prescaled_b():
     """`make_contiguous` + `Packer` (one flat copy, lora_B scaled in the buffer) gives the same bytes as the
     per-tensor path; a parameter rebound elsewhere afterwards sends the packer back to the per-tensor path."""
     from peft import LoraConfig, get_peft_model
-    from minirl.transports import Packer, _span, adapter_params, b_scalings, make_contiguous, make_layout
-    from minirl.vllm_ext import unpack
+    from minirl.adapter import _span, adapter_params, b_scalings, make_contiguous, make_layout, Packer
+    from minirl.adapter import unpack
     base = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
     pm = get_peft_model(base, LoraConfig(r=2, lora_alpha=6, target_modules=["0", "2"]))
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_chunked_pack_gives_the_same_bytes_and_reports_progress_in_order():
     """The ipc sender packs in chunks and publishes after each how much of the buffer is final: chunk bounds that
     cut tensors and scaled runs give the bytes of a whole pack, progress only grows and ends at the total."""
     from peft import LoraConfig, get_peft_model
-    from minirl.transports import Packer, adapter_params, b_scalings, make_contiguous, make_layout
+    from minirl.adapter import adapter_params, b_scalings, make_contiguous, make_layout, Packer
     base = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     pm = get_peft_model(base, LoraConfig(r=3, lora_alpha=5, target_modules=["0", "2"]))
     make_contiguous(pm)
@@ -98,7 +98,7 @@ def test_chunked_pack_gives_the_same_bytes_and_reports_progress_in_order():
 
 
 def test_swap_log_token_versions():
-    from minirl.transports import SwapLog, split_worker_request_id
+    from minirl.generators.swaps import split_worker_request_id, SwapLog
     assert split_worker_request_id("3_minirl-17-ab12cd34") == ("minirl-17", 3)
     assert split_worker_request_id("minirl-17-ab12cd34") == ("minirl-17", 0)
     log = SwapLog()
@@ -119,8 +119,8 @@ def test_gate_lets_a_waiting_install_in_before_the_next_step():
     """The worker's gate: an install never overlaps a step; one that waits goes before the next step; a step
     that does not end makes the install time out."""
     import threading
-    from minirl.vllm_ext import _Gate
-    gate, order = _Gate(), []
+    from minirl.sync.channel import Gate
+    gate, order = Gate(), []
     gate.enter()  # a step in progress
 
     def run(name, install):
@@ -150,8 +150,8 @@ def test_gate_lets_a_waiting_install_in_before_the_next_step():
 
 
 def test_absent_peer_times_out_quickly():
-    from minirl.vllm_ext import open_group
-    from minirl.transports import free_port
+    from minirl.sync.wire import open_group
+    from minirl.sync.wire import free_port
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match="could not meet its peer"):
         open_group("127.0.0.1", free_port(), 0, "gloo", timeout_s=2)
@@ -159,7 +159,7 @@ def test_absent_peer_times_out_quickly():
 
 
 def _peer(port, q):
-    from minirl.vllm_ext import broadcast, open_group
+    from minirl.sync.wire import broadcast, open_group
     _, pg = open_group("127.0.0.1", port, 1, "gloo", timeout_s=20)
     buf = torch.empty(1000, dtype=torch.uint8)
     broadcast(pg, buf, 20, "test receive")
@@ -168,8 +168,8 @@ def _peer(port, q):
 
 
 def test_killed_peer_gives_a_clear_error_within_the_timeout():
-    from minirl.transports import free_port
-    from minirl.vllm_ext import broadcast, open_group
+    from minirl.sync.wire import free_port
+    from minirl.sync.wire import broadcast, open_group
     port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -212,8 +212,8 @@ def trainer(embedded_model):
     """A stand-in for minirl.trainer.Trainer: the peft model, a version, logprobs and save_adapter."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from minirl.trainer import sequence_logprobs
-    from minirl.transports import make_contiguous
+    from minirl.batch import sequence_logprobs
+    from minirl.adapter import make_contiguous
     base = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
     pm = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
@@ -243,8 +243,8 @@ def gen(embedded_model):
     if not HAS_VLLM:
         pytest.skip("vllm is not installed")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from minirl.engine_vllm import VLLMGenerator
-    from minirl.transports import engine_kwargs
+    from minirl.generators.vllm import VLLMGenerator
+    from minirl.sync.wire import engine_kwargs
     g = VLLMGenerator(embedded_model, max_lora_rank=RANK, max_model_len=512, dtype="float32", kv_cache_gb=1,
                       engine_kwargs=engine_kwargs())
     yield g
@@ -262,9 +262,9 @@ def _max_diff(a, b):
                                                 ("collective", True), ("files", False)])
 def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflight, monkeypatch):
     import functools
-    from minirl import transports
-    from minirl.sync import FileSync
-    from minirl.transports import TensorSync
+    from minirl.sync import senders as transports
+    from minirl.sync.files import FileSync
+    from minirl.sync.tensor import TensorSync
     zero_copy = transport == "ipc-zero-copy"
     if zero_copy:  # the trainer's parameters in the shared buffer; the worker converts and scales
         monkeypatch.setitem(transports.SENDERS, "ipc", functools.partial(transports.IpcSender, zero_copy=True))
@@ -303,7 +303,8 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
-    from minirl.transports import TensorSync, call_on_loop, rpc
+    from minirl.sync.tensor import TensorSync
+    from minirl.sync.senders import call_on_loop, rpc
     sync = TensorSync("ipc", inflight=True, timeout_s=30)
     try:
         for _ in range(3):
@@ -319,7 +320,7 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
 
         async def others():
             for k, d in enumerate(dirs):
-                async for _ in gen._engine.llm.generate(TokensPrompt(prompt_token_ids=probe[0]),
+                async for _ in gen.engine.generate(TokensPrompt(prompt_token_ids=probe[0]),
                                                         SamplingParams(max_tokens=1), f"evict-{k}",
                                                         lora_request=LoRARequest(f"other{k}", 900_000 + k, d)):
                     pass
@@ -338,8 +339,8 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
     logprob equals the one recomputed under that version). The first push installs the id by engine call, the
     other 100 ring the worker's doorbell (the swap lands between two engine steps; the report comes back outside
     the engine's output stream, so finishing requests must wait for it)."""
-    from minirl.generator import SamplingParams
-    from minirl.transports import TensorSync
+    from minirl.types import SamplingParams
+    from minirl.sync.tensor import TensorSync
     from minirl.types import Prompt
     sync = TensorSync("ipc", inflight=True, timeout_s=30)
     set_version(trainer, trainer.version + 1)
@@ -441,8 +442,8 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
     """inflight='abort': a push aborts the running request; each unfinished sequence is resubmitted as prompt +
     its tokens so far under the new adapter. Tokens keep the version and logprob they were sampled with: those
     before the swap are the old adapter's, those after are the new adapter's over the whole prefix."""
-    from minirl.generator import SamplingParams
-    from minirl.transports import TensorSync
+    from minirl.types import SamplingParams
+    from minirl.sync.tensor import TensorSync
     from minirl.types import Prompt
     sync = TensorSync("ipc", inflight=False, timeout_s=30)
     set_version(trainer, trainer.version + 1)
@@ -482,7 +483,7 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
 def _push_failing_midpack(sync, trainer, gen, monkeypatch) -> float:
     """Push the next version with a pack that raises MemoryError after its first chunk (the error must come
     through as is); returns the seconds until the push raised. The pack stays failing: restore it."""
-    from minirl.transports import Packer
+    from minirl.adapter import Packer
     real = Packer.pack_chunks
 
     def failing(self, chunk):
@@ -504,8 +505,11 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
     serves exactly the trainer's adapter (a worker that read ahead of the progress header would copy stale
     bytes); a pack that fails midway, or a trainer that never packs, gives a clear error within the timeout,
     and the next push serves the right adapter again."""
-    from minirl import transports
-    from minirl.transports import Packer, SyncError, TensorSync, call_on_loop, install
+    from minirl.sync import senders as transports
+    from minirl.adapter import Packer
+    from minirl.sync import SyncError
+    from minirl.sync.tensor import TensorSync
+    from minirl.sync.senders import call_on_loop, install
     slow = Packer.pack_chunks
 
     def crawling(self, chunk):
@@ -548,8 +552,10 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe):
     """The worker cannot meet the trainer (nobody listens): a clear error within the timeout, engine unharmed."""
-    from minirl.transports import SyncError, call_on_loop, free_port, make_layout, rpc, adapter_params, \
-        peft_config_dict
+    from minirl.sync import SyncError
+    from minirl.sync.senders import call_on_loop, rpc
+    from minirl.sync.wire import free_port
+    from minirl.adapter import adapter_params, make_layout, peft_config_dict
     lay = make_layout(adapter_params(trainer.model), peft_config_dict(trainer.model))
     src = {"kind": "collective", "host": "127.0.0.1", "port": free_port(), "backend": "gloo", "timeout_s": 2}
     t0 = time.perf_counter()
@@ -565,7 +571,9 @@ def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe)
 def test_trainer_side_collective_times_out_when_the_worker_does_not_receive(gen, trainer, ring):
     """The trainer broadcasts (whole, or in chunks after ringing the doorbell) but the worker never takes part:
     bounded, clear error."""
-    from minirl.transports import CollectiveSender, SyncError, adapter_params, peft_config_dict
+    from minirl.sync.senders import CollectiveSender
+    from minirl.sync import SyncError
+    from minirl.adapter import adapter_params, peft_config_dict
     s = CollectiveSender(gen, adapter_params(trainer.model), peft_config_dict(trainer.model), timeout_s=3,
                          chunk_bytes=1 << 20)
     try:
@@ -586,8 +594,9 @@ def test_collective_push_abandoned_midway_frees_the_engine_at_once(gen, trainer,
     and the worker, which waits for the other chunks inside the engine's gate, is released at once (the trainer
     drops its end of the group) instead of at its 20 s timeout: the engine generates and the next push serves the
     trainer's adapter within seconds."""
-    from minirl.generator import SamplingParams
-    from minirl.transports import Packer, TensorSync
+    from minirl.types import SamplingParams
+    from minirl.adapter import Packer
+    from minirl.sync.tensor import TensorSync
     from minirl.types import Prompt
     slow = Packer.pack_chunks
     sync = TensorSync("collective", inflight=True, timeout_s=20)
@@ -614,7 +623,9 @@ def test_collective_push_abandoned_midway_frees_the_engine_at_once(gen, trainer,
 def test_killed_engine_worker_gives_a_clear_error(gen, trainer):
     """Last test of the module (it kills the engine's worker): a push then fails fast with SyncError."""
     import signal
-    from minirl.transports import SyncError, TensorSync, call_on_loop, rpc
+    from minirl.sync import SyncError
+    from minirl.sync.tensor import TensorSync
+    from minirl.sync.senders import call_on_loop, rpc
     sync = TensorSync("ipc", inflight=True, timeout_s=10)
     set_version(trainer, trainer.version + 1)
     sync.push(trainer, gen)

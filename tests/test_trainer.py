@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from minirl import Config, Run
-from minirl.trainer import Sample, Trainer, completion_logprobs, make_batch
+from minirl.batch import completion_logprobs, make_batch, Sample
+from minirl.trainer import Trainer
 
 from conftest import TOY_ROWS
 

@@ -64,7 +64,7 @@ def adapters(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gen(embedded_model):
-    from minirl.engine_vllm import VLLMGenerator
+    from minirl.generators.vllm import VLLMGenerator
     g = VLLMGenerator(embedded_model, max_lora_rank=8, max_model_len=512, dtype="float32", kv_cache_gb=1)
     yield g
     g.close()
@@ -81,12 +81,12 @@ def hf_logprobs(model, prompt_ids, completion_ids, temperature):
 
 
 def _params(**kw):
-    from minirl.generator import SamplingParams
+    from minirl.types import SamplingParams
     return SamplingParams(**{"max_tokens": 10, "seed": 0, **kw})
 
 
 def test_groups_are_well_formed(gen, prompts):
-    from minirl.generator import Generator
+    from minirl.generators import Generator
     assert isinstance(gen, Generator) and gen.name == "vllm" and gen.version == 0
     groups = gen.generate(prompts, 3, _params(temperature=1.0))
     assert [g.prompt.index for g in groups] == [p.index for p in prompts]
@@ -111,7 +111,7 @@ def test_groups_stream_as_they_finish(gen, prompts):
 
 
 def test_stop_strings_and_seed_mapping(gen, prompts):
-    from minirl.engine_vllm import request_seed
+    from minirl.generators.vllm import request_seed
     assert request_seed(3, 7, 0) == request_seed(3, 7, 0) != request_seed(3, 7, 1)
     (g,) = gen.generate(prompts[:1], 4, _params(max_tokens=24, stop=(" ",)))
     for c in g.completions:
@@ -145,7 +145,7 @@ def test_score_applies_temperature(gen, prompts, base):
 
 
 def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
-    from minirl.engine_vllm import SyncVerificationError
+    from minirl.sync import SyncVerificationError, verify
     p = prompts[0].token_ids
     (g,) = gen.generate(prompts[:1], 1, _params(temperature=1.0, max_tokens=12))
     probe = g.completions[0].token_ids
@@ -156,18 +156,18 @@ def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
     assert gen.version == 1
     after = gen.score(p, probe, 1.0)
     assert max(abs(a - b) for a, b in zip(before, after)) > 10 * ATOL  # the engine really serves the adapter
-    diff = gen.verify(p, probe, hf_logprobs(model_a, p, probe, 1.0), atol=ATOL, expected_version=1)
+    diff = verify(gen, p, probe, hf_logprobs(model_a, p, probe, 1.0), version=1, atol=ATOL)
     assert diff < ATOL
-    gen.verify(p, probe, hf_logprobs(model_a, p, probe, 0.7), temperature=0.7, atol=ATOL)
+    verify(gen, p, probe, hf_logprobs(model_a, p, probe, 0.7), temperature=0.7, atol=ATOL)
 
     with pytest.raises(SyncVerificationError, match="version"):
-        gen.verify(p, probe, hf_logprobs(model_a, p, probe, 1.0), atol=ATOL, expected_version=2)
+        verify(gen, p, probe, hf_logprobs(model_a, p, probe, 1.0), version=2, atol=ATOL)
     # A trainer whose weights differ from what the engine serves (wrong adapter / stale base) is caught.
     _, model_b = adapters["b"]
     with pytest.raises(SyncVerificationError, match="max \\|logprob diff\\|"):
-        gen.verify(p, probe, hf_logprobs(model_b, p, probe, 1.0), atol=ATOL)
+        verify(gen, p, probe, hf_logprobs(model_b, p, probe, 1.0), atol=ATOL)
     with pytest.raises(SyncVerificationError):
-        gen.verify(p, probe, hf_logprobs(base, p, probe, 1.0), atol=ATOL)
+        verify(gen, p, probe, hf_logprobs(base, p, probe, 1.0), atol=ATOL)
 
     # Older adapters are dropped: only the one being served stays loaded.
     path_b, _ = adapters["b"]

@@ -26,7 +26,6 @@ import atexit
 import concurrent.futures
 import dataclasses
 import hashlib
-import importlib.util
 import itertools
 import os
 import threading
@@ -35,16 +34,12 @@ import weakref
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
 from typing import AsyncIterator, Callable, Sequence
 
-from .generator import SamplingParams
-from .sync import SyncVerificationError  # one error class for every verification path
-from .types import Completion, Group, Prompt
+from ..sync.wire import WORKER_EXTENSION
+from ..types import Completion, Group, Prompt, SamplingParams
+from . import vllm_available  # noqa: F401 - re-exported: `from minirl.generators.vllm import vllm_available`
+from .swaps import SwapLog
 
 GiB = 1 << 30
-
-
-def vllm_available() -> bool:
-    """True when vllm can be imported (checked without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 def request_seed(seed: int, prompt_index: int, visit: int) -> int:
@@ -139,7 +134,7 @@ class VLLMGenerator:
             kw.update(gpu_memory_utilization=gpu_memory_utilization)
             if inflight == "inflight":  # exact per-token versions across in-place swaps assume the worker samples
                 kw["async_scheduling"] = False  # each step before the next one starts (on CPU it always does)
-        kw["worker_extension_cls"] = "minirl.vllm_ext.AdapterReceiver"  # in-memory adapter sync (transports.py)
+        kw["worker_extension_cls"] = WORKER_EXTENSION  # in-memory adapter sync (minirl.sync)
         kw.update(engine_kwargs or {})
         self.engine_args = AsyncEngineArgs(**kw)
 
@@ -158,7 +153,6 @@ class VLLMGenerator:
         self.abort_on_swap = inflight == "abort"
         self.resubmitted = 0                    # sequences resubmitted under a newer adapter (abort policy)
         self.tokens_generated = 0
-        from .transports import SwapLog
         self.swaps = SwapLog()                  # in-place swap reports (inflight policy)
         self._swapped: set[int] = set()         # LoRA ids whose weights were swapped in place at least once
         self._swap_lock = threading.Lock()      # direct swaps are reported from the trainer's thread
@@ -179,6 +173,28 @@ class VLLMGenerator:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def engine(self):
+        """The running vLLM `AsyncLLM` (None once closed): for code on the engine loop, such as the sync senders."""
+        return self._engine.llm
+
+    @property
+    def closed(self) -> bool:
+        return self._engine.closed
+
+    @property
+    def serving(self):
+        """The LoRARequest new requests are served with (None: the base model)."""
+        return self._lora
+
+    def call(self, coro):
+        """Run `coro` on the engine loop and wait for its result (its exception is raised here)."""
+        return self._engine.call(coro)
+
+    def restart_seeds(self) -> None:
+        """Forget how often each prompt was submitted: per-request seeds start over (benchmarks replaying work)."""
+        self._visits.clear()
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -333,7 +349,7 @@ class VLLMGenerator:
 
     async def serve_installed_async(self, lora_id: int, name: str, path: str, version: int,
                                     report: dict | None = None) -> None:
-        """Serve an adapter the worker already installed from memory (transports.py) as `version`. `report`: the
+        """Serve an adapter the worker already installed from memory (minirl.sync) as `version`. `report`: the
         worker's install report (in-place swaps), kept for exact per-token versions."""
         from vllm.lora.request import LoRARequest
         await self._serve(LoRARequest(name, lora_id, path), version, report)
@@ -359,7 +375,7 @@ class VLLMGenerator:
         self.swaps.add(report)
         self._swapped.add(lora_id)
 
-    # Direct in-place swaps (the doorbell, `minirl.transports`) are reported from the trainer's thread, not
+    # Direct in-place swaps (the doorbell, `minirl.sync.senders`) are reported from the trainer's thread, not
     # through the engine's output stream. Requests that finish while one is in flight wait for its report, so
     # their per-token versions see every swap that landed before their last step.
 
@@ -441,37 +457,6 @@ class VLLMGenerator:
         """Logprobs of `completion_ids` after `prompt_ids` under the adapter currently served,
         `log_softmax(logits / temperature)` (top-k / top-p are not applied)."""
         return self._engine.call(self.score_async(prompt_ids, completion_ids, temperature))
-
-    def verify(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], trainer_logprobs: Sequence[float],
-               temperature: float = 1.0, atol: float | None = None, expected_version: int | None = None) -> float:
-        """Check that the engine serves the trainer's adapter: score a probe completion in the engine and
-        compare with the trainer's logprobs. Returns the max abs difference; raises SyncVerificationError
-        when it exceeds `atol` or the engine's version is not `expected_version`.
-
-        `atol` defaults to `default_atol()`. temperature 1 is the cheap path (see `score`)."""
-        atol = self.default_atol() if atol is None else atol
-        if expected_version is not None and expected_version != self._version:
-            raise SyncVerificationError(
-                f"engine serves version {self._version}, trainer pushed version {expected_version}")
-        engine = self.score(prompt_ids, completion_ids, temperature)
-        if len(engine) != len(trainer_logprobs):
-            raise SyncVerificationError(f"probe length mismatch: engine {len(engine)}, trainer {len(trainer_logprobs)}")
-        diffs = [abs(a - b) for a, b in zip(engine, trainer_logprobs)]
-        worst = max(diffs, default=0.0)
-        if not worst <= atol:  # NaN fails too
-            i = diffs.index(worst) if worst == worst else 0
-            raise SyncVerificationError(
-                f"engine and trainer disagree on the probe after the push of version {self._version}: "
-                f"max |logprob diff| = {worst:.4f} > atol {atol} (token {i}: engine {engine[i]:.4f}, "
-                f"trainer {trainer_logprobs[i]:.4f}). The engine is serving a stale, base or wrong adapter.")
-        return worst
-
-    def default_atol(self) -> float:
-        """Probe tolerance for a float32 trainer. Measured on the embedded model (32-token probes): a float32
-        engine agrees to ~3e-5 per token; a bfloat16 engine differs by up to ~0.25 (mean ~0.03), about as
-        much as a moderately different adapter, so with 16-bit engines the check only catches gross errors
-        (base or much older weights). Run the engine in float32 where the check must be tight."""
-        return 1e-2 if self.dtype == "float32" else 0.5
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 

@@ -8,25 +8,21 @@ Transports (same interface: open once, then `send(lora_id, version, ring)` per s
 - `collective`: a dedicated two-rank torch.distributed group (trainer rank 0, engine worker rank 1) over a TCP
   store on 127.0.0.1; the flat buffer is broadcast (in-place swaps: in chunks, each as soon as it is packed). gloo
   on CPU, NCCL on GPU, same code. Every wait is bounded.
-- `files` stays in `minirl.sync.FileSync` (the fallback).
+- `files` is `minirl.sync.files.FileSync` (the fallback).
 
 The request goes by vLLM's engine call (`collective_rpc`) for a new LoRA id, and by the channel's doorbell (a
-socket to a thread in the worker, see `minirl.vllm_ext`) for an in-place swap of an installed id (`ring=True`):
+socket to a thread in the worker, see `minirl.sync.channel`) for an in-place swap of an installed id (`ring=True`):
 that skips the engine core's round trip, and the worker's report reaches the generator from the trainer's thread.
 
 `TensorSync` is the `WeightSync` for these: a new LoRA id per version (policy `continue`: requests in flight keep
 their adapter), or one LoRA id whose weights are replaced in place between engine steps (policy `inflight`).
-The engine side is `minirl.vllm_ext.AdapterReceiver`; the engine must be started with
-`worker_extension_cls=WORKER_EXTENSION` (see `engine_kwargs()`).
+The engine side is `minirl.sync.receiver.AdapterReceiver`; the engine must be started with
+`worker_extension_cls=WORKER_EXTENSION` (see `wire.engine_kwargs()`).
 """
 from __future__ import annotations
 
 import asyncio
-import enum
-import itertools
-import json
 import os
-import socket
 import tempfile
 import time
 import uuid
@@ -34,187 +30,15 @@ from pathlib import Path
 
 import torch
 
-from .sync import SyncStats
-from .vllm_ext import (PROGRESS_BITS, PROGRESS_MASK, CollectiveError, broadcast, finish, lora_path_for, open_group,
-                       unpack)
-
-WORKER_EXTENSION = "minirl.vllm_ext.AdapterReceiver"
-TRANSPORTS = ("auto", "ipc", "collective", "files")
-_LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
-
-
-class SyncError(RuntimeError):
-    """An adapter sync could not complete."""
-
-
-class SyncTimeout(SyncError, TimeoutError):
-    """An adapter sync did not complete within its timeout (peer gone or stuck)."""
-
-
-def engine_kwargs() -> dict:
-    """Engine args that install the receiver: pass as `VLLMGenerator(..., engine_kwargs=engine_kwargs())`."""
-    return {"worker_extension_cls": WORKER_EXTENSION}
-
-
-# ---- the adapter as one flat buffer ----------------------------------------------------------------------
-
-def _jsonable(x):
-    if isinstance(x, (set, frozenset)):
-        return sorted(x)
-    if isinstance(x, enum.Enum):
-        return x.value
-    return str(x)
-
-
-def adapter_params(model, adapter: str = "default") -> dict[str, torch.Tensor]:
-    """peft-format name (as in adapter_model.safetensors) -> the live LoRA parameter of a peft model; all lora_A
-    first, then all lora_B (so the B scaling is one range of a packed buffer)."""
-    from peft import get_peft_model_state_dict
-    want = set(get_peft_model_state_dict(model, adapter_name=adapter))
-    out = {}
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            key = n.replace(f".{adapter}.", ".")
-            if key in want:
-                out[key] = p
-    missing = want - set(out)
-    if missing:
-        raise SyncError(f"adapter tensors without a parameter: {sorted(missing)[:3]} …")
-    return dict(sorted(out.items(), key=lambda kv: ".lora_B." in kv[0]))  # stable: model order within A, B
-
-
-def make_contiguous(model, adapter: str = "default") -> torch.Tensor | None:
-    """Rebind the adapter's LoRA parameters to consecutive views of one buffer, in `adapter_params` order, so that
-    a sync packs the whole adapter with one flat copy instead of hundreds of small ones. Call it before the
-    optimizer is built. Returns the buffer (None, changing nothing, when the parameters differ in dtype/device)."""
-    params = list(adapter_params(model, adapter).values())
-    if not _uniform(params):
-        return None
-    return move_into(params, torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
-                                         device=params[0].device))
-
-
-def _uniform(params: list[torch.Tensor]) -> bool:
-    """One dtype and one device for all (what one flat buffer needs)."""
-    return bool(params) and len({(p.dtype, p.device) for p in params}) == 1
-
-
-def move_into(params: list[torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
-    """Copy `params` into consecutive views of `flat` (same dtype and device) and rebind them there. A parameter
-    keeps its identity (the optimizer and its state are untouched); only its storage moves."""
-    off = 0
-    with torch.no_grad():
-        for p in params:
-            view = flat[off:off + p.numel()].view_as(p)
-            view.copy_(p)
-            p.data = view
-            off += p.numel()
-    return flat
-
-
-def _span(ts: list[torch.Tensor]) -> torch.Tensor | None:
-    """One 1-D tensor over `ts` when they are consecutive contiguous views of one storage, in order; else None."""
-    t0 = ts[0]
-    ptr, es, base = t0.data_ptr(), t0.element_size(), t0.untyped_storage().data_ptr()
-    for t in ts:
-        if (t.data_ptr() != ptr or not t.is_contiguous() or t.dtype != t0.dtype
-                or t.untyped_storage().data_ptr() != base):
-            return None
-        ptr += t.numel() * es
-    return t0.detach().as_strided(((ptr - t0.data_ptr()) // es,), (1,))
-
-
-def peft_config_dict(model, adapter: str = "default") -> dict:
-    return json.loads(json.dumps(model.peft_config[adapter].to_dict(), default=_jsonable))
-
-
-def b_scalings(model, adapter: str = "default") -> dict[str, float]:
-    """peft-format name of each lora_B weight -> the scaling peft applies to that module's LoRA output (alpha / r,
-    or alpha / sqrt(r) with rsLoRA; per-module rank/alpha patterns included)."""
-    out = {}
-    for name, module in model.named_modules():
-        sc = getattr(module, "scaling", None)
-        if isinstance(sc, dict) and adapter in sc and hasattr(module, "lora_B"):
-            out[f"{name}.lora_B.weight"] = float(sc[adapter])
-    return out
-
-
-def prescaled_config(peft_config: dict) -> dict:
-    """The peft config to send with pre-scaled lora_B tensors: vLLM then computes scaling 1 and folds nothing."""
-    return {**peft_config, "lora_alpha": peft_config["r"], "use_rslora": False, "alpha_pattern": {}}
-
-
-def make_layout(tensors: dict[str, torch.Tensor], peft_config: dict, dtype: torch.dtype | None = None) -> dict:
-    """Names, shapes and element offsets of the tensors in one flat buffer (plain values, msgpack-able)."""
-    dtype = dtype or next(iter(tensors.values())).dtype
-    names, shapes, offsets, off = [], [], [], 0
-    for n, t in tensors.items():
-        names.append(n)
-        shapes.append(list(t.shape))
-        offsets.append(off)
-        off += t.numel()
-    return {"names": names, "shapes": shapes, "offsets": offsets, "numel": off, "dtype": str(dtype),
-            "nbytes": off * torch.empty((), dtype=dtype).element_size(), "peft_config": peft_config}
-
-
-class Packer:
-    """Copies the live tensors into a flat buffer laid out by `layout`: one flat copy when they are consecutive views
-    of one buffer in layout order (`make_contiguous`), else one fused `_foreach_copy_`. With `scales` (name ->
-    factor, e.g. `b_scalings`) those tensors are multiplied in the buffer (one `mul_` per run of equal factors):
-    the LoRA scaling travels folded into lora_B, so the engine has nothing left to scale."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], flat: torch.Tensor, layout: dict,
-                 scales: dict[str, float] | None = None):
-        self.src = list(tensors.values())
-        self.flat = flat
-        views = unpack(flat, layout)
-        self.dst = [views[n] for n in tensors]
-        self.runs: list[list] = []  # [start, end, factor]: ranges of `flat` to scale
-        order = sorted(zip(layout["offsets"], layout["names"]))
-        for off, n in order:
-            sc = (scales or {}).get(n, 1.0)
-            end = off + views[n].numel()
-            if sc == 1.0:
-                continue
-            if self.runs and self.runs[-1][1] == off and self.runs[-1][2] == sc:
-                self.runs[-1][1] = end
-            else:
-                self.runs.append([off, end, sc])
-        in_order = [n for _, n in order] == list(tensors)
-        self._span = _span(self.src) if in_order and views and flat.numel() == layout["numel"] else None
-        self._ptrs = [t.data_ptr() for t in self.src]
-
-    @torch.no_grad()
-    def pack(self) -> None:
-        for _ in self.pack_chunks(self.flat.numel()):
-            pass
-
-    @torch.no_grad()
-    def pack_chunks(self, chunk: int):
-        """Pack in ranges of about `chunk` elements, yielding after each the number of leading elements of the
-        buffer that are final (copied and scaled), so that a reader can start on them; cache-hot per range."""
-        n = self.flat.numel()
-        if self._span is None or [t.data_ptr() for t in self.src] != self._ptrs:
-            torch._foreach_copy_(self.dst, [t.detach() for t in self.src])
-            self._scale(0, n)
-            yield n
-            return
-        for lo in range(0, n, max(1, chunk)):
-            hi = min(n, lo + chunk)
-            self.flat[lo:hi].copy_(self._span[lo:hi])
-            self._scale(lo, hi)
-            yield hi
-
-    def _scale(self, lo: int, hi: int) -> None:
-        for a, b, sc in self.runs:  # in the buffer's dtype, as vLLM folds it (a fused out= mul measured slower)
-            if a < hi and b > lo:
-                self.flat[max(a, lo):min(b, hi)].mul_(sc)
+from ..adapter import Packer, _uniform, make_layout, move_into, prescaled_config
+from . import CollectiveError, SyncError, SyncTimeout
+from .wire import PROGRESS_BITS, PROGRESS_MASK, adapter_name, broadcast, finish, free_port, lora_path_for, open_group
 
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
 
 def _llm(generator):
-    llm = getattr(getattr(generator, "_engine", None), "llm", None)
+    llm = getattr(generator, "engine", None)
     if llm is None:
         raise SyncError("the generator has no running vLLM engine (closed, or not a VLLMGenerator)")
     return llm
@@ -236,11 +60,6 @@ async def rpc(generator, method: str, *args, timeout_s: float = 30.0):
 def call_on_loop(generator, coro, timeout_s: float):
     """Run `coro` on the generator's loop from another thread; bounded wait, clear errors."""
     return _result(asyncio.run_coroutine_threadsafe(coro, generator.loop), timeout_s)
-
-
-def adapter_name(lora_id: int, version: int) -> str:
-    """The LoRARequest name of an in-memory adapter (its path: `vllm_ext.lora_path_for`)."""
-    return f"minirl-v{version}-{lora_id}"
 
 
 async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0,
@@ -360,7 +179,7 @@ class _Sender:
         self.closed = True
         self.drop_bell()
         try:
-            if not getattr(self.generator._engine, "closed", True):
+            if not getattr(self.generator, "closed", True):
                 call_on_loop(self.generator, rpc(self.generator, "minirl_close_channel", self.channel,
                                                  timeout_s=5.0), 5.0)
         except Exception:
@@ -368,7 +187,7 @@ class _Sender:
 
 
 def shared_buffer(nbytes: int, device: torch.device, tag: str) -> tuple[torch.Tensor, dict, str | None]:
-    """(bytes, source for the receiver's `_Channel`, file path to unlink once it is mapped or None): a CUDA
+    """(bytes, source for the receiver's `Channel`, file path to unlink once it is mapped or None): a CUDA
     allocation shared by its IPC handle on GPU, a shared-memory file on CPU."""
     if device.type == "cuda":
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -476,12 +295,6 @@ def _result(fut, timeout_s: float):
         raise SyncTimeout(f"adapter sync did not finish within {timeout_s + 5:.0f} s") from e
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class CollectiveSender(_Sender):
     """Two-rank torch.distributed group with the engine worker; each sync broadcasts the flat buffer."""
     transport = "collective"
@@ -561,148 +374,3 @@ class CollectiveSender(_Sender):
 
 SENDERS = {"ipc": IpcSender, "collective": CollectiveSender}
 
-
-# ---- choosing ------------------------------------------------------------------------------------------------
-
-def has_receiver(generator) -> bool:
-    args = getattr(generator, "engine_args", None)
-    return getattr(args, "worker_extension_cls", "") == WORKER_EXTENSION and hasattr(generator, "_engine")
-
-
-def pick_transport(generator, trainer_device: str | torch.device = "cpu") -> tuple[str, str]:
-    """(transport, why) for a generator and the trainer's device: in-memory whenever the engine carries the
-    receiver; `ipc` when both sides share memory (CPU, or the same GPU); `collective` (NCCL) across GPUs."""
-    if getattr(generator, "name", "") != "vllm":
-        return "files", "the generator is not vLLM"
-    if not has_receiver(generator):
-        return "files", f"the engine was started without worker_extension_cls={WORKER_EXTENSION!r}"
-    dev = torch.device(trainer_device)
-    if getattr(generator, "on_cpu", True) or dev.type == "cpu":
-        if getattr(generator, "on_cpu", True) and dev.type == "cpu":
-            return "ipc", "CPU engine and trainer: shared-memory buffer mapped by the engine worker"
-        return "collective", "engine and trainer on different device types: gloo broadcast"
-    info = call_on_loop(generator, rpc(generator, "minirl_info", timeout_s=30.0), 30.0)
-    same = info.get("device_uuid") == str(torch.cuda.get_device_properties(dev).uuid)
-    if same:
-        return "ipc", "engine and trainer on the same GPU: CUDA IPC handle"
-    return "collective", "engine and trainer on different GPUs: NCCL broadcast"
-
-
-class TensorSync:
-    """`WeightSync` over an in-memory transport. `inflight=True`: one LoRA id whose weights are swapped in place
-    between engine steps (sequences in flight continue on the new weights); otherwise a new LoRA id per version
-    (sequences in flight finish on their adapter, which the generator removes once idle).
-
-    `transport`: 'ipc', 'collective' or 'auto'. Bounded: every wait raises `SyncError`/`SyncTimeout` after
-    `timeout_s`. `last` holds the worker's report of the latest push (timings, in-place swap token counts)."""
-
-    def __init__(self, transport: str = "auto", inflight: bool = False, timeout_s: float = 30.0):
-        if transport not in ("auto", "ipc", "collective"):
-            raise ValueError(f"transport={transport!r}: use 'auto', 'ipc' or 'collective'")
-        self.requested, self.transport, self.why = transport, transport, ""
-        self.inflight, self.timeout_s = inflight, timeout_s
-        self.sender: _Sender | None = None
-        self._gen = None
-        self.lora_id: int | None = None
-        self.last: dict = {}
-
-    def _sender(self, trainer, generator) -> _Sender:
-        if self.sender is None or self._gen is not generator:
-            if self.sender is not None:
-                self.sender.close()
-            dev = next(p for p in trainer.model.parameters()).device
-            if self.requested == "auto":
-                self.transport, self.why = pick_transport(generator, dev)
-                if self.transport == "files":
-                    raise SyncError(f"no in-memory transport: {self.why}; use FileSync")
-            elif not has_receiver(generator):
-                raise SyncError(f"sync_transport={self.requested!r} needs the engine started with "
-                                f"worker_extension_cls={WORKER_EXTENSION!r}")
-            self.sender = SENDERS[self.transport](generator, adapter_params(trainer.model),
-                                                  peft_config_dict(trainer.model), timeout_s=self.timeout_s,
-                                                  scales=b_scalings(trainer.model))
-            self._gen, self.lora_id = generator, None
-        return self.sender
-
-    def push(self, trainer, generator) -> SyncStats:
-        t0 = time.perf_counter()
-        sender = self._sender(trainer, generator)
-        ring = self.inflight and self.lora_id is not None  # an in-place swap of the installed id: the doorbell
-        if self.lora_id is None or not self.inflight:
-            self.lora_id = next(_LORA_IDS)
-        try:
-            self.last = sender.send(self.lora_id, trainer.version, ring=ring)
-        except BaseException:
-            # a push that failed midway may have left that id's slot part old, part new, and the channel mid-way
-            # through a transfer: a later push starts a fresh id on a fresh channel
-            self.lora_id = None
-            self.close()
-            raise
-        return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, sender.nbytes, self.transport)
-
-    def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
-
-
-def make_sync(transport: str, generator, trainer_device="cpu", inflight: bool = False, timeout_s: float = 30.0):
-    """The `WeightSync` for a config value: 'files' → FileSync; 'ipc' / 'collective' → TensorSync; 'auto' → the
-    fastest that works for the layout (in-memory when the engine has the receiver, else files). Returns
-    (sync, why)."""
-    from .sync import FileSync
-    if transport == "files":
-        return FileSync(), "sync_transport='files'"
-    if transport == "auto":
-        name, why = pick_transport(generator, trainer_device)
-        if name == "files":
-            return FileSync(), why
-        return TensorSync(name, inflight=inflight, timeout_s=timeout_s), why
-    return TensorSync(transport, inflight=inflight, timeout_s=timeout_s), f"sync_transport={transport!r}"
-
-
-# ---- exact per-token versions across in-place swaps --------------------------------------------------------------
-
-def split_worker_request_id(worker_id: str) -> tuple[str, int]:
-    """vLLM's worker request id -> (the id the caller gave `generate`, sample index). vLLM appends '-<8 chars>' to
-    the caller's id and prefixes '<j>_' for sample j of an n > 1 request."""
-    import re
-    m = re.match(r"^(?:(\d+)_)?(.+)-[0-9A-Za-z]{8}$", worker_id)
-    if m is None:
-        return worker_id, 0
-    return m.group(2), int(m.group(1) or 0)
-
-
-class SwapLog:
-    """The worker's reports of installs on one LoRA id, in order, for exact per-token version tags across in-place
-    swaps. Feed it every `minirl_install` report (`TensorSync.last`, or the `report` given to the generator's
-    `serve_installed_async`), then ask `token_versions` for a finished request by the id the caller gave
-    `AsyncLLM.generate` and the sample index. Ask only when no install is in flight (its report may concern the
-    request)."""
-
-    def __init__(self):
-        self.records: list[dict] = []
-
-    def add(self, report: dict) -> None:
-        key = split_worker_request_id
-        self.records.append({"version": report["version"], "prev": report.get("prev_version"),
-                             "swap": {key(rid): n for rid, n in (report.get("swap") or {}).items()},
-                             "started": {key(rid): v for rid, v in report.get("started") or ()}})
-
-    def token_versions(self, request_id: str, n_tokens: int, index: int = 0) -> list[int]:
-        """Version of each of the `n_tokens` output tokens of sample `index` of request `request_id`."""
-        k = (request_id, index)
-        start = next((i for i, r in enumerate(self.records) if k in r["started"]), None)
-        if start is None:  # started after the last install we know of
-            return [self.records[-1]["version"]] * n_tokens if self.records else []
-        v, pos, out = self.records[start]["started"][k], 0, []
-        for r in self.records[start:]:
-            if k not in r["swap"]:
-                break  # finished before this install
-            n = min(r["swap"][k], n_tokens)
-            out += [v] * (n - pos)
-            pos, v = n, r["version"]
-        return out + [v] * (n_tokens - pos)
-
-    def prune(self, keep: int = 10_000) -> None:
-        del self.records[:-keep]

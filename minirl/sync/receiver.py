@@ -1,7 +1,7 @@
 """Engine-side receiver of in-memory adapter syncs: a vLLM worker extension.
 
-Passed to vLLM as `worker_extension_cls="minirl.vllm_ext.AdapterReceiver"`; vLLM mixes it into its worker
-class, and the trainer side (`minirl.transports`) reaches its methods with `AsyncLLM.collective_rpc(name, args=...)`.
+Passed to vLLM as `worker_extension_cls="minirl.sync.receiver.AdapterReceiver"`; vLLM mixes it into its worker
+class, and the trainer side (`minirl.sync.senders`) reaches its methods with `AsyncLLM.collective_rpc(name, args=...)`.
 Utility calls run in the engine core between two engine steps, so an adapter swap never lands inside a forward.
 
 How an adapter gets in, without files:
@@ -33,95 +33,12 @@ Everything a call needs travels as plain msgpack-able values (ints, strings, byt
 """
 from __future__ import annotations
 
-import os
-import threading
 import time
-from datetime import timedelta
 from typing import Any
 
-MEM_SCHEME = "minirl-mem://"
-
-
-def lora_path_for(lora_id: int, version: int) -> str:
-    """The LoRARequest path of an in-memory adapter. The version is part of the path because vLLM keys its prefix
-    cache on (lora_name, lora_path): a new version must never reuse KV blocks computed with older weights."""
-    return f"{MEM_SCHEME}{lora_id}/v{version}"
-
-
-# ---- flat-buffer helpers, shared with the sender side (no vLLM imports) ----------------------------------------
-
-PROGRESS_BITS = 40  # the ipc progress word: push number << 40 | elements packed (all ones: the push was abandoned)
-PROGRESS_MASK = (1 << PROGRESS_BITS) - 1
-
-def torch_dtype(name: str):
-    import torch
-    return getattr(torch, name.removeprefix("torch."))
-
-
-def unpack(flat, layout: dict) -> dict:
-    """name -> view of `flat` (1-D, layout dtype), in the layout's shapes."""
-    return {n: flat[o:o + _numel(s)].view(s) for n, s, o in zip(layout["names"], layout["shapes"], layout["offsets"])}
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def open_group(host: str, port: int, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
-    """A two-process torch.distributed group (rank 0 = trainer, rank 1 = engine worker) that does not touch the
-    default group (vLLM has its own). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
-    import torch.distributed as dist
-    timeout = timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=True)
-    except Exception as e:  # DistStoreError / RuntimeError on timeout or refused connection
-        raise TimeoutError(f"minirl collective sync: rank {rank} could not meet its peer at {host}:{port} within "
-                           f"{timeout_s:.0f} s ({type(e).__name__}: {e})") from e
-    store = dist.PrefixStore(tag, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-    else:
-        raise ValueError(f"unknown collective backend {backend!r}")
-    return store, pg
-
-
-def broadcast(pg, buf, timeout_s: float, what: str, wait: bool = True):
-    """Broadcast `buf` from rank 0; a peer that is gone or late raises within `timeout_s`. `wait=False`: returns
-    the started work, for `finish`."""
-    import torch.distributed as dist
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    opts.rootTensor = 0
-    opts.timeout = timedelta(seconds=timeout_s)
-    try:
-        work = pg.broadcast([buf], opts)
-    except Exception as e:
-        raise _broadcast_error(e, timeout_s, what) from e
-    return finish(work, timeout_s, what) if wait else work
-
-
-def finish(work, timeout_s: float, what: str) -> None:
-    try:
-        work.wait(timedelta(seconds=timeout_s))
-    except Exception as e:
-        raise _broadcast_error(e, timeout_s, what) from e
-
-
-class CollectiveError(RuntimeError):
-    """A broadcast of the collective sync failed: the peer is gone or did not answer in time."""
-
-
-def _broadcast_error(e: Exception, timeout_s: float, what: str) -> CollectiveError:
-    return CollectiveError(f"minirl collective sync failed during {what} (peer gone or no answer within "
-                           f"{timeout_s:.0f} s): {type(e).__name__}: {e}")
+from ..adapter import unpack
+from .channel import Channel, Gate, Doorbell
+from .wire import MEM_SCHEME, lora_path_for
 
 
 def _same_layout(a: dict, b: dict) -> bool:
@@ -137,212 +54,16 @@ def _device_uuid(device) -> str | None:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-class _Gate:
-    """One thing at a time in the worker's LoRA state: an engine step, a LoRA call, or an install. Installs that
-    are waiting go before the next step (`enter(install=True)`)."""
-
-    def __init__(self):
-        self.cv = threading.Condition()
-        self.busy = False
-        self.installs_waiting = 0
-
-    def enter(self, install: bool = False, timeout_s: float | None = None) -> None:
-        with self.cv:
-            self.installs_waiting += install
-            try:
-                free = self.cv.wait_for(lambda: not self.busy and (install or not self.installs_waiting), timeout_s)
-            finally:
-                self.installs_waiting -= install
-            if not free:
-                raise TimeoutError(f"minirl adapter receiver: the engine step did not end within {timeout_s:.0f} s")
-            self.busy = True
-
-    def leave(self) -> None:
-        with self.cv:
-            self.busy = False
-            self.cv.notify_all()
-
-    def __enter__(self):
-        self.enter()
-
-    def __exit__(self, *exc):
-        self.leave()
-
-
-class _Doorbell:
-    """A socket served by a thread of the worker process: each request is an install (the `_minirl_install`
-    kwargs), answered ("ok", report) or ("error", message). Only the sender holding the authkey can connect."""
-
-    def __init__(self, receiver, channel: str):
-        from multiprocessing.connection import Listener
-        self.authkey = os.urandom(16)
-        self.listener = Listener(family="AF_UNIX", authkey=self.authkey)
-        self.conn = None
-        self.receiver, self.channel = receiver, channel
-        self.stream = getattr(receiver._minirl(), "stream", None)
-        self.thread = threading.Thread(target=self._serve, name=f"minirl-doorbell-{channel}", daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        import torch
-        try:
-            self.conn = self.listener.accept()
-        except Exception:
-            return
-        finally:
-            self.listener.close()
-        device = getattr(self.receiver, "device", None)
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.set_device(device)
-        gate = self.receiver._minirl().gate
-        while True:
-            try:
-                req = self.conn.recv()
-            except (EOFError, OSError):
-                return
-            stamps = {"t_rung": time.monotonic()}  # for scripts/sync_breakdown.py (one clock for all processes)
-            try:
-                ch = self.receiver._minirl().channels.get(req["channel"])
-                with _on_stream(self.stream):  # GPU: the transfer and the copies ordered with the forward passes
-                    if ch is not None:  # a whole transfer (collective) needs no gate: the buffer is ours alone
-                        ch.receive(req["timeout_s"], req.get("chunk"))
-                    gate.enter(install=True, timeout_s=req["timeout_s"])
-                    stamps["t_gate"] = time.monotonic()
-                    try:
-                        report = self.receiver._minirl_install(**req, received=True)
-                    finally:
-                        gate.leave()
-                answer = ("ok", {**report, "via": "doorbell", **stamps, "t_done": time.monotonic()})
-            except Exception as e:
-                answer = ("error", f"{type(e).__name__}: {e}")
-            try:
-                self.conn.send(answer)
-            except (EOFError, OSError):
-                return
-
-    def close(self) -> None:
-        for c in (self.conn, self.listener):
-            try:
-                if c is not None:
-                    c.close()
-            except Exception:
-                pass
-
-
-def _on_stream(stream):
-    """The engine's CUDA stream for the doorbell thread's copies (so they are ordered with the forward passes)."""
-    import contextlib
-    if stream is None:
-        return contextlib.nullcontext()
-    import torch
-    return torch.cuda.stream(stream)
-
-
-class _Channel:
-    def __init__(self, layout: dict, source: dict, device):
-        import torch
-        self.layout, self.source = layout, source
-        self.kind = source["kind"]
-        self.group = self.store = None
-        dtype = torch_dtype(layout["dtype"])
-        nbytes = int(layout["nbytes"])
-        self.header = None
-        if self.kind == "shm":
-            at = source.get("header")  # the sender publishes its pack progress there (see `wait`)
-            raw = torch.from_file(source["path"], shared=True, size=nbytes if at is None else int(at) + 8,
-                                  dtype=torch.uint8)
-            if at is not None:
-                self.header = raw[int(at):int(at) + 8].view(torch.int64)
-                raw = raw[:nbytes]
-        elif self.kind == "cuda_ipc":
-            h = source["handle"]
-            torch.cuda.set_device(int(h[0]))  # the sender's device; the mapping is readable from ours
-            storage = torch.UntypedStorage._new_shared_cuda(*h)
-            raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{int(h[0])}").set_(storage, 0, (nbytes,), (1,))
-        elif self.kind == "collective":
-            self.store, self.group = open_group(source["host"], int(source["port"]), 1, source["backend"],
-                                                float(source["timeout_s"]))
-            dev = device if source["backend"] == "nccl" else "cpu"
-            raw = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-        else:
-            raise ValueError(f"unknown minirl channel kind {self.kind!r}")
-        self.raw = raw
-        self.flat = raw.view(dtype)
-        self.bell: _Doorbell | None = None
-        self.chunk, self.got = None, 0  # a chunked broadcast in progress: its chunk size, elements received
-        self.next: list = []  # (work, end) of each chunk still being received
-
-    def wait(self, seq: int | None, upto: int, deadline: float) -> int:
-        """Until the sender's push `seq` has packed at least the first `upto` elements (a header channel), or
-        they have arrived (a chunked broadcast; others are complete once received): returns how many are there.
-        Yields the core while waiting; raises when the sender gave up or at `deadline` (monotonic)."""
-        if self.chunk:
-            while self.got < upto:
-                work, hi = self.next.pop(0)
-                finish(work, max(0.1, deadline - time.monotonic()), "the engine worker's receive")
-                self.got = hi
-            return self.got
-        if self.header is None or seq is None:
-            return self.flat.numel()
-        while True:
-            word = int(self.header[0])
-            now, done = word >> PROGRESS_BITS, word & PROGRESS_MASK
-            if now == seq:
-                if done == PROGRESS_MASK:
-                    raise RuntimeError(f"minirl adapter receiver: the sender abandoned push {seq} mid-pack")
-                if done >= upto:
-                    return done
-            elif now > seq:
-                raise RuntimeError(f"minirl adapter receiver: push {seq} was superseded by push {now}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"minirl adapter receiver: push {seq} was not packed in time (the trainer is "
-                                   f"gone or stuck)")
-            os.sched_yield()
-
-    def receive(self, timeout_s: float, chunk: int | None = None):
-        """The current adapter bytes (a view; copy before the sender may write again). A broadcast sent in
-        chunks of `chunk` elements is only started here, every chunk's receive at once (gloo's threads take the
-        next chunks while the caller copies the first ones); `wait` says which ones are in."""
-        self.chunk, self.got, self.next = None, 0, []
-        if self.kind == "collective" and chunk:
-            self.chunk = int(chunk)
-            n, es = self.flat.numel(), self.flat.element_size()
-            self.next = [(broadcast(self.group, self.raw[lo * es:min(n, lo + self.chunk) * es], timeout_s,
-                                    "the engine worker's receive", wait=False), min(n, lo + self.chunk))
-                         for lo in range(0, n, self.chunk)]
-        elif self.kind == "collective":
-            broadcast(self.group, self.raw, timeout_s, "the engine worker's receive")
-        elif self.kind == "cuda_ipc":
-            import torch
-            torch.cuda.current_stream(self.raw.device).synchronize()
-        return self.flat
-
-    def close(self):
-        if self.bell is not None:
-            self.bell.close()
-            self.bell = None
-        if self.group is not None:
-            try:
-                import torch.distributed as dist
-                if hasattr(self.group, "shutdown"):
-                    self.group.shutdown()
-                elif isinstance(self.group, dist.ProcessGroupNCCL) and hasattr(self.group, "abort"):
-                    self.group.abort()
-            except Exception:
-                pass
-        self.group = self.store = self.raw = self.flat = self.header = None
-
-
 class _State:
     def __init__(self):
-        self.channels: dict[str, _Channel] = {}
+        self.channels: dict[str, Channel] = {}
         self.store: dict[int, tuple[Any, dict, dict]] = {}   # lora id -> (flat CPU copy, layout, peft config)
         self.versions: dict[int, int] = {}
         self.built: dict[int, tuple] = {}  # lora id -> (LoRAModel, its flat, [(lora_b, scaling)], layout it came in)
         self.plans: dict[int, tuple] = {}                    # lora id -> fast in-place copy plan
         self.started: dict[int, list] = {}   # lora id -> [(worker request id, version it started on)] since last install
         self.stale: dict[int, tuple] = {}    # lora id -> (its LoRAModel tensors, its slot views): slots are newer
-        self.gate = _Gate()                  # steps vs installs from the doorbell thread
+        self.gate = Gate()                  # steps vs installs from the doorbell thread
         self.mid_step = False                # execute_model returned; the step ends with sample_tokens
         self.stream = None                   # CUDA: the stream the worker's calls run on
         self.wrapped = False
@@ -595,13 +316,13 @@ class AdapterReceiver:
             old = st.channels.pop(channel, None)
             if old is not None:
                 old.close()
-            ch = st.channels[channel] = _Channel(layout, source, self.device)
+            ch = st.channels[channel] = Channel(layout, source, self.device)
             out = {"channel": channel, "kind": source["kind"], "nbytes": int(layout["nbytes"])}
             if source.get("doorbell"):
                 if ch.raw.device.type == "cuda":
                     import torch
                     st.stream = torch.cuda.current_stream(ch.raw.device)
-                ch.bell = _Doorbell(self, channel)
+                ch.bell = Doorbell(self, channel)
                 out["doorbell"] = {"address": ch.bell.listener.address, "authkey": ch.bell.authkey}
             return out
 

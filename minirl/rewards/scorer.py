@@ -9,87 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import hashlib
-import importlib
 import inspect
 import math
-import re
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
-from .loss import group_advantages
-from .types import Group, RewardFailure, ScoredGroup
-
-
-class RewardFn(Protocol):
-    def __call__(self, prompt: str, completion: str, **columns: Any) -> float | None: ...
-
-
-REGISTRY: dict[str, Callable] = {}
-
-
-def reward(fn: Callable | None = None, *, name: str | None = None):
-    """Register a reward function under its name (`@minirl.reward` or `@minirl.reward(name="x")`)."""
-    def wrap(f: Callable) -> Callable:
-        REGISTRY[name or f.__name__] = f
-        return f
-    return wrap(fn) if fn is not None else wrap
-
-
-def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:
-    if callable(ref):
-        return getattr(ref, "__name__", repr(ref)), ref
-    if ref in REGISTRY:
-        return ref, REGISTRY[ref]
-    if ":" in ref:
-        mod, _, attr = ref.partition(":")
-        try:
-            return attr, getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward {ref!r} cannot be imported ({e}); check the 'module:function' path") from None
-    raise ValueError(f"unknown reward {ref!r}: registered rewards are {sorted(REGISTRY)}; "
-                     "register one with @minirl.reward or pass 'module:function'")
-
-
-def source_hash(fn: Callable) -> str:
-    """A short hash of a reward's source, so every score records which version of the reward made it."""
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        src = repr(fn)
-    return hashlib.sha1(src.encode()).hexdigest()[:10]
-
-
-def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
-    """Fail before training when a reward needs a keyword the data does not have."""
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        needed = [p.name for p in list(sig.parameters.values())[2:]
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    else:
-        needed = [p.name for p in list(sig.parameters.values())[2:] if p.default is p.empty]
-    missing = [n for n in needed if n not in columns]
-    if missing:
-        raise ValueError(f"reward {name!r} needs column(s) {missing} that the data lacks "
-                         f"(columns: {sorted(columns)}); add them to the dataset or give them defaults")
-
-
-# --- the built-in arithmetic task's reward -------------------------------------------------------------------
-
-_INT = re.compile(r"-?\d+")
-
-
-def last_integer(text: str) -> int | None:
-    found = _INT.findall(text.replace(",", ""))
-    return int(found[-1]) if found else None
-
-
-@reward
-def arithmetic_correct(prompt: str, completion: str, answer: int, **_: Any) -> float:
-    """1.0 if the last integer in the completion equals the answer, else 0.0."""
-    return 1.0 if last_integer(completion) == int(answer) else 0.0
-
+from ..loss import group_advantages
+from ..types import Group, RewardFailure, ScoredGroup
+from .registry import resolve_reward, source_hash
 
 # --- scoring --------------------------------------------------------------------------------------------------
 

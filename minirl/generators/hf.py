@@ -1,48 +1,13 @@
-"""The generator boundary (`Generator` Protocol) and its transformers implementation.
-
-A generator turns prompts into groups of G completions whose tokens carry behaviour logprobs (temperature
-applied: the distribution actually sampled from) and the policy version that produced them. The vLLM
-implementation lives in `engine_vllm.py`, the only module that imports vllm.
-"""
+"""The transformers generator (`HFGenerator`): the CPU default, the fallback and the reference."""
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Sequence
 
 import torch
 
-from .types import Completion, Group, Prompt
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 48
-    stop: tuple[str, ...] = ()
-    seed: int | None = None
-
-
-@runtime_checkable
-class Generator(Protocol):
-    name: str
-
-    @property
-    def version(self) -> int:
-        """The adapter version new requests are served with."""
-
-    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
-        """G = n completions for each prompt, one Group per prompt, in prompt order."""
-
-    def load_adapter(self, path: str, version: int) -> None:
-        """Serve the peft adapter saved at `path` as policy `version` for new requests."""
-
-    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
-        """Logprobs of the given completion tokens under the adapter currently served (for sync checks)."""
-
-    def close(self) -> None: ...
+from ..batch import sequence_logprobs
+from ..types import Completion, Group, Prompt, SamplingParams
 
 
 def _mergeable_lora_layers(model) -> list | None:
@@ -105,7 +70,7 @@ def merged_lora(model, cache: dict, version: int = 0):
 class HFGenerator:
     """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
     synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
-    asynchronous pipeline runs one in a process of its own: `genproc.py`). On CPU, generation runs with the LoRA
+    asynchronous pipeline runs one in a process of its own: `hf_process.py`). On CPU, generation runs with the LoRA
     merged into a copy of the base weights (`merged_lora`: faster, and RAM is plentiful); on a GPU it runs unmerged
     by default, since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
     runs unmerged, as the trainer does.
@@ -122,6 +87,10 @@ class HFGenerator:
     @property
     def version(self) -> int:
         return self._get_version() if self._get_version else self._version
+
+    def set_version(self, version: int) -> None:
+        """The caller wrote the adapter of policy `version` into the model's LoRA weights (own copy only)."""
+        self._version = version
 
     def load_adapter(self, path: str, version: int) -> None:
         if self._get_version is None:  # own copy: load the saved adapter weights into it
@@ -181,7 +150,6 @@ class HFGenerator:
 
     @torch.no_grad()
     def score(self, prompt_ids, completion_ids, temperature: float) -> list[float]:
-        from .trainer import sequence_logprobs
         return sequence_logprobs(self.model, list(prompt_ids), list(completion_ids), temperature)
 
     def close(self) -> None:

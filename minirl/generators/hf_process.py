@@ -7,7 +7,7 @@ pinned to its own cores, generation runs truly beside the trainer.
   trainer process                                       generator process (spawned)
   ───────────────                                       ───────────────────────────
   ProcGenerator.generate(prompts) ── pipe ──►  worker thread: apply staged adapter, HFGenerator.generate
-  ShmSync.push: pack LoRA → shared flat buffer
+  ShmSync.push: pack LoRA → shared flat buffer   (minirl.sync.local)
                 ("adapter", v)    ── pipe ──►  main thread: copy buffer → staging, ack   (never waits on a
                                                 generation: a new version starts with the next request, as the
                                                 `continue` policy asks)
@@ -28,10 +28,10 @@ from typing import Sequence
 
 import torch
 
-from .config import Config
-from .generator import HFGenerator, SamplingParams
-from .sync import SyncStats, tmpfs_dir
-from .types import Group, Prompt
+from ..config import Config
+from ..sync.files import tmpfs_dir
+from ..types import Group, Prompt, SamplingParams
+from .hf import HFGenerator
 
 
 class GeneratorProcessError(RuntimeError):
@@ -41,10 +41,8 @@ class GeneratorProcessError(RuntimeError):
 def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | None, device: str) -> None:
     """The generator process: the main thread takes messages, one worker thread runs generate/score in order."""
     import queue
-    from .models import load_tokenizer
-    from .trainer import build_model
-    from .transports import adapter_params
-    from .vllm_ext import unpack
+    from ..adapter import adapter_params, unpack
+    from ..models import build_model, load_tokenizer
 
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
@@ -76,7 +74,8 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
         with stage_lock:
             if staged["version"] is not None:
                 torch._foreach_copy_(dst, [s.to(d.device) for s, d in zip(src, dst)])
-                gen._version, staged["version"] = staged["version"], None
+                gen.set_version(staged["version"])
+                staged["version"] = None
 
     def worker() -> None:
         while (job := jobs.get()) is not None:
@@ -126,7 +125,7 @@ class ProcGenerator:
     def __init__(self, cfg: Config, tensors: dict[str, torch.Tensor], cores: list[int] | None = None,
                  device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0):
         import multiprocessing as mp
-        from .transports import Packer, make_layout
+        from ..adapter import Packer, make_layout
         self.timeout_s = timeout_s
         self._version = 0
         self._ids = itertools.count(1)
@@ -230,16 +229,3 @@ class ProcGenerator:
             self._conn.close()
         if hasattr(self, "_reader"):
             self._reader.join(5)
-
-
-class ShmSync:
-    """`WeightSync` for `ProcGenerator`: the shared-memory flat buffer (the CPU twin of the `ipc` transport)."""
-    transport = "ipc"
-
-    def push(self, trainer, generator: ProcGenerator) -> SyncStats:
-        t0 = time.perf_counter()
-        generator.push(trainer.version)
-        return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, generator.nbytes, self.transport)
-
-    def close(self) -> None:
-        pass

@@ -23,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .engine_vllm import VLLMGenerator, request_seed
-from .generator import SamplingParams
-from .models import resolve_model
-from .types import Prompt
+from ..generators.vllm import VLLMGenerator, request_seed
+from ..models import resolve_model
+from ..types import Prompt, SamplingParams
 
 
 def bench_prompts(tokenizer, count: int) -> list[Prompt]:
@@ -47,7 +46,7 @@ def _raw_round(gen: VLLMGenerator, prompts, n: int, params: SamplingParams, visi
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
-    llm = gen._engine.llm
+    llm = gen.engine
 
     async def one(p: Prompt) -> int:
         sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
@@ -55,13 +54,13 @@ def _raw_round(gen: VLLMGenerator, prompts, n: int, params: SamplingParams, visi
                  output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
         async for out in llm.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), sp,
-                                      f"raw-{visit}-{p.index}", lora_request=gen._lora):
+                                      f"raw-{visit}-{p.index}", lora_request=gen.serving):
             final = out
         return sum(len(c.token_ids) for c in final.outputs)
 
     async def run():
         return sum(await asyncio.gather(*(one(p) for p in prompts)))
-    return gen._engine.call(run())
+    return gen.call(run())
 
 
 def _lora_model(model_path: str, rank: int):
@@ -76,7 +75,7 @@ def bench_hf_merge(model_path: str, prompts, n: int = 8, max_tokens: int = 24, r
     """transformers tokens/s with the LoRA merged for generation (the default) vs unmerged, side by side."""
     import torch
     from transformers import AutoTokenizer
-    from .generator import HFGenerator
+    from ..generators.hf import HFGenerator
     model = _lora_model(model_path, 16).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -101,7 +100,7 @@ def bench_hf_merge(model_path: str, prompts, n: int = 8, max_tokens: int = 24, r
                             "torch_threads": torch.get_num_threads()}}
 
 
-def bench_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: int = 16,
+def bench_files_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: int = 16,
                root: str | None = None) -> dict:
     """File-transport sync latency: save_pretrained to tmpfs + load_adapter, `reps` times (a new version and a
     new folder each time, like the trainer). Leaves the engine on the base model."""
@@ -171,7 +170,7 @@ def bench_generation(out_dir: str, model: str = "smollm2-135m-instruct", num_pro
         result = {"raw_tok_s": round(raw_tok / raw_s, 2), "minirl_tok_s": round(mini_tok / mini_s, 2)}
         result["ratio"] = round(result["minirl_tok_s"] / result["raw_tok_s"], 4)
         result.update(rounds=rounds_log, raw_tokens=raw_tok, minirl_tokens=mini_tok)
-        result.update(bench_sync(gen, model_path, reps=sync_reps))
+        result.update(bench_files_sync(gen, model_path, reps=sync_reps))
         result.update(bench_hf_merge(model_path, prompts[:8]))
         result.update(model=model, num_prompts=num_prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                       dtype=str(gen.engine_args.dtype), device="cpu" if gen.on_cpu else "gpu",

@@ -18,7 +18,7 @@ import types
 from pathlib import Path
 
 RANKS = (8, 16, 64)
-TRANSPORTS = ("files", "ipc", "collective")
+COMPARED = ("files", "ipc", "collective")
 
 
 def _pct(xs, q):
@@ -26,10 +26,10 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def _trainer(base, rank: int):
+def fake_trainer(base, rank: int):
     import torch
     from peft import LoraConfig, get_peft_model
-    from minirl.transports import make_contiguous
+    from minirl.adapter import make_contiguous
     pm = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
     make_contiguous(pm)  # as the Trainer builds it
@@ -49,14 +49,14 @@ def _trainer(base, rank: int):
     return t
 
 
-def _throughput(gen, rounds: list, push=None) -> tuple[float, int]:
+def throughput(gen, rounds: list, push=None) -> tuple[float, int]:
     """(Generated tokens/s, tokens) over `rounds` (one round = one step's rollouts: a list of prompts). With `push`, an
     adapter sync is issued at the start of every round, concurrently with that round's generation (as the async
     pipeline does). Seeded and restarted per call, so that calls with the same rounds sample the same tokens when
     the weights are the same: a difference is then the cost of the syncs alone."""
-    from minirl.generator import SamplingParams
+    from minirl.types import SamplingParams
     params = SamplingParams(temperature=1.0, max_tokens=24, seed=0)
-    gen._visits.clear()  # the per-request seeds restart
+    gen.restart_seeds()
     t0, toks = time.perf_counter(), 0
     for prompts in rounds:
         th = threading.Thread(target=push) if push else None
@@ -100,17 +100,18 @@ def pin_trainer(cores: set[int] | None) -> None:
         torch.set_num_threads(len(cores))
 
 
-def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, rounds: int = 2, pairs: int = 5) -> dict:
+def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=COMPARED, rounds: int = 2, pairs: int = 5) -> dict:
     """Latency of `n` pushes per transport and rank; then, at rank 16, `pairs` pairs of generation blocks (`rounds`
     rounds each) without and with an in-place ipc push per round. The slowdown is the median over pairs of
     1 - synced/plain (each pair back to back, so the machine's drift cancels)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from minirl.engine_vllm import VLLMGenerator
+    from minirl.generators.vllm import VLLMGenerator
     from minirl.models import resolve_model
-    from minirl.sync import FileSync
-    from minirl.transports import TensorSync, engine_kwargs
+    from minirl.sync.files import FileSync
+    from minirl.sync.tensor import TensorSync
+    from minirl.sync.wire import engine_kwargs
 
     path = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
@@ -125,7 +126,7 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
         pin_trainer(train_cores)
         try:
             base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-            tr = _trainer(base, rank)
+            tr = fake_trainer(base, rank)
             for transport in transports:
                 sync = FileSync() if transport == "files" else TensorSync(transport, inflight=True, timeout_s=60)
                 ms, nbytes = [], 0
@@ -153,12 +154,12 @@ def bench_sync(out_dir: str, n: int = 15, ranks=RANKS, transports=TRANSPORTS, ro
 
                 def push():
                     push_ms.append(sync.push(tr, gen).ms)
-                _throughput(gen, rounds_[:1])  # warm-up
+                throughput(gen, rounds_[:1])  # warm-up
                 # interleaved (no sync, sync, no sync, ...) so that the machine's drift hits both alike
                 plain, synced, toks = [], [], set()
                 for _ in range(pairs):
                     for out, fn in ((plain, None), (synced, push)):
-                        rate, n_tok = _throughput(gen, rounds_, fn)
+                        rate, n_tok = throughput(gen, rounds_, fn)
                         out.append(rate)
                         toks.add(n_tok)
                 no_sync, with_sync = statistics.median(plain), statistics.median(synced)

@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .types import Group, Prompt, ScoredGroup
+from .types import Prompt, ScoredGroup
 
 STOP = object()  # the shutdown marker the producer puts in the buffer
 
@@ -93,6 +93,10 @@ class Timeline:
         """Busy intervals so far; a generation still running counts up to now."""
         gen = list(self.gen) + ([(self._gen_since, self.now())] if self._gen_active else [])
         return {"gen": gen, "train": list(self.train)}
+
+    def add_train(self, start: float, end: float) -> None:
+        """A training interval, in `time.perf_counter()` seconds."""
+        self.train.append((start - self.t0, end - self.t0))
 
     def busy(self, side: str, start: float, end: float) -> float:
         """Fraction of [start, end] covered by `side`'s intervals (an open gen interval counts to now)."""

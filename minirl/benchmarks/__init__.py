@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .config import DEMO, Config
+from ..config import DEMO, Config
 
 
 def _write(out: str | Path, name: str, result: dict) -> dict:
@@ -28,7 +28,7 @@ def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size:
     the policy learns, so on average the trainer waits for the generator. G = 12 x 5 and G = 16 x 4 were tried
     for a better balance: the first averaged the same trainer work over steps 2-11, the second gave the trainer
     ~1.5x the generator's time."""
-    from .run import Run
+    from ..run import Run
     base = Config(**{**dict(steps=steps, prompts_per_step=8, group_size=8, max_tokens=24, lr=5e-4,
                             eval_size=eval_size, gen_devices="0", train_devices="1", seed=0), **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "learning": {}, "async_k": async_k}
@@ -67,7 +67,7 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
     the final accuracy and of the curve's mean after step 0 (less noisy than one endpoint). Runs already in
     DIR/learning.json with the same config are kept, so an interrupted benchmark resumes, and more seeds add on;
     `ks` runs only some K (the summaries cover the seeds that have the runs they need)."""
-    from .run import Run
+    from ..run import Run
     base = Config(**{**DEMO, "eval_size": eval_size, "eval_every": eval_every, **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "runs": {}}
     done = Path(out) / "learning.json"
@@ -112,12 +112,12 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
 
 def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)) -> dict:
     if what == "generation":
-        from .bench_generation import bench_generation
+        from .generation import bench_generation
         return bench_generation(str(out))
     if what == "pipeline":
         return bench_pipeline(out, seed=seed)
     if what == "sync":
-        from .bench_sync import bench_sync
+        from .sync import bench_sync
         return bench_sync(str(out))
     if what == "learning":
         return bench_learning(out, seeds=seeds, ks=ks)

@@ -1,0 +1,85 @@
+"""Generators: prompts in, groups of G completions out, every token tagged with its behaviour logprob (temperature
+applied: the distribution actually sampled from) and the policy version that produced it.
+
+  hf.py          `HFGenerator`: transformers `generate`, on the trainer's own model (synchronous loop) or a copy
+  hf_process.py  `ProcGenerator`: an `HFGenerator` in a process of its own (the asynchronous CPU pipeline)
+  vllm.py        `VLLMGenerator`: vLLM `AsyncLLM` in a thread of its own (the only module importing vllm)
+  swaps.py       exact per-token versions across in-place adapter swaps (vLLM `inflight` policy)
+
+`make_generator` is the choice a run makes: which generator, and which `WeightSync` carries the adapter to it.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import Protocol, Sequence, runtime_checkable
+
+from ..types import Group, Prompt, SamplingParams
+
+
+def vllm_available() -> bool:
+    """True when vllm can be imported (checked without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+@runtime_checkable
+class Generator(Protocol):
+    name: str
+
+    @property
+    def version(self) -> int:
+        """The adapter version new requests are served with."""
+
+    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
+        """G = n completions for each prompt, one Group per prompt, in prompt order."""
+
+    def load_adapter(self, path: str, version: int) -> None:
+        """Serve the peft adapter saved at `path` as policy `version` for new requests."""
+
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
+        """Logprobs of the given completion tokens under the adapter currently served (for sync checks)."""
+
+    def close(self) -> None: ...
+
+
+def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
+    """(backend, why). 'auto' is vLLM on GPUs. On CPU it is transformers: measured here (SmolLM2-135M, 2 cores),
+    vLLM-CPU with a LoRA adapter served generates ~4x slower than transformers `generate`, because its CPU
+    LoRA kernels copy the adapter weights for every token. backend='vllm' forces it."""
+    if backend != "auto":
+        if backend == "vllm" and not vllm_available():
+            raise RuntimeError("backend='vllm' but vllm is not installed: `bash install.sh cpu` (CPU) or "
+                               "`bash install.sh gpu` (GPU), or use backend='hf'")
+        return backend, f"backend={backend!r}"
+    if not vllm_available():
+        return "hf", "vllm is not installed"
+    if not cuda:
+        return "hf", "on CPU, vLLM's LoRA path is slower than transformers (set backend='vllm' to use it)"
+    return "vllm", "vllm is installed and a GPU is present"
+
+
+def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_cores: str | None):
+    """(generator, sync, why) for a run: vLLM with the configured transport; the transformers generator in a
+    process of its own when generation runs ahead of training (`asynchronous`); else the trainer's own model.
+    `gen_cores`: on CPU, the cores generation is pinned to ('0', '0-3', '0,2'), or None."""
+    if backend == "vllm":
+        from ..sync import make_sync
+        from .vllm import VLLMGenerator
+        dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+        gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
+                            cpu_cores=gen_cores,
+                            kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            max_model_len=cfg.max_prompt_tokens + cfg.max_tokens, inflight=cfg.inflight)
+        sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
+        return gen, sync, why
+    if asynchronous:  # its own model in its own process: no GIL shared with the trainer
+        from ..adapter import adapter_params
+        from ..config import parse_cores
+        from ..sync.local import ShmSync
+        from .hf_process import ProcGenerator
+        gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=parse_cores(gen_cores) if gen_cores else None,
+                            device=trainer.device)
+        return gen, ShmSync(), "transformers generator process: the adapter goes through one shared-memory buffer"
+    from ..sync.local import SharedSync
+    from .hf import HFGenerator
+    gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
+    return gen, SharedSync(), "synchronous transformers loop: the generator uses the trainer's own model"

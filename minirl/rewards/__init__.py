@@ -1,0 +1,9 @@
+"""Rewards: the registry (`registry.py`), the built-in tasks' rewards (`builtin.py`) and the scorer that runs them
+on each group and turns rewards into group-relative advantages (`scorer.py`)."""
+from . import builtin  # noqa: F401 - registers the built-in rewards
+from .builtin import arithmetic_correct, last_integer
+from .registry import REGISTRY, RewardFn, check_columns, resolve_reward, reward, source_hash
+from .scorer import Scorer
+
+__all__ = ["REGISTRY", "RewardFn", "Scorer", "arithmetic_correct", "check_columns", "last_integer", "resolve_reward",
+           "reward", "source_hash"]

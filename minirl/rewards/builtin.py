@@ -1,0 +1,22 @@
+"""The built-in tasks' reward functions."""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from .registry import reward
+
+# --- the built-in arithmetic task's reward -------------------------------------------------------------------
+
+_INT = re.compile(r"-?\d+")
+
+
+def last_integer(text: str) -> int | None:
+    found = _INT.findall(text.replace(",", ""))
+    return int(found[-1]) if found else None
+
+
+@reward
+def arithmetic_correct(prompt: str, completion: str, answer: int, **_: Any) -> float:
+    """1.0 if the last integer in the completion equals the answer, else 0.0."""
+    return 1.0 if last_integer(completion) == int(answer) else 0.0

@@ -1,0 +1,98 @@
+"""`TensorSync`: the `WeightSync` over the in-memory transports (`ipc`, `collective`), and how `auto` picks one."""
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from ..adapter import adapter_params, b_scalings, peft_config_dict
+from . import SyncError, SyncStats
+from .senders import SENDERS, _Sender, call_on_loop, rpc
+from .wire import WORKER_EXTENSION
+
+_LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
+
+
+# ---- choosing ------------------------------------------------------------------------------------------------
+
+def has_receiver(generator) -> bool:
+    args = getattr(generator, "engine_args", None)
+    return getattr(args, "worker_extension_cls", "") == WORKER_EXTENSION and hasattr(generator, "engine")
+
+
+def pick_transport(generator, trainer_device: str | torch.device = "cpu") -> tuple[str, str]:
+    """(transport, why) for a generator and the trainer's device: in-memory whenever the engine carries the
+    receiver; `ipc` when both sides share memory (CPU, or the same GPU); `collective` (NCCL) across GPUs."""
+    if getattr(generator, "name", "") != "vllm":
+        return "files", "the generator is not vLLM"
+    if not has_receiver(generator):
+        return "files", f"the engine was started without worker_extension_cls={WORKER_EXTENSION!r}"
+    dev = torch.device(trainer_device)
+    if getattr(generator, "on_cpu", True) or dev.type == "cpu":
+        if getattr(generator, "on_cpu", True) and dev.type == "cpu":
+            return "ipc", "CPU engine and trainer: shared-memory buffer mapped by the engine worker"
+        return "collective", "engine and trainer on different device types: gloo broadcast"
+    info = call_on_loop(generator, rpc(generator, "minirl_info", timeout_s=30.0), 30.0)
+    same = info.get("device_uuid") == str(torch.cuda.get_device_properties(dev).uuid)
+    if same:
+        return "ipc", "engine and trainer on the same GPU: CUDA IPC handle"
+    return "collective", "engine and trainer on different GPUs: NCCL broadcast"
+
+
+class TensorSync:
+    """`WeightSync` over an in-memory transport. `inflight=True`: one LoRA id whose weights are swapped in place
+    between engine steps (sequences in flight continue on the new weights); otherwise a new LoRA id per version
+    (sequences in flight finish on their adapter, which the generator removes once idle).
+
+    `transport`: 'ipc', 'collective' or 'auto'. Bounded: every wait raises `SyncError`/`SyncTimeout` after
+    `timeout_s`. `last` holds the worker's report of the latest push (timings, in-place swap token counts)."""
+
+    def __init__(self, transport: str = "auto", inflight: bool = False, timeout_s: float = 30.0):
+        if transport not in ("auto", "ipc", "collective"):
+            raise ValueError(f"transport={transport!r}: use 'auto', 'ipc' or 'collective'")
+        self.requested, self.transport, self.why = transport, transport, ""
+        self.inflight, self.timeout_s = inflight, timeout_s
+        self.sender: _Sender | None = None
+        self._gen = None
+        self.lora_id: int | None = None
+        self.last: dict = {}
+
+    def _sender(self, trainer, generator) -> _Sender:
+        if self.sender is None or self._gen is not generator:
+            if self.sender is not None:
+                self.sender.close()
+            dev = next(p for p in trainer.model.parameters()).device
+            if self.requested == "auto":
+                self.transport, self.why = pick_transport(generator, dev)
+                if self.transport == "files":
+                    raise SyncError(f"no in-memory transport: {self.why}; use FileSync")
+            elif not has_receiver(generator):
+                raise SyncError(f"sync_transport={self.requested!r} needs the engine started with "
+                                f"worker_extension_cls={WORKER_EXTENSION!r}")
+            self.sender = SENDERS[self.transport](generator, adapter_params(trainer.model),
+                                                  peft_config_dict(trainer.model), timeout_s=self.timeout_s,
+                                                  scales=b_scalings(trainer.model))
+            self._gen, self.lora_id = generator, None
+        return self.sender
+
+    def push(self, trainer, generator) -> SyncStats:
+        t0 = time.perf_counter()
+        sender = self._sender(trainer, generator)
+        ring = self.inflight and self.lora_id is not None  # an in-place swap of the installed id: the doorbell
+        if self.lora_id is None or not self.inflight:
+            self.lora_id = next(_LORA_IDS)
+        try:
+            self.last = sender.send(self.lora_id, trainer.version, ring=ring)
+        except BaseException:
+            # a push that failed midway may have left that id's slot part old, part new, and the channel mid-way
+            # through a transfer: a later push starts a fresh id on a fresh channel
+            self.lora_id = None
+            self.close()
+            raise
+        return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, sender.nbytes, self.transport)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None

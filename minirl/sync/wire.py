@@ -1,0 +1,85 @@
+"""What the sync senders and the vLLM worker's receiver agree on (no vLLM imports): the in-memory adapter's
+LoRARequest name and path, the ipc progress word, and the two-rank torch.distributed group of `collective`."""
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+
+from . import CollectiveError
+
+WORKER_EXTENSION = "minirl.sync.receiver.AdapterReceiver"
+MEM_SCHEME = "minirl-mem://"
+PROGRESS_BITS = 40  # the ipc progress word: push number << 40 | elements packed (all ones: the push was abandoned)
+PROGRESS_MASK = (1 << PROGRESS_BITS) - 1
+
+
+def engine_kwargs() -> dict:
+    """Engine args that install the receiver: pass as `VLLMGenerator(..., engine_kwargs=engine_kwargs())`."""
+    return {"worker_extension_cls": WORKER_EXTENSION}
+
+
+def lora_path_for(lora_id: int, version: int) -> str:
+    """The LoRARequest path of an in-memory adapter. The version is part of the path because vLLM keys its prefix
+    cache on (lora_name, lora_path): a new version must never reuse KV blocks computed with older weights."""
+    return f"{MEM_SCHEME}{lora_id}/v{version}"
+
+
+def adapter_name(lora_id: int, version: int) -> str:
+    """The LoRARequest name of an in-memory adapter (its path: `lora_path_for`)."""
+    return f"minirl-v{version}-{lora_id}"
+
+
+def open_group(host: str, port: int, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
+    """A two-process torch.distributed group (rank 0 = trainer, rank 1 = engine worker) that does not touch the
+    default group (vLLM has its own). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
+    import torch.distributed as dist
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout,
+                              wait_for_workers=True)
+    except Exception as e:  # DistStoreError / RuntimeError on timeout or refused connection
+        raise TimeoutError(f"minirl collective sync: rank {rank} could not meet its peer at {host}:{port} within "
+                           f"{timeout_s:.0f} s ({type(e).__name__}: {e})") from e
+    store = dist.PrefixStore(tag, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    else:
+        raise ValueError(f"unknown collective backend {backend!r}")
+    return store, pg
+
+
+def broadcast(pg, buf, timeout_s: float, what: str, wait: bool = True):
+    """Broadcast `buf` from rank 0; a peer that is gone or late raises within `timeout_s`. `wait=False`: returns
+    the started work, for `finish`."""
+    import torch.distributed as dist
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    try:
+        work = pg.broadcast([buf], opts)
+    except Exception as e:
+        raise _broadcast_error(e, timeout_s, what) from e
+    return finish(work, timeout_s, what) if wait else work
+
+
+def finish(work, timeout_s: float, what: str) -> None:
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except Exception as e:
+        raise _broadcast_error(e, timeout_s, what) from e
+
+
+def _broadcast_error(e: Exception, timeout_s: float, what: str) -> CollectiveError:
+    return CollectiveError(f"minirl collective sync failed during {what} (peer gone or no answer within "
+                           f"{timeout_s:.0f} s): {type(e).__name__}: {e}")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
