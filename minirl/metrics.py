@@ -39,6 +39,13 @@ METRICS: dict[str, str] = {
     "busy/train": "fraction of wall time the trainer was busy",
     "sync/ms": "adapter push latency (trainer hands over -> engine serves it)",
     "sync/bytes": "adapter bytes pushed",
+    "sync/verify_new_diff": "sync check: RMS per token of the engine's probe-logprob move since the last check minus "
+                            "the trainer's (small: the engine took the new adapter)",
+    "sync/verify_prev_diff": "sync check: RMS per token of the engine's probe-logprob move since the last check "
+                             "(~0: it still serves the previous adapter)",
+    "sync/verify_sep": "sync check: RMS per token of the trainer's probe-logprob move (how far the push moved it)",
+    "sync/verified": "sync check: 1 = the engine serves the new adapter, not the previous; 0 = the push moved the "
+                     "probe too little to tell the two apart (not an error)",
     "buffer/depth": "groups waiting in the rollout buffer",
     "time/step_s": "wall seconds of this step",
     "time/gen_s": "generation seconds in this step",

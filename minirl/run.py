@@ -5,6 +5,7 @@ with `pause()`, `resume()`, `stop()` and `wait()`. Every event goes to `out_dir/
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -22,7 +23,7 @@ from .generators import Generator, make_generator, pick_backend
 from .metrics import MetricsLog, rollout_metrics
 from .rewards import Scorer, check_columns
 from .rollout import Pipeline
-from .sync import SyncStats, verify
+from .sync import SyncStats, Verification, make_probe, verify
 from .trainer import Trainer
 from .types import Prompt, SamplingParams, ScoredGroup
 
@@ -109,7 +110,12 @@ class Run:
                      transport_why=self._sync_why,
                      reward_versions=self.scorer.versions)
         c.to_yaml(self.out / "config.yaml")
-        self._probe = None
+        self._probe, self._verified = None, None
+        if c.verify_sync and self.sync.transport != "shared":  # "shared": the generator runs on the trainer's model
+            prompt = self.train_prompts[0].token_ids  # room: the engine's max_model_len is prompt + max_tokens
+            n = min(32, c.max_prompt_tokens + c.max_tokens - len(prompt))
+            self._probe = make_probe(self.trainer.model, prompt, n, c.seed, tok.all_special_ids, len(tok))
+            self._verified = self._verify()  # before any push: the engine serves the trainer's base model
 
     def _sampling(self, step: int) -> SamplingParams:
         c = self.cfg
@@ -141,7 +147,7 @@ class Run:
             step_times.append(dt)
             rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
-                   "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt}
+                   **sync.metrics(), "time/step_s": dt}
             rec.setdefault("busy/train", (t3 - t1) / dt)
             if "busy/gen" not in rec:
                 rec["busy/gen"] = gen["time/gen_s"] / dt
@@ -224,13 +230,18 @@ class Run:
 
     def _push(self, scored: list[ScoredGroup]) -> SyncStats:
         stats = self.sync.push(self.trainer, self.generator)
-        if self.cfg.verify_sync and self.sync.transport != "shared" and self.generator.name != "hf":
-            if self._probe is None:  # a fixed probe: the first prompt and its first completion
-                g = scored[0].group
-                self._probe = (g.prompt.token_ids, g.completions[0].token_ids or (self.trainer.tokenizer.eos_token_id,))
-            want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
-            verify(self.generator, *self._probe, want, self.trainer.version, self.cfg.temperature)
-        return stats
+        if self._probe is None:
+            return stats
+        self._verified = self._verify()
+        return dataclasses.replace(stats, verification=self._verified)
+
+    def _verify(self) -> Verification:
+        """`sync.verify` on the run's probe; the trainer's probe logprobs at the last check are the previous
+        adapter's (nothing is recomputed, training is not disturbed)."""
+        want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
+        dtype = str(next(self.trainer.model.parameters()).dtype)
+        return verify(self.generator, self._probe, want, self.trainer.version, self._verified, self.cfg.temperature,
+                      dtype)
 
     def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
         rows = []

@@ -148,26 +148,27 @@ def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
     from minirl.sync import SyncVerificationError, verify
     p = prompts[0].token_ids
     (g,) = gen.generate(prompts[:1], 1, _params(temperature=1.0, max_tokens=12))
-    probe = g.completions[0].token_ids
-    before = gen.score(p, probe, 1.0)
+    probe = (p, g.completions[0].token_ids)
+    before = gen.score(*probe, 1.0)
+    first = verify(gen, probe, hf_logprobs(base, *probe, 1.0), 0)  # the base model, before any push
 
     path_a, model_a = adapters["a"]
     gen.load_adapter(path_a, 1)
     assert gen.version == 1
-    after = gen.score(p, probe, 1.0)
+    after = gen.score(*probe, 1.0)
     assert max(abs(a - b) for a, b in zip(before, after)) > 10 * ATOL  # the engine really serves the adapter
-    diff = verify(gen, p, probe, hf_logprobs(model_a, p, probe, 1.0), version=1, atol=ATOL)
-    assert diff < ATOL
-    verify(gen, p, probe, hf_logprobs(model_a, p, probe, 0.7), temperature=0.7, atol=ATOL)
+    check = verify(gen, probe, hf_logprobs(model_a, *probe, 1.0), 1, first)
+    assert check.verified and check.version == 1 and check.new_diff < ATOL
+    assert verify(gen, probe, hf_logprobs(model_a, *probe, 0.7), 1, temperature=0.7).new_diff < ATOL
 
-    with pytest.raises(SyncVerificationError, match="version"):
-        verify(gen, p, probe, hf_logprobs(model_a, p, probe, 1.0), version=2, atol=ATOL)
+    with pytest.raises(SyncVerificationError, match="the engine serves version 1"):
+        verify(gen, probe, hf_logprobs(model_a, *probe, 1.0), 2, check)
     # A trainer whose weights differ from what the engine serves (wrong adapter / stale base) is caught.
     _, model_b = adapters["b"]
-    with pytest.raises(SyncVerificationError, match="max \\|logprob diff\\|"):
-        verify(gen, p, probe, hf_logprobs(model_b, p, probe, 1.0), atol=ATOL)
+    with pytest.raises(SyncVerificationError, match="differ from the trainer's"):
+        verify(gen, probe, hf_logprobs(model_b, *probe, 1.0), 1, first)
     with pytest.raises(SyncVerificationError):
-        verify(gen, p, probe, hf_logprobs(base, p, probe, 1.0), atol=ATOL)
+        verify(gen, probe, hf_logprobs(base, *probe, 1.0), 1, first)
 
     # Older adapters are dropped: only the one being served stays loaded.
     path_b, _ = adapters["b"]

