@@ -60,9 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
-            cfg = Config(**{**DEMO, **overrides_from_args(args)})
-            if args.out:
-                cfg.out_dir = args.out
+            cfg = Config(**{**DEMO, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
             _run(cfg)
         elif args.cmd == "train":
             cfg = Config.from_yaml(args.config)

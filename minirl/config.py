@@ -7,6 +7,8 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+import types
+import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -19,7 +21,7 @@ class ConfigError(ValueError):
     """A bad setting. The message names the field and the fix."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     # --- model -------------------------------------------------------------------------------------------
     model: str = "smollm2-135m-instruct"
@@ -122,9 +124,13 @@ class Config:
 
     # --- devices -------------------------------------------------------------------------------------------
     gen_devices: str = "auto"
-    """Generation devices: GPU ids like 'cuda:0', or on CPU the cores vLLM's worker uses ('0' or '0-3')."""
+    """Where generation runs. On GPU: the GPU ids given to the vLLM engine ('1', 'cuda:1', '1,2'; its processes
+    see only those). On CPU: the cores the generator is pinned to ('0', '0-3', '0,2'). 'auto': on GPU the engine
+    sees every GPU; on CPU, with max_async_steps = 0 nothing is pinned (the two phases take turns, each with every
+    core), with K >= 1 the first half of the cores."""
     train_devices: str = "auto"
-    """Training devices: 'cuda:1' etc., or on CPU the cores for the trainer's torch threads ('1')."""
+    """Where training runs. On GPU: the trainer's device ('cuda:0', 'cuda:1'; 'auto' = 'cuda'). On CPU: the cores
+    of the trainer's torch threads ('1', '2-3'; 'auto': every core synchronously, the other half with K >= 1)."""
     gpu_memory_utilization: float = 0.3
     """vLLM's share of GPU memory (on CPU: its KV cache is sized by kv_cache_gb instead)."""
     kv_cache_gb: float = 1.0
@@ -147,7 +153,15 @@ class Config:
 
     # ------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        hints = _hints()
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
         self.validate()
+
+    def loss_settings(self):
+        """The policy loss's knobs as `loss.LossSettings`."""
+        from .loss import LossSettings
+        return LossSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossSettings)})
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -179,7 +193,7 @@ class Config:
 
     # --- conversions ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -222,6 +236,67 @@ def parse_cores(spec: str) -> list[int]:
         a, _, b = part.partition("-")
         out += list(range(int(a), int(b or a) + 1))
     return out
+
+
+@lru_cache(maxsize=None)
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def _kind(v: Any) -> str:
+    name = "string" if isinstance(v, str) else type(v).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _coerce(name: str, v: Any, hint: Any) -> Any:
+    """`v` as the field's type, or one clear ConfigError. Numbers may be written as strings ('1e-4': YAML 1.1 reads
+    it as a string); 'none'/'null' is None where the field allows it; a single string is a one-item list."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = typing.get_args(hint) if union else (hint,)
+    optional = type(None) in args
+    kinds = [a for a in args if a is not type(None)]
+    if v is None or (optional and isinstance(v, str) and v.strip().lower() in ("none", "null", "~")):
+        if optional:
+            return None
+        raise ConfigError(f"{name}: a value is required (got None)")
+    for k in kinds:
+        origin = typing.get_origin(k) or k
+        if origin is list and isinstance(v, (list, tuple)):
+            (elem,) = typing.get_args(k) or (Any,)
+            return [_coerce(f"{name}[{i}]", x, elem) for i, x in enumerate(v)]
+        if origin is str and isinstance(v, str):
+            return v
+    k = kinds[0]
+    origin = typing.get_origin(k) or k
+    if origin is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no"):
+            return v.strip().lower() in ("true", "yes")
+        raise ConfigError(f"{name}: expected true or false, got {v!r} ({_kind(v)})")
+    if origin in (int, float):
+        if isinstance(v, bool):
+            raise ConfigError(f"{name}: expected a number, got {v!r}")
+        x = v
+        if isinstance(v, str):
+            try:
+                x = float(v.strip().replace("_", ""))
+            except ValueError:
+                raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})") from None
+        if not isinstance(x, (int, float)):
+            raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})")
+        if origin is int:
+            if isinstance(x, float) and not x.is_integer():
+                raise ConfigError(f"{name}: expected a whole number, got {v!r}")
+            return int(x)
+        return float(x)
+    if origin is list:
+        if isinstance(v, str):
+            return [v]
+        raise ConfigError(f"{name}: expected a list, got {v!r} ({_kind(v)})")
+    if origin is str:
+        raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
+    return v
 
 
 @lru_cache(maxsize=None)

@@ -58,7 +58,7 @@ class Run:
         self.cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         self._reward_refs = list(rewards) if rewards is not None else list(self.cfg.rewards)
         if rewards is not None:
-            self.cfg.rewards = [r if isinstance(r, str) else r.__name__ for r in rewards]
+            self.cfg = self.cfg.replace(rewards=[r if isinstance(r, str) else r.__name__ for r in rewards])
         self._data, self._eval_data = data, eval_data
         self.out = Path(self.cfg.out_dir)
         self.history: list[dict] = []
@@ -90,16 +90,20 @@ class Run:
         if c.inflight != "continue" and self.backend != "vllm":
             raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                              "backend finishes in-flight sequences on their adapter (inflight='continue')")
-        gen_cores, train_threads = cpu_split(c)
-        if not torch.cuda.is_available():
+        if torch.cuda.is_available():
+            gen_devices = None if c.gen_devices == "auto" else c.gen_devices.replace("cuda:", "")
+            train_device = "cuda" if c.train_devices == "auto" else c.train_devices
+        else:
+            gen_devices, train_threads = cpu_split(c)
             torch.set_num_threads(train_threads)
-        self.trainer = Trainer(c)
+            train_device = "cpu"
+        self.trainer = Trainer(c, device=train_device)
         tok = self.trainer.tokenizer
         self.train_prompts = D.to_prompts(train_rows, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens)
         self.eval_prompts = D.to_prompts(eval_rows[: c.eval_size], tok, c.prompt_column, c.system_prompt,
                                          c.max_prompt_tokens, start_index=len(train_rows))
         self.generator, self.sync, self._sync_why = make_generator(c, self.trainer, self.backend,
-                                                                   self._use_pipeline, gen_cores)
+                                                                   self._use_pipeline, gen_devices)
         if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, parse_cores(c.train_devices))  # this (trainer) thread; after the engine spawned
         self.stream = D.prompt_stream(self.train_prompts, c.seed)
@@ -314,15 +318,14 @@ class Run:
     SAFE_KNOBS = ("lr", "temperature", "max_staleness", "top_p", "kl_coef", "tis_cap", "clip_low", "clip_high")
 
     def set(self, **knobs: Any) -> None:
-        """Change safe knobs mid-run (takes effect from the next step): lr, temperature, max_staleness, ..."""
+        """Change safe knobs mid-run (from the next step): lr, temperature, max_staleness, ... The new values are
+        validated first; a rejected change leaves the run's config as it was."""
         bad = sorted(set(knobs) - set(self.SAFE_KNOBS))
         if bad:
             raise ValueError(f"{bad} cannot change mid-run; safe knobs are {self.SAFE_KNOBS}")
-        for k, v in knobs.items():
-            setattr(self.cfg, k, v)
-        self.cfg.validate()
-        if "lr" in knobs and self.trainer is not None:
-            self.trainer.set_lr(knobs["lr"])
+        self.cfg = self.cfg.replace(**knobs)  # validates: raises ConfigError and keeps the old config
+        if self.trainer is not None:
+            self.trainer.reconfigure(self.cfg)
         if hasattr(self, "log"):
             self.log.log("set", **knobs)
 

@@ -38,15 +38,18 @@ class Trainer:
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
         return 1.0
 
-    def set_lr(self, lr: float) -> None:
-        self.cfg.lr = lr
+    def reconfigure(self, cfg: Config) -> None:
+        """Take a new config mid-run (`Run.set`): the loss settings from the next step, and its learning rate."""
+        self.cfg = cfg
         for g in self.opt.param_groups:
-            g["initial_lr"] = lr
-        self.sched.base_lrs = [lr for _ in self.sched.base_lrs]
+            g["initial_lr"] = cfg.lr
+        self.sched.base_lrs = [cfg.lr for _ in self.sched.base_lrs]
 
     def step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
-        """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics."""
+        """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics. Logprobs are
+        computed at the temperature each group was sampled with (it travels with the group)."""
         c = self.cfg
+        loss_settings = c.loss_settings()
         t0 = time.perf_counter()
         samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0)
         m: dict[str, float] = {"train/samples": len(samples)}
@@ -63,16 +66,15 @@ class Trainer:
         for epoch in range(c.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             for i, mb in enumerate(micro):
-                logp, ent = completion_logprobs(self.model, mb, c.temperature, with_entropy=epoch == 0)
+                logp, ent = completion_logprobs(self.model, mb, with_entropy=epoch == 0)
                 if epoch == 0:
                     olds.append(logp.detach())
                 ref = None
                 if c.kl_coef > 0:
                     with torch.no_grad(), self.model.disable_adapter():
-                        ref, _ = completion_logprobs(self.model, mb, c.temperature)
+                        ref, _ = completion_logprobs(self.model, mb)
                 out = policy_loss(logp, olds[i], mb.behav_logp_B_L, mb.adv_B, mb.weight_B_L, mb.tgt_mask_B_L,
-                                  c.clip_low, c.clip_high, c.tis_cap, ref, c.kl_coef, c.opsm_delta,
-                                  c.behav_clip)
+                                  loss_settings, ref)
                 out.loss.backward()
                 if epoch == 0:
                     for k, v in (("clipped", out.clipped), ("behav_clipped", out.behav_clipped),

@@ -281,7 +281,7 @@ class VLLMGenerator:
         self.resubmitted += resubmits
         comps = tuple([await self._join(p) if len(p) > 1 or p[0].finish_reason == "abort" else p[0] for p in seqs])
         self.tokens_generated += sum(len(c.token_ids) for c in comps)
-        return Group(prompt, comps)
+        return Group(prompt, comps, params.temperature)
 
     async def _join(self, parts: list[Completion]) -> Completion:
         """One completion from the segments of an aborted-and-resubmitted sequence (text decoded whole)."""
