@@ -128,6 +128,26 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
                         "with --overwrite (overwrite=True), or choose another out_dir")
 
 
+def lock_out_dir(out: Path):
+    """Hold `out` for this process until the returned file is closed (or the process dies, even by SIGKILL): a
+    second run into the same out_dir while one is going, e.g. a --resume started too early, stops in one line."""
+    import fcntl
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(f"{str(out)!r} is in use by a run that is still going (pid {pid}); wait for it to end, "
+                          "stop it, or choose another out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 def clear_run(out: Path) -> None:
     """Remove what a run wrote into `out` (for overwrite); other files are left alone."""
     for name in RUN_FILES:

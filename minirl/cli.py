@@ -108,8 +108,11 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
     try:
         summary = run.run()
     except KeyboardInterrupt:
+        from .checkpoint import latest_checkpoint
         progress.close()
-        print(f"minirl: interrupted after {run.next_step} steps; continue with `{again} --resume`", file=sys.stderr)
+        ckpt = latest_checkpoint(run.out)
+        print(f"minirl: interrupted after {run.next_step} steps; `{again} --resume` continues after step "
+              f"{ckpt.step if ckpt else 0} (the latest checkpoint)", file=sys.stderr)
         raise
     finally:
         progress.close()

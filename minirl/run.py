@@ -17,8 +17,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import data as D
-from .checkpoint import (Checkpoint, atomic_text, check_out_dir, clear_run, past_steps, restore, resume_point,
-                         save_adapter, save_checkpoint)
+from .checkpoint import (Checkpoint, atomic_text, check_out_dir, clear_run, lock_out_dir, past_steps, restore,
+                         resume_point, save_adapter, save_checkpoint)
 from .config import Config, ConfigError, parse_cores
 from .evaluation import evaluate
 from .generators import Generator, make_generator, pick_backend
@@ -77,6 +77,7 @@ class Run:
         self.start_step = self.next_step = 0  # first step this process trains; steps done so far
         self._between_steps = True  # the trainer's state is a whole number of steps (a checkpoint may be taken)
         self._claimed = False  # out_dir is this run's to write (set once everything before the loop worked)
+        self._lock = None  # held while this run writes into out_dir
         self._acc_before: float | None = None
 
     # --- set-up --------------------------------------------------------------------------------------------
@@ -149,9 +150,10 @@ class Run:
     def _claim(self) -> None:
         """Make out_dir this run's: replace an old run (overwrite), or continue its log (resume)."""
         c = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._lock = lock_out_dir(self.out)
         if self.overwrite:
             clear_run(self.out)
-        self.out.mkdir(parents=True, exist_ok=True)
         info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
                     transport=self.sync.transport, transport_why=self._sync_why, reward_versions=self.scorer.versions,
                     train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note)
@@ -169,6 +171,9 @@ class Run:
 
     def close(self) -> None:
         """Close what `load` opened (after a failed set-up, or an evaluation without a run: `minirl eval`)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.close()
         for name in ("generator", "sync"):
             obj = getattr(self, name, None)
             setattr(self, name, None)
@@ -368,6 +373,8 @@ class Run:
         if hasattr(self, "log"):
             self.log.log("end", summary=self.summary)
             self.log.close()
+        if self._lock is not None:
+            self._lock.close()  # out_dir is free for the next run
 
     def _save_final(self) -> None:
         """At the end, on stop or on an error: a checkpoint (unless the error struck mid-step: then the last one

@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -192,7 +193,8 @@ def test_writes_are_atomic_and_a_non_finite_adapter_is_never_checkpointed(toy_cf
     with pytest.raises(OSError):
         save_checkpoint(out, run.trainer, {**last.state, "step": 3}, keep=5)
     assert _files(out / "adapter") == adapter and latest_checkpoint(out) == last
-    assert not [f for f in os.listdir(out) if f.startswith(".")] and not list((out / "checkpoints").glob(".*"))
+    assert not [f for f in os.listdir(out) if f.startswith(".") and f != ".lock"]
+    assert not list((out / "checkpoints").glob(".*"))
     (out / "checkpoints" / ".step-000009-killed").mkdir()  # what a kill during a checkpoint leaves
     assert latest_checkpoint(out) == last
     monkeypatch.undo()
@@ -201,3 +203,58 @@ def test_writes_are_atomic_and_a_non_finite_adapter_is_never_checkpointed(toy_cf
         next(p for p in run.trainer.model.parameters() if p.requires_grad)[0, 0] = float("nan")
     assert save_checkpoint(out, run.trainer, {**last.state, "step": 3}, keep=5) is None
     assert latest_checkpoint(out) == last
+
+
+def test_a_second_run_into_the_out_dir_of_a_going_run_stops_in_one_line(toy_cfg):
+    """E.g. a --resume started while the run still goes: it would interleave the log and the checkpoints."""
+    cfg = toy_cfg.replace(steps=100, checkpoint_every=1)
+    first = Run(cfg, data=TOY_ROWS)
+    stepped = threading.Event()
+    first.on_step.append(lambda rec: stepped.set())
+    first.start()
+    assert stepped.wait(300)
+    with pytest.raises(ConfigError, match=r"is in use by a run that is still going \(pid \d+\)"):
+        Run(cfg, data=TOY_ROWS, resume=True).run()
+    first.stop()
+    first.wait()
+    done = first.next_step
+    assert 1 <= done < 100
+    assert Run(cfg.replace(steps=done + 1), data=TOY_ROWS, resume=True).run()["steps"] == done + 1
+
+
+def test_a_checkpoint_is_written_on_error_and_on_stop(toy_cfg):
+    """checkpoint_every = 0: checkpoints come only from the end, a stop, and an error between steps."""
+    cfg = toy_cfg.replace(steps=6, checkpoint_every=0)
+    out = Path(cfg.out_dir)
+
+    def fails_at_1(rec):
+        if rec["step"] == 1:
+            raise RuntimeError("injected")
+    run = Run(cfg, data=TOY_ROWS)
+    run.on_step.append(fails_at_1)
+    with pytest.raises(RuntimeError, match="injected"):
+        run.run()
+    assert latest_checkpoint(out).step == 2 and (out / "adapter" / "adapter_model.safetensors").exists()
+    run = Run(cfg, data=TOY_ROWS, resume=True)
+    run.on_step.append(lambda rec: rec["step"] == 3 and run.stop())
+    assert run.run()["steps"] == 4 and latest_checkpoint(out).step == 4
+    assert Run(cfg, data=TOY_ROWS, resume=True).run()["steps"] == 6
+    assert [e["step"] for e in _steps(out)] == list(range(6))
+
+
+def test_ctrl_c_in_the_cli_checkpoints_and_says_how_to_continue(tiny_model, tmp_path):
+    from test_cli import _write_run
+    _write_run(tmp_path, tiny_model)
+    cmd = [sys.executable, "-m", "minirl.cli", "train", "my.yaml", "--steps", "500", "--checkpoint-every", "1"]
+    child = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in child.stderr:  # one line per step (not a terminal)
+        if line.startswith("step 3/500"):
+            child.send_signal(signal.SIGINT)
+            break
+    rest = child.stderr.read()
+    assert child.wait(300) == 130, rest[-2000:]
+    last = rest.strip().splitlines()[-1]
+    done = latest_checkpoint(tmp_path / "runs/my").step
+    assert done >= 2 and last.startswith("minirl: interrupted after")  # Ctrl-C mid-update: the step before
+    assert last.endswith(f"`minirl train my.yaml --resume` continues after step {done} (the latest checkpoint)")
+    assert "Traceback" not in rest
