@@ -23,10 +23,13 @@ def _run(cfg: Config) -> dict:
     try:
         summary = run.run()
     finally:
-        if run.history:  # the run's pictures, drawn from its log
-            from .ui import render
-            render(run.out / "metrics.jsonl", run.out / "reward.png", panels=("reward",), dpi=100)
-            render(run.out / "metrics.jsonl", run.out / "dashboard.png")
+        if run.history:  # the run's pictures, drawn from its log; a drawing error never hides the run's own
+            try:
+                from .ui import render
+                render(run.out / "metrics.jsonl", run.out / "reward.png", panels=("reward",), dpi=100)
+                render(run.out / "metrics.jsonl", run.out / "dashboard.png")
+            except Exception as e:  # noqa: BLE001 - the run's outcome matters more than its pictures
+                print(f"minirl: warning: could not draw the run's plots ({type(e).__name__}: {e})", file=sys.stderr)
     print(json.dumps(summary, indent=2))
     return summary
 

@@ -51,7 +51,16 @@ class Config:
     reward_weights: list[float] | None = None
     """One weight per reward (default all 1). Weight 0 = logged only, not trained on."""
     reward_timeout_s: float = 10.0
-    """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded."""
+    """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded; with reward
+    workers its process is killed and replaced."""
+    reward_workers: int = 2
+    """Reward calls run in this many worker processes (a reward that crashes, exits or hangs cannot hurt the run;
+    a group's calls run in parallel). 0 = in the trainer's process, one after another: only for pure, cheap
+    rewards (a hung call cannot be stopped there)."""
+    reward_clip: float = 1e6
+    """A reward value must be finite and at most this in magnitude, else the call is a failure."""
+    reward_memory_mb: int = 2048
+    """Memory limit of each reward worker process (a reward past it fails with MemoryError)."""
     eval_size: int = 64
     """Number of held-out prompts for greedy evaluation (the metric is the first reward function)."""
 
@@ -190,6 +199,9 @@ class Config:
         need(self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
              f"reward_weights has {len(self.reward_weights or [])} entries for {len(self.rewards)} rewards; give one per reward")
         need(self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 or None")
+        need(self.reward_workers >= 0, "reward_workers must be >= 0 (0 = rewards run in the trainer's process)")
+        need(self.reward_timeout_s > 0, "reward_timeout_s must be > 0 seconds")
+        need(self.reward_clip > 0, "reward_clip must be > 0")
 
     # --- conversions ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from .config import Config, parse_cores
 from .generators import Generator, make_generator, pick_backend
 from .metrics import MetricsLog, rollout_metrics
 from .rewards import Scorer, check_columns
+from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
 from .sync import SyncStats, verify
 from .trainer import Trainer
@@ -46,9 +47,8 @@ def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, ma
     if not prompts:
         return float("nan")
     groups = generator.generate(prompts, 1, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    first = Scorer(scorer.rewards[:1], [1.0], scorer.timeout_s)
-    name = first.rewards[0][0]
-    scores = [first.score_group(g).per_reward[name][0] for g in groups]
+    name = scorer.rewards[0][0]
+    scores = [scorer.score_group(g, names=[name]).per_reward[name][0] for g in groups]
     return sum(0.0 if v is None else v for v in scores) / len(scores)  # a failed score counts as wrong
 
 
@@ -77,7 +77,8 @@ class Run:
     def setup(self) -> None:
         c = self.cfg
         self.out.mkdir(parents=True, exist_ok=True)
-        self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std)
+        self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std,
+                                         c.reward_workers, c.reward_clip, c.reward_memory_mb)
         if self._data is None and c.data == "arithmetic":
             train_rows, eval_rows = D.arithmetic_splits(c.eval_size, c.seed)
         else:
@@ -86,6 +87,7 @@ class Run:
         cols = [k for k in train_rows[0] if k != c.prompt_column]
         for name, fn in self.scorer.rewards:
             check_columns(fn, name, cols)
+        self.scorer.start()  # reward workers up before the model loads: a reward that cannot reach them fails now
         self.backend, self.backend_why = pick_backend(c.backend, torch.cuda.is_available())
         if c.inflight != "continue" and self.backend != "vllm":
             raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
@@ -144,6 +146,7 @@ class Run:
             dt, t_prev = t3 - t_prev, t3
             step_times.append(dt)
             rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
+                   "reward/failure_kinds": failure_kinds(scored),
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
                    "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt}
             rec.setdefault("busy/train", (t3 - t1) / dt)
@@ -227,6 +230,9 @@ class Run:
         self.summary["accounting"] = dict(p.accounting)
 
     def _push(self, scored: list[ScoredGroup]) -> SyncStats:
+        if not self.trainer.adapter_is_finite():  # never serve (or save) a broken adapter
+            raise RuntimeError(f"the adapter has non-finite weights after step version {self.trainer.version} "
+                               "(the optimizer diverged): lower lr or max_grad_norm")
         stats = self.sync.push(self.trainer, self.generator)
         if self.cfg.verify_sync and self.sync.transport != "shared" and self.generator.name != "hf":
             if self._probe is None:  # a fixed probe: the first prompt and its first completion
@@ -270,18 +276,36 @@ class Run:
             self._finish()
 
     def _finish(self) -> None:
-        self._close_pipeline()
-        if self.trainer is not None:
+        """Save and close everything, however the run ended. A failure here is logged and never hides the run's own
+        error, and never keeps the next step from closing what it closes."""
+        def save() -> None:
+            if self.trainer is None:
+                return
+            if not self.trainer.adapter_is_finite():
+                self.summary["adapter"] = None
+                self.summary["adapter_not_saved"] = "non-finite weights"
+                return
             self.trainer.save_adapter(self.out / "adapter")  # saved even on a crash: nothing is lost
             self.summary["adapter"] = str(self.out / "adapter")
             (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
-        if self.generator is not None:
-            self.generator.close()
-        if getattr(self, "sync", None) is not None:
-            self.sync.close()
+        closing = [("pipeline", self._close_pipeline), ("adapter and summary", save),
+                   ("generator", lambda: self.generator is not None and self.generator.close()),
+                   ("sync", lambda: getattr(self, "sync", None) is not None and self.sync.close()),
+                   ("reward workers", lambda: getattr(self, "scorer", None) is not None and self.scorer.close())]
+        failed: list[BaseException] = []
+        for what, fn in closing:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - closing goes on; the first such error is raised below
+                failed.append(e)
+                if hasattr(self, "log"):
+                    self.log.log("error", error=f"while closing the {what}: {e!r}", traceback=traceback.format_exc())
         if hasattr(self, "log"):
             self.log.log("end", summary=self.summary)
             self.log.close()
+        if failed and self.error is None:  # the run itself went well: its closing failure must not pass silently
+            self.error = failed[0]
+            raise failed[0]
 
     def start(self) -> "Run":
         """Run in a background thread; the caller (a notebook kernel) stays free."""
