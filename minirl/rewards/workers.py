@@ -51,6 +51,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from .. import lifecycle
 from . import worker_main
 from .worker_main import one_line, reason, recv_frame, run_call, send_frame
 
@@ -186,6 +187,7 @@ class RewardWorkers:
         except OSError:
             pass  # it died at once: its exit shows up as the start-up failure, with its output
         mine.settimeout(5.0)
+        lifecycle.adopt(proc.pid)  # belt and braces to PR_SET_PDEATHSIG: the watchdog ends it if we die
         return _Worker(proc, mine, deadline=time.monotonic() + self._start_timeout_s)
 
     def _replace(self, w: _Worker) -> None:
