@@ -221,7 +221,7 @@ def set_rng_state(s: dict) -> None:
 def save_checkpoint(out: Path, trainer, state: dict, keep: int) -> Path | None:
     """Write checkpoint `state["step"]` (atomically) and delete all but the latest `keep`. A non-finite adapter is
     never written (None is returned): resuming from it could only fail."""
-    if not all(torch.isfinite(p).all() for p in trainer.model.parameters() if p.requires_grad):
+    if not trainer.adapter_is_finite():
         return None
     root = out / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)

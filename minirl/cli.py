@@ -116,8 +116,11 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
         raise
     finally:
         progress.close()
-        if run.history:
-            _render(run.out)
+        if run.history:  # the run's pictures, drawn from its log; a drawing error never hides the run's own
+            try:
+                _render(run.out)
+            except Exception as e:  # noqa: BLE001 - the run's outcome matters more than its pictures
+                print(f"minirl: warning: could not draw the run's plots ({type(e).__name__}: {e})", file=sys.stderr)
     print(json.dumps(summary, indent=2))
     return summary
 

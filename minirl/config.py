@@ -51,7 +51,16 @@ class Config:
     reward_weights: list[float] | None = None
     """One weight per reward (default all 1). Weight 0 = logged only, not trained on."""
     reward_timeout_s: float = 10.0
-    """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded."""
+    """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded; with reward
+    workers its process is killed and replaced."""
+    reward_workers: int = 2
+    """Reward calls run in this many worker processes (a reward that crashes, exits or hangs cannot hurt the run;
+    a group's calls run in parallel). 0 = in the trainer's process, one after another: only for pure, cheap
+    rewards (a hung call cannot be stopped there)."""
+    reward_clip: float = 1e6
+    """A reward value must be finite and at most this in magnitude, else the call is a failure."""
+    reward_memory_mb: int = 2048
+    """Memory limit of each reward worker process (a reward past it fails with MemoryError)."""
     eval_data: str | None = None
     """Held-out prompts for greedy evaluation (the metric is the first reward function): a JSONL path, or
     'arithmetic' (the built-in task's held-out problems). None: with the built-in task its own held-out problems,
@@ -206,6 +215,9 @@ class Config:
         need(self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
              f"reward_weights has {len(self.reward_weights or [])} entries for {len(self.rewards)} rewards; give one per reward")
         need(self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 or None")
+        need(self.reward_workers >= 0, "reward_workers must be >= 0 (0 = rewards run in the trainer's process)")
+        need(self.reward_timeout_s > 0, "reward_timeout_s must be > 0 seconds")
+        need(self.reward_clip > 0, "reward_clip must be > 0")
         need(self.eval_size >= 0, "eval_size must be >= 0 (0 = no held-out evaluation)")
         need(0 <= self.eval_fraction < 1, f"eval_fraction={self.eval_fraction}: use a fraction in [0, 1), e.g. 0.1")
         need(self.eval_every >= 0, "eval_every must be >= 0")

@@ -14,12 +14,11 @@ def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, ma
     Generated `chunk` prompts at a time, calling `progress(done, total)` after each."""
     if not prompts:
         return float("nan")
-    first = Scorer(scorer.rewards[:1], [1.0], scorer.timeout_s)
-    name = first.rewards[0][0]
+    name = scorer.rewards[0][0]
     scores: list[float | None] = []
     for i in range(0, len(prompts), chunk):
         groups = generator.generate(prompts[i:i + chunk], 1, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        scores += [first.score_group(g).per_reward[name][0] for g in groups]
+        scores += [scorer.score_group(g, names=[name]).per_reward[name][0] for g in groups]
         if progress is not None:
             progress(len(scores), len(prompts))
     return sum(0.0 if v is None else v for v in scores) / len(scores)  # a failed score counts as wrong

@@ -17,7 +17,9 @@ METRICS: dict[str, str] = {
     "version": "policy version after the step",
     "reward/mean": "mean combined reward of included samples",
     "reward/std": "std of the combined reward",
-    "reward/failures": "reward calls that raised, timed out or returned a non-number",
+    "reward/failures": "reward calls that failed: raised, crashed, timed out, flooded output, or returned a "
+                       "non-number or a value beyond reward_clip",
+    "reward/failure_kinds": "those failures by kind, e.g. {'timeout': 2, 'SystemExit': 1}",
     "length/mean": "mean completion length (tokens)",
     "length/max": "longest completion",
     "length/truncated_frac": "fraction of completions cut by max_tokens",
@@ -44,6 +46,7 @@ METRICS: dict[str, str] = {
     "time/step_s": "wall seconds of this step",
     "time/gen_s": "generation seconds in this step",
     "time/train_s": "training seconds in this step",
+    "train/skipped_nonfinite": "optimizer updates skipped because the loss or gradients were not finite",
     "prompt_ids": "indices of the prompts trained on at this step (their rows in the training data)",
 }
 

@@ -25,6 +25,7 @@ from .generators import Generator, make_generator, pick_backend
 from .metrics import MetricsLog, rollout_metrics, sample_rows, step_summary
 from .models import resolve_model
 from .rewards import Scorer, check_columns
+from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
 from .sync import SyncStats, verify
 from .trackers import check_tracker, make_tracker, scalars
@@ -100,7 +101,8 @@ class Run:
         the checkpoint being resumed if any. Writes nothing: `setup` is out_dir's checks, `load`, then the claim."""
         c = self.cfg
         check_tracker(c.report_to)
-        self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std)
+        self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std,
+                                         c.reward_workers, c.reward_clip, c.reward_memory_mb)
         data = self._data if self._data is not None else c.data
         builtin = isinstance(data, str) and data == "arithmetic"
         data = data if builtin else D.load_rows(data, c.prompt_column)  # the rows' own errors come first
@@ -115,6 +117,7 @@ class Run:
                               "records another fingerprint); resume with the same data, or start a new run")
         if not self.splits.eval:
             print(f"minirl: {self.splits.note}: held-out accuracy is not measured", flush=True)
+        self.scorer.start()  # reward workers up before the model loads: a reward that cannot reach them fails now
         self.backend, self.backend_why = pick_backend(c.backend, torch.cuda.is_available())
         if c.inflight != "continue" and self.backend != "vllm":
             raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
@@ -174,6 +177,9 @@ class Run:
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.close()
+        scorer, self.scorer = getattr(self, "scorer", None), None
+        if scorer is not None:
+            scorer.close()
         for name in ("generator", "sync"):
             obj = getattr(self, name, None)
             setattr(self, name, None)
@@ -212,6 +218,7 @@ class Run:
                 self.log.log("timeline", side="train", start=t1 - self._t_start, end=t3 - self._t_start)
             dt, t_prev = t3 - t_prev, t3
             rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
+                   "reward/failure_kinds": failure_kinds(scored),
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
                    "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt,
                    "prompt_ids": [g.group.prompt.index for g in scored]}
@@ -324,6 +331,9 @@ class Run:
         self.summary["accounting"] = dict(p.accounting)
 
     def _push(self, scored: list[ScoredGroup]) -> SyncStats:
+        if not self.trainer.adapter_is_finite():  # never serve (or save) a broken adapter
+            raise RuntimeError(f"the adapter has non-finite weights after step version {self.trainer.version} "
+                               "(the optimizer diverged): lower lr or max_grad_norm")
         stats = self.sync.push(self.trainer, self.generator)
         if self.cfg.verify_sync and self.sync.transport != "shared" and self.generator.name != "hf":
             if self._probe is None:  # a fixed probe: the first prompt and its first completion
@@ -361,28 +371,43 @@ class Run:
             self._finish()
 
     def _finish(self) -> None:
-        self._close_pipeline()
-        if self._claimed:  # a run that failed before claiming out_dir writes nothing there
-            self._save_final()
-        if self.generator is not None:
-            self.generator.close()
-        if getattr(self, "sync", None) is not None:
-            self.sync.close()
-        if self.tracker is not None:
-            self.tracker.close()
+        """Save and close everything, however the run ended. A failure here is logged and never hides the run's own
+        error, and never keeps the next step from closing what it closes."""
+        closing = [("pipeline", self._close_pipeline),
+                   ("checkpoint, adapter and summary", lambda: self._claimed and self._save_final()),
+                   ("generator", lambda: self.generator is not None and self.generator.close()),
+                   ("sync", lambda: getattr(self, "sync", None) is not None and self.sync.close()),
+                   ("reward workers", lambda: getattr(self, "scorer", None) is not None and self.scorer.close()),
+                   ("tracker", lambda: self.tracker is not None and self.tracker.close())]
+        failed: list[BaseException] = []
+        for what, fn in closing:
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - closing goes on; the first such error is raised below
+                failed.append(e)
+                if hasattr(self, "log"):
+                    self.log.log("error", error=f"while closing the {what}: {e!r}", traceback=traceback.format_exc())
         if hasattr(self, "log"):
             self.log.log("end", summary=self.summary)
             self.log.close()
         if self._lock is not None:
             self._lock.close()  # out_dir is free for the next run
+        if failed and self.error is None:  # the run itself went well: its closing failure must not pass silently
+            self.error = failed[0]
+            raise failed[0]
 
     def _save_final(self) -> None:
         """At the end, on stop or on an error: a checkpoint (unless the error struck mid-step: then the last one
-        stands), the adapter and the summary, each written atomically. Saved even on a crash: nothing is lost."""
+        stands), the adapter and the summary, each written atomically. Saved even on a crash, so nothing is lost;
+        but a non-finite adapter is never saved."""
         if self._between_steps:
             self._checkpoint()
-        save_adapter(self.trainer, self.out / "adapter")
-        self.summary["adapter"] = str(self.out / "adapter")
+        if self.trainer.adapter_is_finite():
+            save_adapter(self.trainer, self.out / "adapter")
+            self.summary["adapter"] = str(self.out / "adapter")
+        else:
+            self.summary["adapter"] = None
+            self.summary["adapter_not_saved"] = "non-finite weights"
         atomic_text(self.out / "summary.json", json.dumps(self.summary, indent=2))
 
     def start(self) -> "Run":

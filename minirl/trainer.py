@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 import time
 from pathlib import Path
 from typing import Sequence
@@ -55,7 +56,8 @@ class Trainer:
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1
-            m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version})
+            m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version,
+                      "train/skipped_nonfinite": 0})
             return m
         batch = make_batch(samples, self.tokenizer.pad_token_id, c.loss_agg, c.max_tokens)
         micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
@@ -63,8 +65,10 @@ class Trainer:
         self.model.train()
         tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0,
                    ent=0.0, n=0)
+        skipped = 0
         for epoch in range(c.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
+            epoch_loss = 0.0
             for i, mb in enumerate(micro):
                 logp, ent = completion_logprobs(self.model, mb, with_entropy=epoch == 0)
                 if epoch == 0:
@@ -76,6 +80,7 @@ class Trainer:
                 out = policy_loss(logp, olds[i], mb.behav_logp_B_L, mb.adv_B, mb.weight_B_L, mb.tgt_mask_B_L,
                                   loss_settings, ref)
                 out.loss.backward()
+                epoch_loss += out.loss.item()
                 if epoch == 0:
                     for k, v in (("clipped", out.clipped), ("behav_clipped", out.behav_clipped),
                                  ("is_trunc", out.is_truncated), ("is_w", out.is_weight_sum),
@@ -87,8 +92,14 @@ class Trainer:
                     tot["clipped"] += out.clipped
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], c.max_grad_norm)
-            self.opt.step()
-            self.sched.step()
+            if math.isfinite(float(grad_norm)) and math.isfinite(epoch_loss):
+                self.opt.step()
+            else:  # a NaN/inf loss or gradient: no update (the adapter and AdamW's moments stay as they were)
+                self.opt.zero_grad(set_to_none=True)
+                skipped += 1
+            with warnings.catch_warnings():  # the schedule follows versions, skipped updates included
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                self.sched.step()
             self.version += 1
         n = max(1, tot["n"])
         m.update({
@@ -98,9 +109,13 @@ class Trainer:
             "is_weight/truncated_frac": tot["is_trunc"] / n, "logprob_mismatch": tot["mism"] / n,
             "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0],
             "train/tokens": batch.n_tokens, "train/micro_batches": len(micro),
-            "time/train_s": time.perf_counter() - t0, "version": self.version,
+            "time/train_s": time.perf_counter() - t0, "version": self.version, "train/skipped_nonfinite": skipped,
         })
         return m
+
+    def adapter_is_finite(self) -> bool:
+        """No NaN or inf in any LoRA weight (checked before every push and save)."""
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad)
 
     def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
         self.model.eval()

@@ -4,6 +4,7 @@ applied: the distribution actually sampled from) and the policy version that pro
   hf.py          `HFGenerator`: transformers `generate`, on the trainer's own model (synchronous loop) or a copy
   hf_process.py  `ProcGenerator`: an `HFGenerator` in a process of its own (the asynchronous CPU pipeline)
   vllm.py        `VLLMGenerator`: vLLM `AsyncLLM` in a thread of its own (the only module importing vllm)
+  engine_thread.py  that thread: its event loop, calls from other threads, shutdown
   swaps.py       exact per-token versions across in-place adapter swaps (vLLM `inflight` policy)
 
 `make_generator` is the choice a run makes: which generator, and which `WeightSync` carries the adapter to it.
