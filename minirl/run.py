@@ -157,6 +157,7 @@ class Run:
         self._lock = lock_out_dir(self.out)
         if self.overwrite:
             clear_run(self.out)
+        self.tracker = make_tracker(c.report_to, self.out, c.to_dict(), self.resuming)
         info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
                     transport=self.sync.transport, transport_why=self._sync_why, reward_versions=self.scorer.versions,
                     train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note)
@@ -170,7 +171,6 @@ class Run:
         else:
             atomic_text(self.out / "config.yaml", c.to_yaml())
             self.log.log("start", **info)
-        self.tracker = make_tracker(c.report_to, self.out, c.to_dict(), self.resuming)
 
     def close(self) -> None:
         """Close what `load` opened (after a failed set-up, or an evaluation without a run: `minirl eval`)."""
@@ -180,7 +180,7 @@ class Run:
         scorer, self.scorer = getattr(self, "scorer", None), None
         if scorer is not None:
             scorer.close()
-        for name in ("generator", "sync"):
+        for name in ("generator", "sync", "tracker"):
             obj = getattr(self, name, None)
             setattr(self, name, None)
             if obj is not None:
