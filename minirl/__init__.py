@@ -1,11 +1,11 @@
 """minirl: asynchronous RL fine-tuning of small LLMs with LoRA on one machine."""
 from .config import Config, ConfigError
-from .rewards import REGISTRY, Scorer, reward
+from .rewards import REGISTRY, Scorer, reward, sandbox
 from .run import Run
 from .ui import Dashboard, check, doctor, preview, render, rescore
 
 plot = render  # minirl.plot(out_dir or metrics.jsonl): the dashboard's panels from a saved run
 
 __all__ = ["Config", "ConfigError", "Run", "Scorer", "reward", "REGISTRY", "Dashboard", "doctor", "render", "plot",
-           "check", "preview", "rescore"]
+           "check", "preview", "rescore", "sandbox"]
 __version__ = "0.1.0"

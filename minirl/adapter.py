@@ -44,13 +44,13 @@ def make_contiguous(model, adapter: str = "default") -> torch.Tensor | None:
     a sync packs the whole adapter with one flat copy instead of hundreds of small ones. Call it before the
     optimizer is built. Returns the buffer (None, changing nothing, when the parameters differ in dtype/device)."""
     params = list(adapter_params(model, adapter).values())
-    if not _uniform(params):
+    if not uniform(params):
         return None
     return move_into(params, torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype,
                                          device=params[0].device))
 
 
-def _uniform(params: list[torch.Tensor]) -> bool:
+def uniform(params: list[torch.Tensor]) -> bool:
     """One dtype and one device for all (what one flat buffer needs)."""
     return bool(params) and len({(p.dtype, p.device) for p in params}) == 1
 

@@ -8,7 +8,7 @@ never exist for the whole batch (nor for prompt or padding positions).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Iterator, Sequence
 
 import torch
@@ -27,6 +27,7 @@ class Sample:
     behav_logp: tuple[float, ...]
     versions: tuple[int, ...]
     advantage: float
+    temperature: float = 1.0  # the temperature the completion was sampled at: its logprobs are taken at it
 
 
 @dataclass
@@ -40,20 +41,21 @@ class Batch:
     version_B_L: torch.Tensor
     adv_B: torch.Tensor
     weight_B_L: torch.Tensor  # aggregation weights over the whole batch
+    temp_B: torch.Tensor      # sampling temperature of each row
 
     @property
     def n_tokens(self) -> int:
         return int(self.tgt_mask_B_L.sum())
 
+    def _map(self, fn) -> "Batch":
+        return Batch(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+
     def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids_B_L, self.attn_B_L, self.tgt_mask_B_L,
-                                             self.behav_logp_B_L, self.version_B_L, self.adv_B, self.weight_B_L)))
+        return self._map(lambda t: t.to(device))
 
     def rows(self, idx: list[int]) -> "Batch":
         width = int(self.attn_B_L[idx].sum(1).max())
-        return Batch(*(t[idx][:, :width] if t.dim() == 2 else t[idx] for t in (
-            self.input_ids_B_L, self.attn_B_L, self.tgt_mask_B_L, self.behav_logp_B_L, self.version_B_L,
-            self.adv_B, self.weight_B_L)))
+        return self._map(lambda t: t[idx][:, :width] if t.dim() == 2 else t[idx])
 
     def micro_batches(self, token_budget: int) -> Iterator["Batch"]:
         """Rows sorted by length, packed greedily so that rows * longest row <= token_budget."""
@@ -77,7 +79,7 @@ def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = Fal
         for c, r, a in zip(g.group.completions, g.rewards, g.advantages):
             if r is None or not c.token_ids or (a == 0.0 and not keep_zero_adv):
                 continue
-            out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a))
+            out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a, g.group.temperature))
     return out
 
 
@@ -97,20 +99,25 @@ def make_batch(samples: Sequence[Sample], pad_id: int, agg: str, max_tokens: int
         behav[b, p: p + c] = torch.tensor(s.behav_logp)
         ver[b, p: p + c] = torch.tensor(s.versions)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
-    return Batch(ids, attn, tgt, behav, ver, adv, token_weights(tgt, agg, max_tokens))
+    temp = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
+    return Batch(ids, attn, tgt, behav, ver, adv, token_weights(tgt, agg, max_tokens), temp)
 
 
-def completion_logprobs(model, batch: Batch, temperature: float, with_entropy: bool = False):
+def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool = False):
     """Per-token logprobs (B, L) of the completion tokens under `model` (a peft or plain causal LM), with
-    temperature applied, plus the summed entropy of those positions when asked (no grad)."""
+    temperature applied — each row's own (`batch.temp_B`), or `temperature` for all — plus the summed entropy of
+    those positions when asked (no grad)."""
     inner, head = _decoder_and_head(model)
     hidden = inner(input_ids=batch.input_ids_B_L, attention_mask=batch.attn_B_L).last_hidden_state
     pick = batch.tgt_mask_B_L[:, 1:]
     h_N_H = hidden[:, :-1][pick]
     targets_N = batch.input_ids_B_L[:, 1:][pick]
+    if temperature is None:
+        temp_N = batch.temp_B[:, None].expand(pick.shape)[pick].to(h_N_H.device)[:, None]
     logps, ent = [], 0.0
     for s in range(0, h_N_H.shape[0], LOGIT_CHUNK):
-        logits = head(h_N_H[s: s + LOGIT_CHUNK]).float() / temperature
+        t = temperature if temperature is not None else temp_N[s: s + LOGIT_CHUNK]
+        logits = head(h_N_H[s: s + LOGIT_CHUNK]).float() / t
         lse = torch.logsumexp(logits, -1)
         logps.append(logits.gather(-1, targets_N[s: s + LOGIT_CHUNK, None]).squeeze(-1) - lse)
         if with_entropy:

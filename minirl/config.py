@@ -7,6 +7,8 @@ import ast
 import dataclasses
 import inspect
 import textwrap
+import types
+import typing
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -19,7 +21,7 @@ class ConfigError(ValueError):
     """A bad setting. The message names the field and the fix."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     # --- model -------------------------------------------------------------------------------------------
     model: str = "smollm2-135m-instruct"
@@ -49,9 +51,25 @@ class Config:
     reward_weights: list[float] | None = None
     """One weight per reward (default all 1). Weight 0 = logged only, not trained on."""
     reward_timeout_s: float = 10.0
-    """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded."""
+    """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded; with reward
+    workers its process is killed and replaced."""
+    reward_workers: int = 2
+    """Reward calls run in this many worker processes (a reward that crashes, exits or hangs cannot hurt the run;
+    a group's calls run in parallel). 0 = in the trainer's process, one after another: only for pure, cheap
+    rewards (a hung call cannot be stopped there)."""
+    reward_clip: float = 1e6
+    """A reward value must be finite and at most this in magnitude, else the call is a failure."""
+    reward_memory_mb: int = 2048
+    """Memory limit of each reward worker process (a reward past it fails with MemoryError)."""
+    eval_data: str | None = None
+    """Held-out prompts for greedy evaluation (the metric is the first reward function): a JSONL path, or
+    'arithmetic' (the built-in task's held-out problems). None: with the built-in task its own held-out problems,
+    else a split carved from `data` (see eval_fraction), disjoint from training."""
+    eval_fraction: float = 0.1
+    """With no eval_data: the fraction of `data`'s distinct prompts held out for evaluation (chosen by seed, never
+    trained on), at most eval_size of them."""
     eval_size: int = 64
-    """Number of held-out prompts for greedy evaluation (the metric is the first reward function)."""
+    """At most this many held-out prompts are evaluated. 0 = no evaluation (the run says so in one line)."""
 
     # --- sampling ------------------------------------------------------------------------------------------
     backend: str = "auto"
@@ -122,9 +140,13 @@ class Config:
 
     # --- devices -------------------------------------------------------------------------------------------
     gen_devices: str = "auto"
-    """Generation devices: GPU ids like 'cuda:0', or on CPU the cores vLLM's worker uses ('0' or '0-3')."""
+    """Where generation runs. On GPU: the GPU ids given to the vLLM engine ('1', 'cuda:1', '1,2'; its processes
+    see only those). On CPU: the cores the generator is pinned to ('0', '0-3', '0,2'). 'auto': on GPU the engine
+    sees every GPU; on CPU, with max_async_steps = 0 nothing is pinned (the two phases take turns, each with every
+    core), with K >= 1 the first half of the cores."""
     train_devices: str = "auto"
-    """Training devices: 'cuda:1' etc., or on CPU the cores for the trainer's torch threads ('1')."""
+    """Where training runs. On GPU: the trainer's device ('cuda:0', 'cuda:1'; 'auto' = 'cuda'). On CPU: the cores
+    of the trainer's torch threads ('1', '2-3'; 'auto': every core synchronously, the other half with K >= 1)."""
     gpu_memory_utilization: float = 0.3
     """vLLM's share of GPU memory (on CPU: its KV cache is sized by kv_cache_gb instead)."""
     kv_cache_gb: float = 1.0
@@ -142,12 +164,29 @@ class Config:
     """Where the adapter, metrics.jsonl, checkpoints and plots go."""
     eval_every: int = 0
     """Evaluate held-out accuracy every N steps (0 = only before and after)."""
+    checkpoint_every: int = 10
+    """Write a checkpoint (adapter, optimizer, scheduler, data position, RNG states) every N steps, 0 = only at
+    the end and on stop or error. `minirl train CONFIG --resume` / `Run(cfg, resume=True)` continues from the
+    latest."""
+    keep_checkpoints: int = 2
+    """How many of the latest checkpoints are kept in out_dir/checkpoints (older ones are deleted)."""
+    report_to: str | None = None
+    """Also send every step's metrics (the names of metrics.jsonl) to a tracker: 'trackio' or 'tensorboard'
+    (pip install 'minirl[trackio]' / 'minirl[tensorboard]'). None = metrics.jsonl only."""
     log_samples: int = 4
     """Completions per step written to the log for the sample panel."""
 
     # ------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        hints = _hints()
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
         self.validate()
+
+    def loss_settings(self):
+        """The policy loss's knobs as `loss.LossSettings`."""
+        from .loss import LossSettings
+        return LossSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossSettings)})
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:
@@ -176,10 +215,20 @@ class Config:
         need(self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
              f"reward_weights has {len(self.reward_weights or [])} entries for {len(self.rewards)} rewards; give one per reward")
         need(self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 or None")
+        need(self.reward_workers >= 0, "reward_workers must be >= 0 (0 = rewards run in the trainer's process)")
+        need(self.reward_timeout_s > 0, "reward_timeout_s must be > 0 seconds")
+        need(self.reward_clip > 0, "reward_clip must be > 0")
+        need(self.eval_size >= 0, "eval_size must be >= 0 (0 = no held-out evaluation)")
+        need(0 <= self.eval_fraction < 1, f"eval_fraction={self.eval_fraction}: use a fraction in [0, 1), e.g. 0.1")
+        need(self.eval_every >= 0, "eval_every must be >= 0")
+        need(self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = only at the end)")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+        need(self.report_to in (None, "trackio", "tensorboard"),
+             f"report_to={self.report_to!r}: use 'trackio', 'tensorboard' or none")
 
     # --- conversions ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         text = yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -190,7 +239,7 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(map(str, set(d) - known))
         if unknown:
             import difflib
             hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
@@ -200,10 +249,30 @@ class Config:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Config":
+        """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
         p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {str(p)!r} not found")
-        return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found" if not p.exists() else
+                              f"config {str(p)!r} is a folder; give a YAML file")
+        try:
+            d = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                              "save it as UTF-8") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{where}: not valid YAML ({what}); write one `field: value` per line") from None
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"{p}: expected `field: value` lines (a mapping), got {_kind(d)}; "
+                              "e.g. `steps: 20` on its own line")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
 
     def replace(self, **kw: Any) -> "Config":
         return dataclasses.replace(self, **kw)
@@ -212,7 +281,7 @@ class Config:
 # The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
 # 2 CPU cores. `minirl bench learning` runs this same config.
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
-            out_dir="runs/demo")
+            checkpoint_every=2, out_dir="runs/demo")
 
 
 def parse_cores(spec: str) -> list[int]:
@@ -222,6 +291,67 @@ def parse_cores(spec: str) -> list[int]:
         a, _, b = part.partition("-")
         out += list(range(int(a), int(b or a) + 1))
     return out
+
+
+@lru_cache(maxsize=None)
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def _kind(v: Any) -> str:
+    name = "string" if isinstance(v, str) else type(v).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _coerce(name: str, v: Any, hint: Any) -> Any:
+    """`v` as the field's type, or one clear ConfigError. Numbers may be written as strings ('1e-4': YAML 1.1 reads
+    it as a string); 'none'/'null' is None where the field allows it; a single string is a one-item list."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = typing.get_args(hint) if union else (hint,)
+    optional = type(None) in args
+    kinds = [a for a in args if a is not type(None)]
+    if v is None or (optional and isinstance(v, str) and v.strip().lower() in ("none", "null", "~")):
+        if optional:
+            return None
+        raise ConfigError(f"{name}: a value is required (got None)")
+    for k in kinds:
+        origin = typing.get_origin(k) or k
+        if origin is list and isinstance(v, (list, tuple)):
+            (elem,) = typing.get_args(k) or (Any,)
+            return [_coerce(f"{name}[{i}]", x, elem) for i, x in enumerate(v)]
+        if origin is str and isinstance(v, str):
+            return v
+    k = kinds[0]
+    origin = typing.get_origin(k) or k
+    if origin is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no"):
+            return v.strip().lower() in ("true", "yes")
+        raise ConfigError(f"{name}: expected true or false, got {v!r} ({_kind(v)})")
+    if origin in (int, float):
+        if isinstance(v, bool):
+            raise ConfigError(f"{name}: expected a number, got {v!r}")
+        x = v
+        if isinstance(v, str):
+            try:
+                x = float(v.strip().replace("_", ""))
+            except ValueError:
+                raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})") from None
+        if not isinstance(x, (int, float)):
+            raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})")
+        if origin is int:
+            if isinstance(x, float) and not x.is_integer():
+                raise ConfigError(f"{name}: expected a whole number, got {v!r}")
+            return int(x)
+        return float(x)
+    if origin is list:
+        if isinstance(v, str):
+            return [v]
+        raise ConfigError(f"{name}: expected a list, got {v!r} ({_kind(v)})")
+    if origin is str:
+        raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
+    return v
 
 
 @lru_cache(maxsize=None)

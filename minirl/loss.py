@@ -74,6 +74,17 @@ class LossOut:
     mismatch_sum: float         # sum of |logp_trainer - logp_behaviour|
 
 
+@dataclass(frozen=True)
+class LossSettings:
+    """The policy loss's knobs (each documented on the `Config` field of the same name; the defaults are Config's)."""
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    tis_cap: float | None = 2.0
+    kl_coef: float = 0.0
+    opsm_delta: float | None = None
+    behav_clip: bool = True
+
+
 def policy_loss(
     logp_B_T: torch.Tensor,
     old_logp_B_T: torch.Tensor,
@@ -81,13 +92,8 @@ def policy_loss(
     adv_B: torch.Tensor,
     weight_B_T: torch.Tensor,
     mask_B_T: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    tis_cap: float | None = 2.0,
+    settings: LossSettings = LossSettings(),
     ref_logp_B_T: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-    opsm_delta: float | None = None,
-    behav_clip: bool = False,
 ) -> LossOut:
     """Decoupled clipped surrogate with truncated IS, optional k3 KL to a reference and optional OPSM.
 
@@ -98,6 +104,7 @@ def policy_loss(
     `behav_clip`: tokens whose pi_trainer / pi_behaviour is already above 1 + clip_high with a positive advantage,
     or below 1 - clip_low with a negative one, are masked out (PPO's clip against the sampling policy).
     """
+    clip_low, clip_high, tis_cap = settings.clip_low, settings.clip_high, settings.tis_cap
     mask = mask_B_T.bool()
     adv = adv_B[:, None].to(logp_B_T.dtype)
     ratio = torch.exp(logp_B_T - old_logp_B_T)
@@ -110,20 +117,20 @@ def policy_loss(
     per_tok = -is_w * surr
     w = weight_B_T.to(logp_B_T.dtype)
     out_B_T = torch.zeros_like(mask)
-    if behav_clip:
+    if settings.behav_clip:
         r_b = torch.exp(logp_B_T.detach() - behav_logp_B_T)
         out_B_T = ((adv > 0) & (r_b > 1 + clip_high)) | ((adv < 0) & (r_b < 1 - clip_low))
         w = w * ~out_B_T
-    if opsm_delta is not None:
+    if settings.opsm_delta is not None:
         n = mask.sum(1).clamp(min=1)
         seq_gap = (log_is.abs() * mask).sum(1) / n
-        keep = ~((adv_B < 0) & (seq_gap > opsm_delta))
+        keep = ~((adv_B < 0) & (seq_gap > settings.opsm_delta))
         w = w * keep[:, None]
     kl_ref = torch.zeros((), dtype=logp_B_T.dtype)
     if ref_logp_B_T is not None:
         d = ref_logp_B_T - logp_B_T
         k3 = torch.exp(d) - d - 1
-        per_tok = per_tok + kl_coef * k3
+        per_tok = per_tok + settings.kl_coef * k3
         kl_ref = (k3.detach() * mask).sum()
     loss = (per_tok * w * mask).sum()
     with torch.no_grad():

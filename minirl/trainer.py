@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 import time
 from pathlib import Path
 from typing import Sequence
@@ -38,21 +39,25 @@ class Trainer:
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
         return 1.0
 
-    def set_lr(self, lr: float) -> None:
-        self.cfg.lr = lr
+    def reconfigure(self, cfg: Config) -> None:
+        """Take a new config mid-run (`Run.set`): the loss settings from the next step, and its learning rate."""
+        self.cfg = cfg
         for g in self.opt.param_groups:
-            g["initial_lr"] = lr
-        self.sched.base_lrs = [lr for _ in self.sched.base_lrs]
+            g["initial_lr"] = cfg.lr
+        self.sched.base_lrs = [cfg.lr for _ in self.sched.base_lrs]
 
     def step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
-        """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics."""
+        """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics. Logprobs are
+        computed at the temperature each group was sampled with (it travels with the group)."""
         c = self.cfg
+        loss_settings = c.loss_settings()
         t0 = time.perf_counter()
         samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1
-            m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version})
+            m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version,
+                      "train/skipped_nonfinite": 0})
             return m
         batch = make_batch(samples, self.tokenizer.pad_token_id, c.loss_agg, c.max_tokens)
         micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
@@ -60,20 +65,22 @@ class Trainer:
         self.model.train()
         tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0,
                    ent=0.0, n=0)
+        skipped = 0
         for epoch in range(c.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
+            epoch_loss = 0.0
             for i, mb in enumerate(micro):
-                logp, ent = completion_logprobs(self.model, mb, c.temperature, with_entropy=epoch == 0)
+                logp, ent = completion_logprobs(self.model, mb, with_entropy=epoch == 0)
                 if epoch == 0:
                     olds.append(logp.detach())
                 ref = None
                 if c.kl_coef > 0:
                     with torch.no_grad(), self.model.disable_adapter():
-                        ref, _ = completion_logprobs(self.model, mb, c.temperature)
+                        ref, _ = completion_logprobs(self.model, mb)
                 out = policy_loss(logp, olds[i], mb.behav_logp_B_L, mb.adv_B, mb.weight_B_L, mb.tgt_mask_B_L,
-                                  c.clip_low, c.clip_high, c.tis_cap, ref, c.kl_coef, c.opsm_delta,
-                                  c.behav_clip)
+                                  loss_settings, ref)
                 out.loss.backward()
+                epoch_loss += out.loss.item()
                 if epoch == 0:
                     for k, v in (("clipped", out.clipped), ("behav_clipped", out.behav_clipped),
                                  ("is_trunc", out.is_truncated), ("is_w", out.is_weight_sum),
@@ -85,8 +92,14 @@ class Trainer:
                     tot["clipped"] += out.clipped
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.model.parameters() if p.requires_grad], c.max_grad_norm)
-            self.opt.step()
-            self.sched.step()
+            if math.isfinite(float(grad_norm)) and math.isfinite(epoch_loss):
+                self.opt.step()
+            else:  # a NaN/inf loss or gradient: no update (the adapter and AdamW's moments stay as they were)
+                self.opt.zero_grad(set_to_none=True)
+                skipped += 1
+            with warnings.catch_warnings():  # the schedule follows versions, skipped updates included
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+                self.sched.step()
             self.version += 1
         n = max(1, tot["n"])
         m.update({
@@ -96,9 +109,13 @@ class Trainer:
             "is_weight/truncated_frac": tot["is_trunc"] / n, "logprob_mismatch": tot["mism"] / n,
             "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0],
             "train/tokens": batch.n_tokens, "train/micro_batches": len(micro),
-            "time/train_s": time.perf_counter() - t0, "version": self.version,
+            "time/train_s": time.perf_counter() - t0, "version": self.version, "train/skipped_nonfinite": skipped,
         })
         return m
+
+    def adapter_is_finite(self) -> bool:
+        """No NaN or inf in any LoRA weight (checked before every push and save)."""
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters() if p.requires_grad)
 
     def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
         self.model.eval()
@@ -111,14 +128,17 @@ class Trainer:
         return path
 
     def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "version": self.version,
-                "rng": torch.get_rng_state()}
+        """Optimizer, scheduler and policy version: with the adapter (`save_adapter`), the trainer's whole state."""
+        return {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "version": self.version}
 
     def load_state(self, adapter_dir: str | Path, state: dict) -> None:
+        """Continue from a checkpoint: the adapter saved in `adapter_dir` (copied into the live LoRA tensors, so
+        the flat adapter buffer stays shared) and `state_dict()`'s output."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
-        set_peft_model_state_dict(self.model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+        res = set_peft_model_state_dict(self.model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+        if getattr(res, "unexpected_keys", None):
+            raise ValueError(f"{adapter_dir}: the adapter does not fit this model (unexpected {res.unexpected_keys[:3]})")
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])
         self.version = state["version"]
-        torch.set_rng_state(state["rng"])

@@ -45,9 +45,11 @@ class Completion:
 
 @dataclass(frozen=True)
 class Group:
-    """G completions of one prompt: the unit of advantage computation."""
+    """G completions of one prompt: the unit of advantage computation. `temperature`: what they were sampled at
+    (the trainer takes their logprobs at it, even if the run's temperature changed since)."""
     prompt: Prompt
     completions: tuple[Completion, ...]
+    temperature: float = 1.0
 
     @property
     def oldest_version(self) -> int:

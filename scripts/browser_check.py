@@ -48,9 +48,11 @@ def start_lab(work: Path, port: int, token: str, small: bool, log) -> subprocess
            "TOKENIZERS_PARALLELISM": "false",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-           f"--ServerApp.token={token}", f"--ServerApp.root_dir={work}", "--ServerApp.port_retries=0",
+           f"--ServerApp.root_dir={work}", "--ServerApp.port_retries=0",
            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--allow-root"]
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # the token travels in the environment (readable by this user only), never on the command line (readable by all)
+    proc = subprocess.Popen(cmd, env={**env, "JUPYTER_TOKEN": token}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}/api/status?token={token}"
     for _ in range(120):
         if proc.poll() is not None:

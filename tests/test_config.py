@@ -35,3 +35,29 @@ def test_every_cli_help_prints(capsys):
             main([cmd, "--help"])
         assert e.value.code == 0
         assert "usage: minirl" in capsys.readouterr().out
+
+
+def test_config_is_frozen_and_coerces_yaml_values(tmp_path):
+    import pytest
+    from minirl import ConfigError
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().lr = 1.0
+    (tmp_path / "c.yaml").write_text("lr: 1e-4\nreward_timeout_s: 1e1\nmax_staleness: null\nsteps: '3'\n")
+    c = Config.from_yaml(tmp_path / "c.yaml")  # PyYAML reads 1e-4 as the string '1e-4'
+    assert (c.lr, c.reward_timeout_s, c.max_staleness, c.steps) == (1e-4, 10.0, None, 3)
+    for bad, msg in ((dict(lr="fast"), "lr: expected a number, got 'fast'"),
+                     (dict(steps=2.5), "steps: expected a whole number"),
+                     (dict(behav_clip="maybe"), "behav_clip: expected true or false")):
+        with pytest.raises(ConfigError, match=msg):
+            Config(**bad)
+
+
+def test_run_set_validates_first_and_keeps_the_config_on_a_rejected_change():
+    import pytest
+    from minirl import ConfigError, Run
+    run = Run(Config(steps=1))
+    with pytest.raises(ConfigError, match="temperature"):
+        run.set(temperature=0)
+    assert run.cfg.temperature == 1.0
+    run.set(temperature=0.7, lr=1e-3)  # a later valid change still works
+    assert (run.cfg.temperature, run.cfg.lr) == (0.7, 1e-3)

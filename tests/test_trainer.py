@@ -71,3 +71,20 @@ def test_reward_rises_on_toy_task(toy_cfg):
     first, last = sum(r[:5]) / 5, sum(r[-5:]) / 5
     assert last > first + 0.12 and last > 1.8 * first, (first, last)
     assert s["eval_accuracy_after"] >= s["eval_accuracy_before"] + 0.5, s  # held-out prompts, same reward
+
+
+def test_each_row_is_scored_at_the_temperature_it_was_sampled_at(tiny_model):
+    """A batch mixing groups sampled before and after `Run.set(temperature=...)` (K >= 1): every row's logprobs
+    are taken at its own sampling temperature, not at the run's current one."""
+    import dataclasses
+    tr = Trainer(Config(model=tiny_model, backend="hf", lora_rank=4, max_tokens=8))
+    a, b = _samples(2)
+    batch = make_batch([dataclasses.replace(a, temperature=0.5), dataclasses.replace(b, temperature=1.5)],
+                       pad_id=0, agg="token-mean", max_tokens=8)
+    with torch.no_grad():
+        mixed, _ = completion_logprobs(tr.model, batch)
+        at = {t: completion_logprobs(tr.model, batch, temperature=t)[0] for t in (0.5, 1.5)}
+    m = batch.tgt_mask_B_L
+    torch.testing.assert_close(mixed[0][m[0]], at[0.5][0][m[0]])
+    torch.testing.assert_close(mixed[1][m[1]], at[1.5][1][m[1]])
+    assert not torch.allclose(at[0.5][1][m[1]], at[1.5][1][m[1]])  # the temperature matters for these rows

@@ -4,6 +4,7 @@ applied: the distribution actually sampled from) and the policy version that pro
   hf.py          `HFGenerator`: transformers `generate`, on the trainer's own model (synchronous loop) or a copy
   hf_process.py  `ProcGenerator`: an `HFGenerator` in a process of its own (the asynchronous CPU pipeline)
   vllm.py        `VLLMGenerator`: vLLM `AsyncLLM` in a thread of its own (the only module importing vllm)
+  engine_thread.py  that thread: its event loop, calls from other threads, shutdown
   swaps.py       exact per-token versions across in-place adapter swaps (vLLM `inflight` policy)
 
 `make_generator` is the choice a run makes: which generator, and which `WeightSync` carries the adapter to it.
@@ -57,16 +58,18 @@ def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
     return "vllm", "vllm is installed and a GPU is present"
 
 
-def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_cores: str | None):
+def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: str | None):
     """(generator, sync, why) for a run: vLLM with the configured transport; the transformers generator in a
     process of its own when generation runs ahead of training (`asynchronous`); else the trainer's own model.
-    `gen_cores`: on CPU, the cores generation is pinned to ('0', '0-3', '0,2'), or None."""
+    `gen_devices`: on CPU the cores generation is pinned to ('0', '0-3', '0,2'), on GPU the GPU ids it may use
+    ('1', '0,1'); None: no constraint."""
+    on_gpu = trainer.device.startswith("cuda")
     if backend == "vllm":
         from ..sync import make_sync
         from .vllm import VLLMGenerator
         dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
         gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
-                            cpu_cores=gen_cores,
+                            cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
                             max_model_len=cfg.max_prompt_tokens + cfg.max_tokens, inflight=cfg.inflight)
         sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
@@ -76,8 +79,9 @@ def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_cores: st
         from ..config import parse_cores
         from ..sync.local import ShmSync
         from .hf_process import ProcGenerator
-        gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=parse_cores(gen_cores) if gen_cores else None,
-                            device=trainer.device)
+        cores = parse_cores(gen_devices) if gen_devices and not on_gpu else None
+        device = f"cuda:{gen_devices.split(',')[0]}" if gen_devices and on_gpu else trainer.device
+        gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=cores, device=device)
         return gen, ShmSync(), "transformers generator process: the adapter goes through one shared-memory buffer"
     from ..sync.local import SharedSync
     from .hf import HFGenerator

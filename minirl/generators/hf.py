@@ -145,7 +145,7 @@ class HFGenerator:
                     lp = [0.0] * len(toks)
                 comps.append(Completion(tuple(toks), tuple(lp), (version,) * len(toks),
                                         self.tok.decode(toks, skip_special_tokens=True), finish))
-            groups.append(Group(p, tuple(comps)))
+            groups.append(Group(p, tuple(comps), params.temperature))
         return groups
 
     @torch.no_grad()

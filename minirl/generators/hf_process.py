@@ -21,7 +21,6 @@ import concurrent.futures as cf
 import itertools
 import os
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Sequence
@@ -126,6 +125,7 @@ class ProcGenerator:
     `tensors` are the trainer's live LoRA parameters (peft names): `push(version)` sends them."""
 
     name = "hf"
+    same_numerics = True  # the trainer's model code, dtype and kind of device: sync verification expects ~no noise
 
     def __init__(self, cfg: Config, tensors: dict[str, torch.Tensor], cores: list[int] | None = None,
                  device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0):

@@ -28,7 +28,6 @@ import dataclasses
 import hashlib
 import itertools
 import os
-import threading
 import weakref
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
@@ -37,7 +36,8 @@ from typing import AsyncIterator, Callable, Sequence
 from ..sync.wire import WORKER_EXTENSION
 from ..types import Completion, Group, Prompt, SamplingParams
 from . import vllm_available  # noqa: F401 - re-exported: `from minirl.generators.vllm import vllm_available`
-from .swaps import SwapLog
+from .engine_thread import EngineThread
+from .swaps import SwapTracker
 
 GiB = 1 << 30
 
@@ -46,59 +46,6 @@ def request_seed(seed: int, prompt_index: int, visit: int) -> int:
     """Deterministic per-request seed; vLLM gives sample j of the request seed + j."""
     digest = hashlib.blake2b(f"{seed}:{prompt_index}:{visit}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x3FFFFFFF
-
-
-class _Engine:
-    """The thread, its loop and the AsyncLLM. Holds no reference to the VLLMGenerator, so a weakref finalizer
-    can shut it down at garbage collection or interpreter exit."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        self.llm = None
-        self.closed = False
-        self.thread = threading.Thread(target=self._run, name="minirl-vllm", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def call(self, coro):
-        """Run `coro` on the engine loop and wait; its exception (with traceback) is raised here."""
-        if self.closed:
-            coro.close()
-            raise RuntimeError("the vLLM generator is closed")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result()
-        except BaseException:  # KeyboardInterrupt included: abort the engine-side work too
-            fut.cancel()
-            raise
-
-    def close(self):
-        if self.closed:
-            return
-        self.closed = True
-        atexit.unregister(self.close)
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            async def _shutdown():  # cancel pending work first, so no caller waits forever on a dead engine
-                tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-                for t in tasks:
-                    t.cancel()
-                if tasks:
-                    await asyncio.wait(tasks, timeout=10)
-                llm.shutdown()
-            try:
-                if self.thread.is_alive():
-                    asyncio.run_coroutine_threadsafe(_shutdown(), self.loop).result(timeout=60)
-                else:
-                    llm.shutdown()
-            except Exception:
-                llm.shutdown()
-        if self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(timeout=10)
 
 
 class VLLMGenerator:
@@ -138,14 +85,13 @@ class VLLMGenerator:
         kw.update(engine_kwargs or {})
         self.engine_args = AsyncEngineArgs(**kw)
 
-        self._engine = _Engine()
+        self._engine = EngineThread()
         # Shut down at garbage collection, and at interpreter exit before multiprocessing's own exit hook
         # (registered earlier, so it runs later) would kill the engine core under the output handler.
         self._finalizer = weakref.finalize(self, self._engine.close)
         atexit.register(self._engine.close)
         self._ids = itertools.count(1)          # LoRA int ids and request ids
-        self._lora = None                       # LoRARequest served to new requests (None = base model)
-        self._version = 0
+        self._serving = (None, 0)               # (LoRARequest, version) served to new requests (None: base model)
         self._inflight: dict[int, int] = {}     # LoRA int id -> requests using it
         self._retired: set[int] = set()         # LoRA ids replaced by a newer version, removed when idle
         self._visits: dict[int, int] = {}       # prompt index -> times submitted (for per-request seeds)
@@ -153,11 +99,7 @@ class VLLMGenerator:
         self.abort_on_swap = inflight == "abort"
         self.resubmitted = 0                    # sequences resubmitted under a newer adapter (abort policy)
         self.tokens_generated = 0
-        self.swaps = SwapLog()                  # in-place swap reports (inflight policy)
-        self._swapped: set[int] = set()         # LoRA ids whose weights were swapped in place at least once
-        self._swap_lock = threading.Lock()      # direct swaps are reported from the trainer's thread
-        self._swaps_pending = 0                 # direct swaps begun, not yet reported (`begin_swap`)
-        self._settled: list[asyncio.Future] = []
+        self.swaps = SwapTracker(self._engine.loop)  # in-place swaps (inflight policy): exact per-token versions
         self.dtype = dtype  # resolved by the engine at start
         try:
             self._engine.call(self._start())
@@ -172,7 +114,7 @@ class VLLMGenerator:
 
     @property
     def version(self) -> int:
-        return self._version
+        return self._serving[1]
 
     @property
     def engine(self):
@@ -186,7 +128,7 @@ class VLLMGenerator:
     @property
     def serving(self):
         """The LoRARequest new requests are served with (None: the base model)."""
-        return self._lora
+        return self._serving[0]
 
     def call(self, coro):
         """Run `coro` on the engine loop and wait for its result (its exception is raised here)."""
@@ -213,8 +155,7 @@ class VLLMGenerator:
 
     def _acquire(self):
         """The adapter and version for a new request; counted as in flight until `_release`."""
-        with self._swap_lock:
-            lora, version = self._lora, self._version
+        lora, version = self._serving  # one read: end_swap replaces both from the trainer's thread
         if lora is not None:
             self._inflight[lora.lora_int_id] = self._inflight.get(lora.lora_int_id, 0) + 1
         return lora, version
@@ -231,25 +172,31 @@ class VLLMGenerator:
 
     async def _remove(self, lid: int):
         self._retired.discard(lid)
+        self.swaps.forget(lid)
         if self._engine.llm is not None:
             await self._engine.llm.remove_lora(lid)
 
-    async def _request(self, token_ids: Sequence[int], n: int, params: SamplingParams, seed: int | None):
-        """One engine request on the adapter served now: (final RequestOutput, request id, lora, version)."""
+    async def _request(self, token_ids: Sequence[int], n: int, params: SamplingParams,
+                       seed: int | None) -> list[Completion]:
+        """One engine request on the adapter served now: its completions in sample order, each token tagged with
+        the version that sampled it."""
         from vllm.inputs import TokensPrompt
         lora, version = self._acquire()
         rid, final = f"minirl-{next(self._ids)}", None
+        lid = None if lora is None else lora.lora_int_id
         self._running[rid] = lora
-        try:
-            async for out in self._engine.llm.generate(
-                    TokensPrompt(prompt_token_ids=list(token_ids)), self._sampling(n, params, seed),
-                    rid, lora_request=lora):
-                final = out
-        finally:
-            self._running.pop(rid, None)
-            await self._release(lora)
-        await self._swaps_settled()  # a direct swap may have landed during this request: wait for its report
-        return final, rid, lora, version
+        with self.swaps.tracking(rid, lid):  # the swap reports it may need are kept until its versions are taken
+            try:
+                async for out in self._engine.llm.generate(
+                        TokensPrompt(prompt_token_ids=list(token_ids)), self._sampling(n, params, seed),
+                        rid, lora_request=lora):
+                    final = out
+            finally:
+                self._running.pop(rid, None)
+                await self._release(lora)
+            await self.swaps.settled()  # a direct swap may have landed during this request: wait for its report
+            return [_completion(c, self.swaps.versions(lid, rid, c.index, len(c.token_ids), version))
+                    for c in sorted(final.outputs, key=lambda c: c.index)]
 
     async def generate_group(self, prompt: Prompt, n: int, params: SamplingParams) -> Group:
         """G = n completions of one prompt. Runs on the engine loop; returns when the group's last sample is
@@ -263,9 +210,7 @@ class VLLMGenerator:
             visit = self._visits.get(prompt.index, 0)
             self._visits[prompt.index] = visit + 1
             seed = request_seed(params.seed, prompt.index, visit)
-        final, rid, lora, version = await self._request(prompt.token_ids, n, params, seed)
-        seqs = [[_completion(c, self._versions(rid, lora, c, version))]
-                for c in sorted(final.outputs, key=lambda c: c.index)]
+        seqs = [[c] for c in await self._request(prompt.token_ids, n, params, seed)]
         resubmits = 0
         while todo := [i for i, parts in enumerate(seqs) if parts[-1].finish_reason == "abort"
                        and sum(len(p.token_ids) for p in parts) < params.max_tokens]:
@@ -275,13 +220,12 @@ class VLLMGenerator:
                 done = [t for p in seqs[i] for t in p.token_ids]
                 sp = dataclasses.replace(params, max_tokens=params.max_tokens - len(done))
                 s = None if seed is None else request_seed(seed, i, len(done))
-                out, rid2, lora2, v2 = await self._request(list(prompt.token_ids) + done, 1, sp, s)
-                seqs[i].append(_completion(out.outputs[0], self._versions(rid2, lora2, out.outputs[0], v2)))
+                seqs[i] += await self._request(list(prompt.token_ids) + done, 1, sp, s)
             await asyncio.gather(*(cont(i) for i in todo))
         self.resubmitted += resubmits
         comps = tuple([await self._join(p) if len(p) > 1 or p[0].finish_reason == "abort" else p[0] for p in seqs])
         self.tokens_generated += sum(len(c.token_ids) for c in comps)
-        return Group(prompt, comps)
+        return Group(prompt, comps, params.temperature)
 
     async def _join(self, parts: list[Completion]) -> Completion:
         """One completion from the segments of an aborted-and-resubmitted sequence (text decoded whole)."""
@@ -291,13 +235,6 @@ class VLLMGenerator:
         last = parts[-1].finish_reason
         return Completion(toks, tuple(x for p in parts for x in p.logprobs), tuple(v for p in parts for v in p.versions),
                           tok.decode(list(toks), skip_special_tokens=True), "length" if last == "abort" else last)
-
-    def _versions(self, rid: str, lora, c, version: int) -> tuple[int, ...]:
-        """Per-token versions: the request's start version, unless its adapter was swapped in place while it
-        ran (inflight policy), in which case the worker's swap reports say where each version began."""
-        if lora is None or lora.lora_int_id not in self._swapped:
-            return (version,) * len(c.token_ids)
-        return tuple(self.swaps.token_versions(rid, len(c.token_ids), c.index))
 
     async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> AsyncIterator[Group]:
         """Groups in the order they finish (no batch barrier). Iterate on the engine loop."""
@@ -358,8 +295,8 @@ class VLLMGenerator:
         """New requests use `lora` as `version`; the previous adapter is removed once no in-flight request uses
         it (unless it is the same id, swapped in place)."""
         if report is not None and report.get("inplace"):
-            self._note_swap(lora.lora_int_id, report)
-        old, self._lora, self._version = self._lora, lora, version
+            self.swaps.note(lora.lora_int_id, report)
+        old, self._serving = self._serving[0], (lora, version)
         if self.abort_on_swap:  # generate_group resubmits their unfinished sequences under the new adapter
             new_id = None if lora is None else lora.lora_int_id
             stale = [rid for rid, lr in self._running.items() if (None if lr is None else lr.lora_int_id) != new_id]
@@ -371,46 +308,23 @@ class VLLMGenerator:
             else:
                 await self._remove(old.lora_int_id)
 
-    def _note_swap(self, lora_id: int, report: dict) -> None:
-        self.swaps.add(report)
-        self._swapped.add(lora_id)
-
     # Direct in-place swaps (the doorbell, `minirl.sync.senders`) are reported from the trainer's thread, not
     # through the engine's output stream. Requests that finish while one is in flight wait for its report, so
-    # their per-token versions see every swap that landed before their last step.
+    # their per-token versions see every swap that landed before their last step (`SwapTracker`).
 
     def begin_swap(self) -> None:
         """A direct in-place swap is about to be sent to the worker."""
-        with self._swap_lock:
-            self._swaps_pending += 1
+        self.swaps.begin()
 
     def end_swap(self, lora_id: int, name: str, path: str, version: int, report: dict | None) -> None:
         """That swap is over: with the worker's `report`, LoRA `lora_id` now serves `version` (new requests use
         `path`, fresh for the prefix cache); with None it failed (the push raises; the slot may be part old, part
         new, so the sync moves to a fresh id)."""
         from vllm.lora.request import LoRARequest
-        with self._swap_lock:
-            if report is not None:
-                self._note_swap(lora_id, report)
-                self._lora, self._version = LoRARequest(name, lora_id, path), version
-            self._swaps_pending -= 1
-        try:
-            self.loop.call_soon_threadsafe(self._wake_settled)
-        except RuntimeError:  # the engine loop is closed: nobody waits
-            pass
-
-    def _wake_settled(self) -> None:
-        if not self._swaps_pending:
-            for f in self._settled:
-                if not f.done():
-                    f.set_result(None)
-            self._settled.clear()
-
-    async def _swaps_settled(self) -> None:
-        while self._swaps_pending:
-            f = self.loop.create_future()
-            self._settled.append(f)
-            await f
+        if report is not None:
+            self.swaps.note(lora_id, report)
+            self._serving = (LoRARequest(name, lora_id, path), version)
+        self.swaps.end()
 
     def load_adapter(self, path: str | None, version: int) -> None:
         """Serve the peft adapter saved at `path` (adapter_config.json + adapter_model.safetensors) as policy

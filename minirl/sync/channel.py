@@ -1,11 +1,12 @@
 """The vLLM worker's side of a sync channel: the buffer it maps or receives into (`Channel`), the doorbell socket a
 sender rings for in-place swaps (`Doorbell`), and the gate that keeps installs out of engine steps (`Gate`).
-Used by `minirl.sync.receiver.AdapterReceiver`; imports no vLLM."""
+Used by `minirl.sync.receiver`; imports no vLLM."""
 from __future__ import annotations
 
 import os
 import threading
 import time
+from typing import Any, Callable
 
 from ..adapter import torch_dtype
 from .wire import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, open_group
@@ -44,16 +45,17 @@ class Gate:
 
 
 class Doorbell:
-    """A socket served by a thread of the worker process: each request is an install (the `_minirl_install`
-    kwargs), answered ("ok", report) or ("error", message). Only the sender holding the authkey can connect."""
+    """A socket served by a thread of the worker process: each request (an `InstallRequest`) goes to `handle`, on
+    the engine's device and CUDA stream, and is answered ("ok", its report) or ("error", message). Only the sender
+    holding the authkey can connect (`address`, `authkey`)."""
 
-    def __init__(self, receiver, channel: str):
+    def __init__(self, channel: str, handle: Callable[[Any], dict], device=None, stream=None):
         from multiprocessing.connection import Listener
         self.authkey = os.urandom(16)
         self.listener = Listener(family="AF_UNIX", authkey=self.authkey)
+        self.address = self.listener.address
         self.conn = None
-        self.receiver, self.channel = receiver, channel
-        self.stream = getattr(receiver._minirl(), "stream", None)
+        self.handle, self.device, self.stream = handle, device, stream
         self.thread = threading.Thread(target=self._serve, name=f"minirl-doorbell-{channel}", daemon=True)
         self.thread.start()
 
@@ -65,28 +67,18 @@ class Doorbell:
             return
         finally:
             self.listener.close()
-        device = getattr(self.receiver, "device", None)
-        if device is not None and torch.device(device).type == "cuda":
-            torch.cuda.set_device(device)
-        gate = self.receiver._minirl().gate
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             try:
                 req = self.conn.recv()
             except (EOFError, OSError):
                 return
-            stamps = {"t_rung": time.monotonic()}  # for scripts/sync_breakdown.py (one clock for all processes)
+            t_rung = time.monotonic()  # for scripts/sync_breakdown.py (one clock for all processes)
             try:
-                ch = self.receiver._minirl().channels.get(req["channel"])
                 with _on_stream(self.stream):  # GPU: the transfer and the copies ordered with the forward passes
-                    if ch is not None:  # a whole transfer (collective) needs no gate: the buffer is ours alone
-                        ch.receive(req["timeout_s"], req.get("chunk"))
-                    gate.enter(install=True, timeout_s=req["timeout_s"])
-                    stamps["t_gate"] = time.monotonic()
-                    try:
-                        report = self.receiver._minirl_install(**req, received=True)
-                    finally:
-                        gate.leave()
-                answer = ("ok", {**report, "via": "doorbell", **stamps, "t_done": time.monotonic()})
+                    report = self.handle(req)
+                answer = ("ok", {**report, "via": "doorbell", "t_rung": t_rung, "t_done": time.monotonic()})
             except Exception as e:
                 answer = ("error", f"{type(e).__name__}: {e}")
             try:
@@ -113,6 +105,8 @@ def _on_stream(stream):
 
 
 class Channel:
+    """One sender's flat buffer as the worker sees it (mapped, or received into), with its doorbell if any."""
+
     def __init__(self, layout: dict, source: dict, device):
         import torch
         self.layout, self.source = layout, source

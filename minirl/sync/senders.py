@@ -30,9 +30,10 @@ from pathlib import Path
 
 import torch
 
-from ..adapter import Packer, _uniform, make_layout, move_into, prescaled_config
+from ..adapter import Packer, make_layout, move_into, prescaled_config, uniform
 from . import CollectiveError, SyncError, SyncTimeout
-from .wire import PROGRESS_BITS, PROGRESS_MASK, adapter_name, broadcast, finish, free_port, lora_path_for, open_group
+from .wire import (PROGRESS_BITS, PROGRESS_MASK, InstallRequest, adapter_name, broadcast, finish, free_port,
+                   lora_path_for, open_group)
 
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ class _Install:
     """One install request in flight: rung on the channel's doorbell (`ring`: straight to the worker's thread, the
     report handed to the generator from here) or sent as vLLM's engine call (`install`, on the engine loop)."""
 
-    def __init__(self, sender: "_Sender", lora_id: int, version: int, seq: int | None, ring: bool,
+    def __init__(self, sender: "Sender", lora_id: int, version: int, seq: int | None, ring: bool,
                  chunk: int | None = None):
         self.sender, self.ring = sender, ring and sender.bell is not None
         gen, name = sender.generator, adapter_name(lora_id, version)
@@ -89,8 +90,8 @@ class _Install:
         self.t_ring = time.monotonic()
         gen.begin_swap()
         try:
-            sender.bell.send({"channel": sender.channel, "lora_id": lora_id, "version": version, "name": name,
-                              "timeout_s": sender.timeout_s, "seq": seq, "chunk": chunk})
+            sender.bell.send(InstallRequest(sender.channel, lora_id, version, name, sender.timeout_s, seq=seq,
+                                            chunk=chunk))
         except BaseException as e:
             self.cancel()
             raise SyncError(f"the engine worker is gone (its doorbell: {type(e).__name__}: {e})") from e
@@ -124,7 +125,9 @@ class _Install:
             self.fut.cancel()
 
 
-class _Sender:
+class Sender:
+    """What the in-memory senders share: the layout (in the engine's LoRA dtype), the channel's name and its
+    doorbell connection; `send` packs, then installs by engine call (or rings the doorbell: `ring`)."""
     transport = "?"
 
     def __init__(self, generator, tensors: dict[str, torch.Tensor], peft_config: dict, timeout_s: float = 30.0,
@@ -199,7 +202,7 @@ def shared_buffer(nbytes: int, device: torch.device, tag: str) -> tuple[torch.Te
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), {"kind": "shm", "path": path}, path
 
 
-class IpcSender(_Sender):
+class IpcSender(Sender):
     """Shared-memory file (CPU) or CUDA IPC handle (GPU) that the engine worker maps once.
 
     By default the adapter is packed into the buffer in the engine's dtype, lora_B pre-scaled (as `collective`
@@ -220,7 +223,7 @@ class IpcSender(_Sender):
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False,
                  chunk_bytes: int = 1 << 20, overlap: bool | None = None):
         params = list(tensors.values())
-        zero_copy = zero_copy and _uniform(params)
+        zero_copy = zero_copy and uniform(params)
         super().__init__(generator, tensors, peft_config, timeout_s, None if zero_copy else scales,
                          wire_dtype=params[0].dtype if zero_copy else None)
         self.zero_copy = zero_copy
@@ -295,7 +298,7 @@ def _result(fut, timeout_s: float):
         raise SyncTimeout(f"adapter sync did not finish within {timeout_s + 5:.0f} s") from e
 
 
-class CollectiveSender(_Sender):
+class CollectiveSender(Sender):
     """Two-rank torch.distributed group with the engine worker; each sync broadcasts the flat buffer."""
     transport = "collective"
 

@@ -8,7 +8,7 @@ import torch
 
 from ..adapter import adapter_params, b_scalings, peft_config_dict
 from . import SyncError, SyncStats
-from .senders import SENDERS, _Sender, call_on_loop, rpc
+from .senders import SENDERS, Sender, call_on_loop, rpc
 from .wire import WORKER_EXTENSION
 
 _LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
@@ -53,12 +53,12 @@ class TensorSync:
             raise ValueError(f"transport={transport!r}: use 'auto', 'ipc' or 'collective'")
         self.requested, self.transport, self.why = transport, transport, ""
         self.inflight, self.timeout_s = inflight, timeout_s
-        self.sender: _Sender | None = None
+        self.sender: Sender | None = None
         self._gen = None
         self.lora_id: int | None = None
         self.last: dict = {}
 
-    def _sender(self, trainer, generator) -> _Sender:
+    def _sender(self, trainer, generator) -> Sender:
         if self.sender is None or self._gen is not generator:
             if self.sender is not None:
                 self.sender.close()

@@ -1,8 +1,10 @@
-"""What the sync senders and the vLLM worker's receiver agree on (no vLLM imports): the in-memory adapter's
-LoRARequest name and path, the ipc progress word, and the two-rank torch.distributed group of `collective`."""
+"""What the sync senders and the vLLM worker's receiver agree on (no vLLM imports): the install request, the
+in-memory adapter's LoRARequest name and path, the ipc progress word, and the two-rank torch.distributed group of
+`collective`."""
 from __future__ import annotations
 
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 from . import CollectiveError
@@ -11,6 +13,22 @@ WORKER_EXTENSION = "minirl.sync.receiver.AdapterReceiver"
 MEM_SCHEME = "minirl-mem://"
 PROGRESS_BITS = 40  # the ipc progress word: push number << 40 | elements packed (all ones: the push was abandoned)
 PROGRESS_MASK = (1 << PROGRESS_BITS) - 1
+
+
+@dataclass(frozen=True)
+class InstallRequest:
+    """What the worker's install of an adapter needs (`AdapterReceiver.minirl_install`'s arguments; the doorbell
+    carries it as it is). `seq`: the sender's push number on a channel with a progress header (the worker copies
+    each tensor as soon as it is packed); `chunk`: a broadcast sent in chunks of that many elements (copied as
+    each chunk arrives); `fast=False` always takes vLLM's reload path."""
+    channel: str
+    lora_id: int
+    version: int
+    name: str
+    timeout_s: float = 30.0
+    fast: bool = True
+    seq: int | None = None
+    chunk: int | None = None
 
 
 def engine_kwargs() -> dict:

@@ -49,9 +49,17 @@ def doctor(history: Sequence[dict], *, min_steps: int = 6) -> list[Alert]:
     fails = _series(hist[-5:], "reward/failures")
     if sum(fails) > 0:
         add("reward_failures", "error", f"{int(sum(fails))} reward call(s) failed in the last {len(fails)} steps",
-            "A reward raised, timed out or returned a non-number; those samples are left out of the loss. "
-            "The samples panel and the log's 'samples' events show the reason; fix the reward or raise "
+            "A reward raised, crashed, timed out or returned a non-number (or one beyond reward_clip); those "
+            "samples are left out of the loss. "
+"The samples panel and the step's 'reward/failure_kinds' show why; fix the reward or raise "
             "reward_timeout_s.")
+
+    # a step whose loss or gradients were not finite: skipped (no optimizer update)
+    skipped = _series(hist[-5:], "train/skipped_nonfinite")
+    if sum(skipped) > 0:
+        add("nonfinite_step", "error", f"{int(sum(skipped))} step(s) skipped: non-finite loss or gradients",
+            "The update was dropped and the adapter kept as it was. Look for infinite behaviour logprobs "
+            "(top_p/top_k with tis_cap=None), an lr that is too high, or rewards near reward_clip.")
 
     # sync time spikes: the latest push much slower than usual
     sync = _series(hist, "sync/ms")

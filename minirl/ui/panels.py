@@ -117,7 +117,7 @@ def draw_panel(ax, name: str, v: View) -> None:
     elif name == "reward_hist":
         latest = v.samples[-3:]
         vals = [x.get("reward") for e in latest for x in e.get("samples", [])]
-        vals = [x for x in vals if isinstance(x, (int, float))]
+        vals = [x for x in vals if isinstance(x, (int, float)) and math.isfinite(x)]
         if vals:
             ax.hist(vals, bins=min(10, max(3, len(set(vals)) * 2)), color="#4c72b0", edgecolor="white")
             steps_txt = f"{latest[0].get('step')}–{latest[-1].get('step')}" if len(latest) > 1 else latest[0].get("step")
@@ -223,10 +223,20 @@ def figure(source: Any, panels: Sequence[str] = PANELS, width: float = 14.0, dpi
     fig = Figure(figsize=(width, height), dpi=dpi, layout="constrained")
     gs = fig.add_gridspec(nrows + (1 if tl else 0), cols, height_ratios=[2.5] * nrows + ([1.6] if tl else []))
     for i, p in enumerate(small):
-        draw_panel(fig.add_subplot(gs[i // cols, i % cols]), p, v)
+        _draw_or_say(fig.add_subplot(gs[i // cols, i % cols]), p, v)
     if tl:
-        draw_panel(fig.add_subplot(gs[nrows, :]), "timeline", v)
+        _draw_or_say(fig.add_subplot(gs[nrows, :]), "timeline", v)
     return fig
+
+
+def _draw_or_say(ax, name: str, v: View) -> None:
+    """One panel; data it cannot draw (absurd values) leaves a note in the panel, not a broken dashboard."""
+    try:
+        draw_panel(ax, name, v)
+    except Exception as e:  # noqa: BLE001 - one panel must not take the others (or the run's report) down
+        ax.clear()
+        _empty(ax, f"cannot draw: {type(e).__name__}: {e}"[:80])
+        ax.set_title(name, fontsize=9)
 
 
 def render(source: Any, path: str | Path | None = None, panels: Sequence[str] = PANELS, dpi: int = 80):

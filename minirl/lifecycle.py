@@ -1,0 +1,187 @@
+"""No process outlives its run: every child minirl starts ends with it, however the run ends.
+
+Normal ends (a run that finishes, raises, is stopped, Ctrl-C, SIGTERM) close the children in `Run._finish`. For
+the ends no code of ours survives (SIGKILL of the trainer, a notebook kernel killed or restarted, an OOM kill),
+one small watchdog process per trainer process holds the read end of a pipe that only the trainer writes to. When
+the trainer dies, the kernel closes the pipe; the watchdog then ends every process it was told about (`adopt`)
+and their descendants (SIGTERM, then SIGKILL after a grace period), removes the files and folders it was told
+about (`keep_tidy`), and exits. While the trainer lives, the watchdog samples the descendants of the adopted
+processes every `POLL_S`, so grandchildren (a vLLM engine core's own workers, say) are known before they are
+orphaned. A pid is matched with its start time, so a pid reused by an unrelated process is never touched.
+
+Children also protect themselves where they can: reward workers, the generator process and vLLM servers set
+PR_SET_PDEATHSIG; the sandbox kills its namespace. The watchdog is the net under all of them, including the
+children that vLLM starts itself.
+
+    lifecycle.adopt(pid)                      # a child we started: end it if we die
+    with lifecycle.adopting():                # children started by library code inside the block (vLLM's engine)
+        AsyncLLM.from_engine_args(...)
+    lifecycle.keep_tidy(path) / lifecycle.tidied(path)   # a /dev/shm file or temp folder: remove it if we die
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+
+POLL_S = 0.5
+GRACE_S = 3.0
+
+_lock = threading.Lock()
+_watchdog: subprocess.Popen | None = None
+
+
+def _send(line: str) -> None:
+    global _watchdog
+    with _lock:
+        if _watchdog is None or _watchdog.poll() is not None:
+            _watchdog = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(POLL_S), str(GRACE_S)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                start_new_session=True)  # its own session: a Ctrl-C to the terminal's job does not reach it
+        try:
+            _watchdog.stdin.write((line + "\n").encode())
+            _watchdog.stdin.flush()
+        except (BrokenPipeError, OSError):
+            _watchdog = None
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def adopt(pid: int) -> None:
+    """End process `pid` (and its descendants) if this process dies before it."""
+    if sys.platform.startswith("linux") and (st := _start_time(pid)) is not None:
+        _send(f"pid {pid} {st}")
+
+
+def children() -> set[int]:
+    """Pids of this process's live children."""
+    me = str(os.getpid())
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[1].decode() == me:
+                        out.add(int(d))
+            except (OSError, IndexError):
+                pass
+    return out
+
+
+@contextlib.contextmanager
+def adopting():
+    """Adopt every child this process starts inside the block (for children that library code starts)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    before = children()
+    try:
+        yield
+    finally:
+        for pid in children() - before:
+            adopt(pid)
+
+
+def keep_tidy(path: str | os.PathLike) -> None:
+    """Remove `path` (a file or a folder) if this process dies before `tidied(path)`."""
+    if sys.platform.startswith("linux"):
+        _send(f"path {os.fspath(path)}")
+
+
+def tidied(path: str | os.PathLike) -> None:
+    """`path` was removed (or handed over): the watchdog forgets it."""
+    if sys.platform.startswith("linux") and _watchdog is not None:
+        _send(f"unpath {os.fspath(path)}")
+
+
+def watchdog_pid() -> int | None:
+    return _watchdog.pid if _watchdog is not None and _watchdog.poll() is None else None
+
+
+# The watchdog's program: standard library only, run with -I -S (no site, no minirl, no torch: starts in ~20 ms).
+_WATCHDOG = r'''
+import os, select, shutil, signal, sys, time
+parent, poll_s, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+adopted, known, paths = {}, {}, set()
+
+def stat(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            rest = f.read().rsplit(b")", 1)[1].split()
+        return int(rest[1]), rest[19].decode(), rest[0] == b"Z"
+    except (OSError, IndexError, ValueError):
+        return None
+
+def alive(pid, start):
+    s = stat(pid)
+    return s is not None and s[1] == start and not s[2]
+
+def scan():
+    for pid, start in list(adopted.items()) + list(known.items()):
+        if not alive(pid, start):
+            adopted.pop(pid, None); known.pop(pid, None)
+    tree = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit() and (s := stat(int(d))) is not None:
+            tree.setdefault(s[0], []).append((int(d), s[1]))
+    todo = list(adopted)
+    while todo:
+        for pid, start in tree.get(todo.pop(), ()):
+            if pid not in known and pid not in adopted:
+                known[pid] = start
+                todo.append(pid)
+
+def end_all():
+    scan()
+    victims = {**known, **adopted}
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid, start in victims.items():
+            if alive(pid, start):
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5)
+        while time.monotonic() < deadline and any(alive(p, s) for p, s in victims.items()):
+            time.sleep(0.05)
+    for p in paths:
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            try:
+                os.unlink(p)
+            except OSError:
+                pass
+
+buf = b""
+while True:
+    ready, _, _ = select.select([0], [], [], poll_s)
+    if ready:
+        data = os.read(0, 65536)
+        if not data:
+            break
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            kind, _, rest = line.decode().partition(" ")
+            if kind == "pid":
+                pid, start = rest.split()
+                adopted[int(pid)] = start
+            elif kind == "path":
+                paths.add(rest)
+            elif kind == "unpath":
+                paths.discard(rest)
+    scan()
+    if os.getppid() != parent:
+        break
+end_all()
+'''

@@ -1,0 +1,112 @@
+"""A reward worker process: started by `minirl.rewards.workers.RewardWorkers`, which loads this file by path in a
+fresh interpreter (not `import minirl`: that imports torch). Standard library only. Also the framing both sides
+use on their socket."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import inspect
+import os
+import pickle
+import resource
+import signal
+import socket
+import struct
+import sys
+from typing import Any, Callable
+
+
+def send_frame(sock: socket.socket, blob: bytes) -> None:
+    sock.sendall(struct.pack("!Q", len(blob)) + blob)
+
+
+def recv_frame(sock: socket.socket, limit: int | None = None) -> bytes | None:
+    """One frame, or None at end of stream. Raises ValueError for a frame over `limit` bytes (left unread)."""
+    head = _recv_exact(sock, 8)
+    if head is None:
+        return None
+    (n,) = struct.unpack("!Q", head)
+    if limit is not None and n > limit:
+        raise ValueError(f"reply of {n} bytes is over the {limit}-byte limit (return a number)")
+    return _recv_exact(sock, n)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def reason(e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return one_line(f"SystemExit({e.code!r})")
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - an exception whose str() fails still has a type
+        text = ""
+    return one_line(f"{type(e).__name__}: {text}" if text else type(e).__name__)
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    return " ".join(text.split())[:limit]
+
+
+def run_call(fn: Callable, prompt: str, completion: str, columns: dict) -> tuple[Any, str | None]:
+    """Call a reward (awaiting it if it gives an awaitable); every exception becomes `(None, reason)`."""
+    try:
+        value = fn(prompt, completion, **columns)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        return value, None
+    except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a reward's failures too
+        return None, reason(e)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the trainer died before the line above ran
+        os._exit(0)
+
+
+def serve(fd: int, parent_pid: int) -> None:
+    """A worker's life: load the rewards, say ready, answer calls until the trainer closes the socket."""
+    _die_with_parent(parent_pid)
+    sock = socket.socket(fileno=fd)
+    init = pickle.loads(recv_frame(sock))
+    sys.path[:] = init["path"]
+    if init["memory_mb"]:
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = init["memory_mb"] << 20
+        limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    fns = {}
+    for name, blob in init["rewards"]:
+        try:
+            fns[name] = pickle.loads(blob)
+        except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it with the name
+            send_frame(sock, pickle.dumps((None, f"reward {name!r} cannot be loaded in a worker process ({reason(e)}); "
+                                            "make its module importable from the trainer's sys.path")))
+            return
+    send_frame(sock, pickle.dumps((None, None)))
+    while (msg := recv_frame(sock)) is not None:
+        name, prompt, completion, columns = pickle.loads(msg)
+        value, error = run_call(fns[name], prompt, completion, columns)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass  # a reward that closed or broke its streams
+        try:
+            reply = pickle.dumps((value, error), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as e:  # noqa: BLE001 - pickling arbitrary objects can raise anything
+            reply = pickle.dumps((None, f"unpicklable return value ({reason(e)})"))
+        send_frame(sock, reply)

@@ -1,0 +1,131 @@
+"""A faulty reward never kills a run, never corrupts advantages or weights; a non-finite step is skipped, a
+non-finite adapter never served or saved; closing a failed run never hides its error."""
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minirl import Run
+from minirl.loss import group_advantages
+from minirl.metrics import read_log
+from minirl.rewards import Scorer
+from minirl.types import Completion, Group, Prompt
+
+from conftest import TOY_ROWS
+
+FAULTS = ["raise", "hang", "sys.exit", "os._exit", "segfault", "nan", "inf", "1e308", "string", "none", "flood"]
+
+
+def fuzzed(prompt, completion, fault, **_):
+    """A reward with one fault per prompt (the row's `fault` column); 'ok' rows score 'yes' in the completion."""
+    import ctypes
+    import math
+    import os
+    import sys
+    import time
+    if fault == "raise":
+        raise ZeroDivisionError("bad luck")
+    if fault == "hang":
+        while True:
+            time.sleep(0.01)
+    if fault == "sys.exit":
+        sys.exit(0)
+    if fault == "os._exit":
+        os._exit(0)
+    if fault == "segfault":
+        ctypes.string_at(0)
+    if fault == "flood":
+        print("x" * (1 << 20))
+    return {"nan": math.nan, "inf": math.inf, "1e308": 1e308, "string": "1.0", "none": None}.get(
+        fault, float("yes" in completion.split()))
+
+
+def test_reward_fuzz_on_a_real_run_counts_every_failure_and_ends_with_a_finite_adapter(toy_cfg):
+    rows = [{"prompt": r["prompt"], "fault": f} for r, f in zip(TOY_ROWS, FAULTS)]
+    rows += [{"prompt": r["prompt"], "fault": "ok"} for r in TOY_ROWS[20:33]]
+    cfg = toy_cfg.replace(steps=2, prompts_per_step=12, group_size=4, reward_timeout_s=1.0, reward_workers=2,
+                          eval_size=4)
+    run = Run(cfg, data=rows, eval_data=[{"prompt": r["prompt"], "fault": "ok"} for r in TOY_ROWS[40:44]],
+              rewards=[fuzzed])
+    summary = run.run()
+    assert summary["steps"] == 2
+    kinds: dict[str, int] = {}
+    for h in run.history:
+        for k, n in h["reward/failure_kinds"].items():
+            kinds[k] = kinds.get(k, 0) + n
+    # every faulty prompt was trained on once (24 rows, 2 steps x 12): each of its 4 calls failed with its reason
+    assert kinds == {"ZeroDivisionError": 4, "timeout": 4, "SystemExit": 4, "worker died": 8, "non-finite": 8,
+                     "beyond reward_clip": 4, "expected a float": 4, "output flood": 4}, kinds
+    assert sum(h["reward/failures"] for h in run.history) == 40  # 'none' is a skip, not a failure
+    ad = load_file(str(run.out / "adapter" / "adapter_model.safetensors"))
+    assert ad and all(torch.isfinite(t).all() for t in ad.values())
+    assert any(h.get("train/tokens") for h in run.history)  # the healthy rows still trained
+
+
+def _group(texts):
+    return Group(Prompt(0, (1, 2), "q"), tuple(Completion((5,), (-1.0,), (0,), t, "stop") for t in texts))
+
+
+def test_huge_finite_rewards_are_failures_and_advantages_stay_finite():
+    assert any(math.isnan(a) for a in group_advantages([1e308, 1e308, 0.0, 0.0]))  # the fault the clip exists for
+    g = Scorer([("big", lambda p, c, **_: 1e308 if c == "big" else float(c == "a"))], [1.0]).score_group(
+        _group(["big", "big", "a", "b"]))
+    assert g.rewards == (None, None, 1.0, 0.0) and all(math.isfinite(a) for a in g.advantages)
+    assert [f.reason for f in g.failures] == ["returned 1e+308, beyond reward_clip=1e+06"] * 2
+    # even with the clip off, a group whose advantages come out non-finite is never trained on
+    g = Scorer([("big", lambda p, c, **_: 1e308 if c == "big" else 0.0)], [1.0], reward_clip=math.inf).score_group(
+        _group(["big", "big", "a", "b"]))
+    assert g.rewards == (None,) * 4 and g.advantages == (0.0,) * 4
+    assert any("non-finite advantage" in f.reason for f in g.failures)
+
+
+def test_a_nonfinite_step_is_skipped_and_the_adapter_kept(toy_cfg):
+    from minirl.trainer import Trainer
+    from minirl.types import ScoredGroup
+    tr = Trainer(toy_cfg)
+    before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}
+    c_ok = Completion((7, 8, 9), (-1.0, -1.0, -1.0), (0, 0, 0), "x", "stop")
+    c_nan = Completion((7, 8, 9), (-1.0, math.nan, -1.0), (0, 0, 0), "y", "stop")
+    bad = ScoredGroup(Group(Prompt(0, (5, 6), "q"), (c_ok, c_nan)), (1.0, 0.0), {}, (1.0, -1.0))
+    m = tr.step([bad])
+    assert m["train/skipped_nonfinite"] == 1 and m["version"] == 1
+    after = {n: p.detach() for n, p in tr.model.named_parameters() if p.requires_grad}
+    assert all(torch.equal(before[n], after[n]) for n in before)  # no update from a NaN step
+    c_other = Completion((7, 9), (-1.0, -2.0), (0, 0), "z", "stop")
+    good = ScoredGroup(Group(Prompt(0, (5, 6), "q"), (c_ok, c_other)), (1.0, 0.0), {}, (1.0, -1.0))
+    m = tr.step([good])
+    assert m["train/skipped_nonfinite"] == 0
+    assert any(not torch.equal(before[n], p.detach()) for n, p in tr.model.named_parameters() if p.requires_grad)
+    from minirl.ui import doctor
+    assert "nonfinite_step" in [a.code for a in doctor([{"step": 0, "train/skipped_nonfinite": 1}])]
+
+
+def test_a_nonfinite_adapter_is_never_pushed_or_saved(toy_cfg):
+    run = Run(toy_cfg, data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20])
+    run.setup()
+    with torch.no_grad():
+        next(p for p in run.trainer.model.parameters() if p.requires_grad).view(-1)[0] = math.nan
+    with pytest.raises(RuntimeError, match="non-finite weights"):
+        run._push([])
+    run._finish()
+    assert not (run.out / "adapter").exists() and run.summary["adapter_not_saved"] == "non-finite weights"
+
+
+def test_an_error_while_closing_never_hides_the_runs_own_error(toy_cfg, monkeypatch):
+    run = Run(toy_cfg, data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20])
+    run.setup()
+
+    def broken_loop(pipeline):
+        raise ValueError("the run's own error")
+
+    def broken_close():
+        raise OSError("disk full while closing")
+    monkeypatch.setattr(run, "_loop", broken_loop)
+    monkeypatch.setattr(run.generator, "close", broken_close)
+    pool = run.scorer.pool
+    with pytest.raises(ValueError, match="the run's own error"):
+        run.run()
+    assert run.scorer._pool is None and pool._closed  # closing went on past the failing step
+    errors = [e["error"] for e in read_log(run.out / "metrics.jsonl") if e["event"] == "error"]
+    assert any("the run's own error" in e for e in errors) and any("disk full while closing" in e for e in errors)

@@ -1,0 +1,363 @@
+"""Reward worker processes: every way a reward can fail is injected, seen recorded with its reason, and the pool
+still answers afterwards. Rewards are closures or lambdas (they travel by value), so a worker never has to import
+this test module (and through it minirl and torch)."""
+import ctypes
+import fractions
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from minirl import lifecycle
+from minirl.rewards.workers import RewardCall, RewardOutcome, RewardWorkers
+
+
+def ok(prompt, completion, **_):
+    return 1.0
+
+
+def calls(*names):
+    return [RewardCall(n, "p", "c") for n in names]
+
+
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def pool(rewards, workers=2, timeout_s=5.0, **kw):
+    return RewardWorkers(list(rewards.items()) + [("ok", lambda p, c, **_: 1.0)], workers, timeout_s, **kw)
+
+
+def test_errors_exits_and_crashes_are_recorded_and_the_pool_goes_on():
+    def segfault(p, c, **_):
+        return ctypes.string_at(0)
+
+    faults = {"raise": lambda p, c, **_: 1 / 0, "sys_exit": lambda p, c, **_: sys.exit(0),
+              "os_exit": lambda p, c, **_: os._exit(0), "interrupt": lambda p, c, **_: (_ for _ in ()).throw(KeyboardInterrupt),
+              "segfault": segfault}
+    with pool(faults) as rw:
+        out = rw.call_many(calls(*faults, "ok", "ok"))
+        assert [o.error for o in out] == ["ZeroDivisionError: division by zero", "SystemExit(0)",
+                                          "worker died (exit code 0)", "KeyboardInterrupt",
+                                          "worker died (signal SIGSEGV)", None, None]
+        assert all(o.value is None for o in out[:5]) and [o.value for o in out[5:]] == [1.0, 1.0]
+        assert [o.value for o in rw.call_many(calls("ok", "ok", "ok"))] == [1.0, 1.0, 1.0]
+
+
+def test_a_timeout_also_kills_the_subprocesses_of_the_reward(tmp_path):
+    pid_file = str(tmp_path / "pid")
+
+    def run_tool(p, c, **_):
+        tool = subprocess.Popen(["sleep", "600"])
+        with open(pid_file, "w") as f:
+            f.write(str(tool.pid))
+        return tool.wait()
+
+    with pool({"tool": run_tool}, timeout_s=0.5) as rw:
+        assert rw.call_many(calls("tool"))[0].error == "timeout after 0.5s"
+        pid = int(open(pid_file).read())
+        deadline = time.monotonic() + 10  # an orphan is reaped by init, a moment after it is killed
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        try:
+            assert gone(pid)
+        finally:
+            if not gone(pid):
+                os.kill(pid, 9)
+
+
+def test_workers_outlive_the_thread_that_made_the_pool():
+    made = []
+    maker = threading.Thread(target=lambda: made.append(pool({})))
+    maker.start()
+    maker.join()
+    workers = psutil.Process().children()
+    time.sleep(0.5)  # a worker tied to the maker thread (PR_SET_PDEATHSIG) would be killed by now
+    with made[0] as rw:
+        assert not any(gone(w.pid) for w in workers)
+        assert [o.value for o in rw.call_many(calls("ok", "ok"))] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("how", ["busy", "sleep"])
+def test_a_hung_call_times_out_and_its_worker_is_killed(tmp_path, how):
+    pid_file = str(tmp_path / "pid")
+
+    def hang(p, c, **_):
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+        while how == "busy":
+            pass
+        time.sleep(600)
+
+    with pool({"hang": hang}, timeout_s=0.5) as rw:
+        out = rw.call_many(calls("hang", "ok"))
+        assert out[0] == RewardOutcome(None, "timeout after 0.5s", "") and out[1].value == 1.0
+        assert gone(int(open(pid_file).read()))  # killed, not left spinning
+        assert [o.value for o in rw.call_many(calls("ok", "ok", "ok"))] == [1.0, 1.0, 1.0]
+
+
+def test_memory_past_the_limit_is_a_memory_error_and_below_it_works():
+    def bomb(p, c, **_):
+        chunks = []
+        while True:
+            chunks.append(bytearray(1 << 20))
+
+    def hundred_mb(p, c, **_):
+        return float(len(bytearray(100 << 20)))
+
+    with pool({"bomb": bomb, "hundred_mb": hundred_mb}, memory_mb=256) as rw:
+        out = rw.call_many(calls("bomb", "hundred_mb", "ok"))
+        assert [o.error for o in out] == ["MemoryError", None, None] and out[1].value == float(100 << 20)
+
+
+def test_output_is_captured_and_a_flood_fails_the_call_at_once():
+    def chatty(p, c, **_):
+        print("looking at", c)
+        print("warned", file=sys.stderr)
+        return 1.0
+
+    def megabyte(p, c, **_):
+        print("x" * 1_000_000)
+        return 1.0
+
+    def spam(p, c, **_):
+        while True:
+            print("spam")
+
+    with pool({"chatty": chatty, "megabyte": megabyte, "spam": spam}, timeout_s=60.0) as rw:
+        out = rw.call_many(calls("chatty", "megabyte", "spam", "ok"))
+        assert out[0] == RewardOutcome(1.0, None, "looking at c\nwarned\n")
+        flood = "output flood: printed more than 65536 bytes"
+        assert [o.error for o in out[1:]] == [flood, flood, None]  # spam is stopped by its flood, not its timeout
+        assert len(out[1].output) == 65536 and out[3].output == ""
+
+
+def test_plain_values_come_back_unchanged():
+    values = [1.5, 3, None, "x", True, np.float64(0.25), np.float32(0.5), np.bool_(False), [1, 2], {"a": 1.0}]
+    with pool({f"v{i}": (lambda v: lambda p, c, **_: v)(v) for i, v in enumerate(values)}) as rw:
+        out = rw.call_many(calls(*(f"v{i}" for i in range(len(values)))))
+        assert [o.error for o in out] == [None] * len(values)
+        assert [(type(o.value), o.value) for o in out] == [(type(v), v) for v in values]
+
+
+def test_values_that_cannot_come_back_are_errors():
+    values = {"generator": lambda p, c, **_: (x for x in []), "fraction": lambda p, c, **_: fractions.Fraction(1, 3),
+              "huge": lambda p, c, **_: "x" * 2_000_000}
+    with pool(values) as rw:
+        out = rw.call_many(calls("generator", "fraction", "huge", "ok"))
+        assert out[0].error == "unpicklable return value (TypeError: cannot pickle 'generator' object)"
+        assert out[1].error == ("return value cannot come back from the worker (UnpicklingError: "
+                                "fractions.Fraction is not plain data (return a number))")
+        assert out[2].error.startswith("reply of 20000") and out[2].error.endswith("over the 1048576-byte limit "
+                                                                                      "(return a number)")
+        assert [o.value for o in out] == [None, None, None, 1.0]
+        assert rw.call_many(calls("ok"))[0].value == 1.0
+
+
+def test_async_rewards_work_and_time_out():
+    async def judge(p, c, **_):
+        import asyncio
+        await asyncio.sleep(0.01)
+        return 0.5
+
+    async def stuck(p, c, **_):
+        import asyncio
+        await asyncio.sleep(600)
+
+    with pool({"judge": judge, "stuck": stuck}, timeout_s=0.5) as rw:
+        out = rw.call_many(calls("judge", "stuck", "judge"))
+        assert [(o.value, o.error) for o in out] == [(0.5, None), (None, "timeout after 0.5s"), (0.5, None)]
+
+
+def test_closures_lambdas_and_columns_arrive_working():
+    bonus = 0.25
+
+    def graded(prompt, completion, answer, **_):
+        return (1.0 if completion.strip() == str(answer) else 0.0) + bonus
+
+    with pool({"graded": graded, "length": lambda p, c, **_: float(len(c))}) as rw:
+        out = rw.call_many([RewardCall("graded", "1+1?", "2", {"answer": 2}),
+                            RewardCall("graded", "1+1?", "3", {"answer": 2}), RewardCall("length", "p", "abcd")])
+        assert [o.value for o in out] == [1.25, 0.25, 4.0]
+
+
+def test_a_module_function_from_the_current_directory_arrives(tmp_path, monkeypatch):
+    (tmp_path / "wt_rewards_mod.py").write_text("ANSWER = 42\n\ndef exact(prompt, completion, **_):\n"
+                                                "    return 1.0 if completion == str(ANSWER) else 0.0\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    exact = getattr(importlib.import_module("wt_rewards_mod"), "exact")  # how the CLI resolves 'module:function'
+    with pool({"exact": exact}) as rw:
+        assert [o.value for o in rw.call_many([RewardCall("exact", "p", "42"), RewardCall("exact", "p", "7")])] == \
+            [1.0, 0.0]
+
+
+def test_workers_run_one_blas_thread_each():
+    with pool({"threads": lambda p, c, **_: [os.environ[k] for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")]}) as rw:
+        assert rw.call_many(calls("threads"))[0].value == ["1", "1"]
+
+
+def test_minirls_own_rewards_go_by_value_so_workers_do_not_import_minirl():
+    from minirl.rewards import arithmetic_correct
+    with pool({"arith": arithmetic_correct, "imported": lambda p, c, **_: "minirl" in sys.modules}) as rw:
+        out = rw.call_many([RewardCall("arith", "2+2?", "it is 4", {"answer": 4}), RewardCall("imported", "", "")])
+        assert [(o.value, o.error) for o in out] == [(1.0, None), (False, None)]
+
+
+def test_rewards_that_cannot_reach_a_worker_fail_at_construction(tmp_path, monkeypatch):
+    lock = threading.Lock()
+    with pytest.raises(ValueError, match=r"reward 'locked' cannot be sent to a worker process \(TypeError"):
+        RewardWorkers([("locked", lambda p, c, **_: lock.locked())], 1, 1.0)
+    (tmp_path / "wt_vanishing_mod.py").write_text("def r(prompt, completion, **_):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    r = importlib.import_module("wt_vanishing_mod").r
+    monkeypatch.undo()  # the module is loaded here but no longer importable, as in a worker
+    with pytest.raises(RuntimeError, match=r"reward 'r' cannot be loaded in a worker process \(ModuleNotFoundError"):
+        RewardWorkers([("r", r)], 1, 1.0)
+    sys.modules.pop("wt_vanishing_mod")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_call_has_its_own_timeout(workers):
+    def cpu(p, c, **_):
+        start = time.process_time()
+        while time.process_time() - start < 0.15:
+            pass
+        return 1.0
+
+    # 16 calls of 0.15 s CPU: 1.2 s per worker (2.4 s under one GIL), so a timeout budget shared by the group runs
+    # out, while each call alone stays under its own 1 s even on a machine busy enough to make CPU 6x slower.
+    with pool({"cpu": cpu}, workers=workers, timeout_s=1.0) as rw:
+        out = rw.call_many(calls(*["cpu"] * 16))
+        assert [o.error for o in out] == [None] * 16
+
+
+def test_a_worker_that_died_while_idle_is_replaced_without_blaming_a_call():
+    with pool({}) as rw:
+        for child in psutil.Process().children():
+            child.kill()
+            child.wait()
+        assert [(o.value, o.error) for o in rw.call_many(calls(*["ok"] * 4))] == [(1.0, None)] * 4
+
+
+def test_a_reward_that_closes_its_output_does_not_make_the_trainer_spin():
+    def mute_and_wait(p, c, **_):
+        os.close(1)
+        os.close(2)
+        time.sleep(2)
+        return 1.0
+
+    with pool({"mute": mute_and_wait}, workers=1) as rw:
+        cpu = time.process_time()
+        assert rw.call_many(calls("mute"))[0].value == 1.0
+        assert time.process_time() - cpu < 1.0  # a trainer polling a closed pipe would burn the whole 2 s
+
+
+def test_an_interrupted_call_many_leaves_the_pool_usable():
+    with pool({"slow": lambda p, c, **_: time.sleep(1) or 5.0}) as rw:
+        threading.Timer(0.3, signal.pthread_kill, [threading.main_thread().ident, signal.SIGINT]).start()
+        with pytest.raises(KeyboardInterrupt):
+            rw.call_many(calls("slow", "slow"))
+        # the interrupted calls' late replies must not land in the next call's results
+        assert [(o.value, o.error) for o in rw.call_many(calls("ok"))] == [(1.0, None)]
+
+
+def test_a_trainer_with_many_open_files_can_use_workers():
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"cannot open more than {hard} files here")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # so the pool's descriptors are past 1024
+    try:
+        with pool({}) as rw:
+            assert [o.value for o in rw.call_many(calls("ok", "ok"))] == [1.0, 1.0]
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_close_ends_every_worker():
+    rw = pool({}, workers=2)
+    children = [c for c in psutil.Process().children() if c.pid != lifecycle.watchdog_pid()]
+    assert len(children) == 2
+    rw.close()
+    assert all(gone(c.pid) for c in children)
+    with pytest.raises(RuntimeError, match="closed"):
+        rw.call_many(calls("ok"))
+
+
+def test_killing_the_trainer_kills_its_workers_even_mid_call(tmp_path):
+    started = tmp_path / "started"
+    script = textwrap.dedent(f"""
+        import pathlib, re
+        from minirl.rewards.workers import RewardCall, RewardWorkers
+
+        def stuck(prompt, completion, **_):
+            pathlib.Path({str(started)!r}).touch()
+            return bool(re.match(r"(a+)+$", "a" * 64 + "b"))  # backtracks for ages in C, holding the GIL
+
+        pool = RewardWorkers([("stuck", stuck)], workers=2, timeout_s=600)
+        pool.call_many([RewardCall("stuck", "", "")])
+    """)
+    trainer = subprocess.Popen([sys.executable, "-c", script])
+    workers = []
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert trainer.poll() is None and time.monotonic() < deadline, "the trainer did not start its call"
+            time.sleep(0.05)
+        workers = [c for c in psutil.Process(trainer.pid).children(recursive=True) if "-I" not in c.cmdline()]
+        assert len(workers) == 2  # the watchdog (python -I -S) left aside: this is about PR_SET_PDEATHSIG
+        trainer.kill()
+        trainer.wait()
+        deadline = time.monotonic() + 10
+        while not all(gone(w.pid) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(gone(w.pid) for w in workers)
+    finally:
+        trainer.kill()
+        for w in workers:
+            if not gone(w.pid):
+                w.kill()
+
+
+def test_in_process_records_errors_and_exits_and_times_out():
+    release = threading.Event()
+
+    async def judge(p, c, **_):
+        return 0.5
+
+    faults = {"raise": lambda p, c, **_: 1 / 0, "sys_exit": lambda p, c, **_: sys.exit(3),
+              "interrupt": lambda p, c, **_: (_ for _ in ()).throw(KeyboardInterrupt),
+              "hang": lambda p, c, **_: release.wait(60), "judge": judge}
+    try:
+        with pool(faults, workers=0, timeout_s=0.3) as rw:
+            out = rw.call_many(calls(*faults, "ok"))
+            assert [(o.value, o.error) for o in out] == [
+                (None, "ZeroDivisionError: division by zero"), (None, "SystemExit(3)"), (None, "KeyboardInterrupt"),
+                (None, "timeout after 0.3s"), (0.5, None), (1.0, None)]
+            assert all(o.output is None for o in out)  # prints are not captured in-process
+    finally:
+        release.set()
+
+
+def test_bad_arguments_are_one_clear_error():
+    with pytest.raises(ValueError, match="unique"):
+        RewardWorkers([("a", ok), ("a", ok)], 0, 1.0)
+    with pytest.raises(ValueError, match="workers must be an int >= 0"):
+        RewardWorkers([("a", ok)], -1, 1.0)
+    with RewardWorkers([("a", ok)], 0, 1.0) as rw, pytest.raises(ValueError, match=r"unknown reward\(s\) \['b'\]"):
+        rw.call_many(calls("b"))
