@@ -22,8 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 
 POLL_S = 0.5
@@ -101,6 +105,66 @@ def tidied(path: str | os.PathLike) -> None:
     """`path` was removed (or handed over): the watchdog forgets it."""
     if sys.platform.startswith("linux") and _watchdog is not None:
         _send(f"unpath {os.fspath(path)}")
+
+
+def shm_dir() -> str | None:
+    """/dev/shm when writable (RAM-backed), else None (the system temp folder)."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+def private_file(tag: str, nbytes: int) -> str:
+    """A new file of `nbytes` zero bytes in /dev/shm (else the temp folder) that only this user can open: created
+    with O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600 under a random name (never an existing file or a planted
+    link), and removed by the watchdog if this process dies first. The caller unlinks it and calls `tidied`."""
+    folder = shm_dir() or tempfile.gettempdir()
+    while True:
+        path = os.path.join(folder, f"minirl-{tag}-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            break
+        except FileExistsError:
+            continue
+    try:
+        os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    keep_tidy(path)
+    return path
+
+
+def private_dir(tag: str) -> str:
+    """A new folder (0700) in /dev/shm (else the temp folder), removed by the watchdog if this process dies first."""
+    path = tempfile.mkdtemp(prefix=f"minirl-{tag}-{os.getpid()}-", dir=shm_dir())
+    keep_tidy(path)
+    return path
+
+
+_OURS = re.compile(r"^minirl-[a-z]+-(\d+)-")
+
+
+def sweep_stale() -> list[str]:
+    """Remove what killed minirl processes of this user left in /dev/shm and the temp folder (files and folders
+    named by `private_file` / `private_dir` whose process is gone, when even the watchdog could not clean up).
+    Returns the removed paths."""
+    removed = []
+    for folder in {shm_dir() or tempfile.gettempdir(), tempfile.gettempdir()}:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            m, path = _OURS.match(name), os.path.join(folder, name)
+            try:
+                if not m or os.lstat(path).st_uid != os.getuid() or os.path.exists(f"/proc/{m[1]}"):
+                    continue
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass
+    return removed
 
 
 def watchdog_pid() -> int | None:

@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import data as D
+from . import lifecycle
 from .checkpoint import (Checkpoint, atomic_text, check_out_dir, clear_run, lock_out_dir, past_steps, restore,
                          resume_point, save_adapter, save_checkpoint)
 from .config import Config, ConfigError, parse_cores
@@ -87,6 +88,7 @@ class Run:
         """Check out_dir and every input, load the model and the generator, then claim out_dir. Everything that
         can fail on a bad input fails before the model loads; a failure writes nothing into out_dir."""
         check_out_dir(self.out, self.resuming, self.overwrite)
+        lifecycle.sweep_stale()  # shared-memory files and folders that a killed run of ours could not remove
         if self.resuming:
             self.checkpoint, self.cfg = resume_point(self.out, self.cfg, self.SAFE_KNOBS)
             self.start_step = self.next_step = self.checkpoint.step if self.checkpoint else 0

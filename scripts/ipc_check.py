@@ -51,7 +51,7 @@ def main() -> None:
             params[f"l{layer}.p{j}.lora_B.weight"] = torch.randn(o, 16, device=dev)
     layout = make_layout(params, {}, torch.float32)
     nbytes = layout["nbytes"]
-    raw, source, path = shared_buffer(nbytes, dev, "ipc-check")  # as IpcSender shares its buffer
+    raw, source, path = shared_buffer(nbytes, dev)  # as IpcSender shares its buffer
     flat = move_into(list(params.values()), raw.view(torch.float32))
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()

@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import multiprocessing as mp
 import os
+import shutil
 import time
 import types
 
@@ -149,18 +150,29 @@ def test_gate_lets_a_waiting_install_in_before_the_next_step():
     gate.leave()
 
 
-def test_absent_peer_times_out_quickly():
+def test_absent_peer_times_out_quickly(tmp_path):
     from minirl.sync.wire import open_group
-    from minirl.sync.wire import free_port
     t0 = time.perf_counter()
     with pytest.raises(TimeoutError, match="could not meet its peer"):
-        open_group("127.0.0.1", free_port(), 0, "gloo", timeout_s=2)
+        open_group(str(tmp_path), 0, "gloo", timeout_s=2)
     assert time.perf_counter() - t0 < 10
 
 
-def _peer(port, q):
+def _listeners(pids) -> list:
+    """The TCP addresses these processes listen on."""
+    import psutil
+    out = []
+    for pid in pids:
+        try:
+            out += [c.laddr for c in psutil.Process(pid).net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _peer(rdv, q):
     from minirl.sync.wire import broadcast, open_group
-    _, pg = open_group("127.0.0.1", port, 1, "gloo", timeout_s=20)
+    _, pg = open_group(rdv, 1, "gloo", timeout_s=20)
     buf = torch.empty(1000, dtype=torch.uint8)
     broadcast(pg, buf, 20, "test receive")
     q.put(int(buf.sum()))
@@ -168,17 +180,20 @@ def _peer(port, q):
 
 
 def test_killed_peer_gives_a_clear_error_within_the_timeout():
-    from minirl.sync.wire import free_port
-    from minirl.sync.wire import broadcast, open_group
-    port = free_port()
+    """Also: the group listens on 127.0.0.1 only, in both processes (no TCP store on any port)."""
+    from minirl.sync.wire import broadcast, open_group, rendezvous_dir
+    rdv = rendezvous_dir()
+    assert os.stat(rdv).st_mode & 0o777 == 0o700
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_peer, args=(port, q), daemon=True)
+    p = ctx.Process(target=_peer, args=(rdv, q), daemon=True)
     p.start()
     try:
-        _, pg = open_group("127.0.0.1", port, 0, "gloo", timeout_s=60)
+        _, pg = open_group(rdv, 0, "gloo", timeout_s=60)
         broadcast(pg, torch.ones(1000, dtype=torch.uint8), 20, "test send")
         assert q.get(timeout=30) == 1000
+        listening = _listeners({os.getpid(), p.pid})
+        assert listening and all(a.ip == "127.0.0.1" for a in listening), listening
         p.kill()
         p.join(10)
         t0 = time.perf_counter()
@@ -189,6 +204,7 @@ def test_killed_peer_gives_a_clear_error_within_the_timeout():
     finally:
         if p.is_alive():
             p.kill()
+        shutil.rmtree(rdv, ignore_errors=True)
 
 
 # ---- with the engine -------------------------------------------------------------------------------------------
@@ -280,6 +296,11 @@ def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflig
             assert _max_diff(got, trainer.logprobs(*probe)) < ATOL, f"{transport} v{trainer.version}"
             assert _max_diff(got, prev) > 0.01, "the engine still serves the previous version"
             prev = got
+            if transport == "collective":  # nothing of the run (trainer, engine core) listens beyond loopback
+                import psutil
+                tree = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+                listening = _listeners(tree)
+                assert all(a.ip in ("127.0.0.1", "::1") for a in listening), listening
             if transport != "files":
                 assert getattr(sync.sender, "zero_copy", False) == zero_copy
                 assert sync.last["inplace"] == (inflight and step > 0)
@@ -555,14 +576,13 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
-def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe):
+def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe, tmp_path):
     """The worker cannot meet the trainer (nobody listens): a clear error within the timeout, engine unharmed."""
     from minirl.sync import SyncError
     from minirl.sync.senders import call_on_loop, rpc
-    from minirl.sync.wire import free_port
     from minirl.adapter import adapter_params, make_layout, peft_config_dict
     lay = make_layout(adapter_params(trainer.model), peft_config_dict(trainer.model))
-    src = {"kind": "collective", "host": "127.0.0.1", "port": free_port(), "backend": "gloo", "timeout_s": 2}
+    src = {"kind": "collective", "rdv_dir": str(tmp_path), "backend": "gloo", "timeout_s": 2}
     t0 = time.perf_counter()
     with pytest.raises(SyncError, match="could not meet its peer"):
         call_on_loop(gen, rpc(gen, "minirl_open_channel", "nobody", lay, src, timeout_s=20), 20)

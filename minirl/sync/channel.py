@@ -128,8 +128,7 @@ class Channel:
             storage = torch.UntypedStorage._new_shared_cuda(*h)
             raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{int(h[0])}").set_(storage, 0, (nbytes,), (1,))
         elif self.kind == "collective":
-            self.store, self.group = open_group(source["host"], int(source["port"]), 1, source["backend"],
-                                                float(source["timeout_s"]))
+            self.store, self.group = open_group(source["rdv_dir"], 1, source["backend"], float(source["timeout_s"]))
             dev = device if source["backend"] == "nccl" else "cpu"
             raw = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         else:

@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import lifecycle
 from . import SyncStats
 
 
@@ -22,7 +23,7 @@ class FileSync:
     transport = "files"
 
     def __init__(self, keep: int = 3):
-        self.root = Path(tempfile.mkdtemp(prefix="minirl-adapters-", dir=tmpfs_dir()))
+        self.root = Path(lifecycle.private_dir("adapters"))  # 0700, removed if we die
         self.keep = keep
         self._dirs: list[Path] = []
 
@@ -39,3 +40,4 @@ class FileSync:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        lifecycle.tidied(self.root)

@@ -5,8 +5,8 @@ Transports (same interface: open once, then `send(lora_id, version, ring)` per s
   (same code; only the handle differs). A sync is: one small request and a pack (flat copies into the engine's
   dtype, lora_B pre-scaled); the worker copies the buffer into the adapter's slot, on CPU while the trainer still
   packs.
-- `collective`: a dedicated two-rank torch.distributed group (trainer rank 0, engine worker rank 1) over a TCP
-  store on 127.0.0.1; the flat buffer is broadcast (in-place swaps: in chunks, each as soon as it is packed). gloo
+- `collective`: a dedicated two-rank torch.distributed group (trainer rank 0, engine worker rank 1) that meets
+  through a file store in a private folder (no store listens on a port) and connects on 127.0.0.1; the flat buffer is broadcast (in-place swaps: in chunks, each as soon as it is packed). gloo
   on CPU, NCCL on GPU, same code. Every wait is bounded.
 - `files` is `minirl.sync.files.FileSync` (the fallback).
 
@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
+import shutil
 import time
 import uuid
-from pathlib import Path
 
 import torch
 
+from .. import lifecycle
 from ..adapter import Packer, make_layout, move_into, prescaled_config, uniform
 from . import CollectiveError, SyncError, SyncTimeout
-from .wire import (PROGRESS_BITS, PROGRESS_MASK, InstallRequest, adapter_name, broadcast, finish, free_port,
-                   lora_path_for, open_group)
+from .wire import (PROGRESS_BITS, PROGRESS_MASK, InstallRequest, adapter_name, broadcast, finish, lora_path_for,
+                   open_group, rendezvous_dir)
 
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
@@ -189,16 +189,13 @@ class Sender:
             pass
 
 
-def shared_buffer(nbytes: int, device: torch.device, tag: str) -> tuple[torch.Tensor, dict, str | None]:
+def shared_buffer(nbytes: int, device: torch.device) -> tuple[torch.Tensor, dict, str | None]:
     """(bytes, source for the receiver's `Channel`, file path to unlink once it is mapped or None): a CUDA
     allocation shared by its IPC handle on GPU, a shared-memory file on CPU."""
     if device.type == "cuda":
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return raw, {"kind": "cuda_ipc", "handle": list(raw.untyped_storage()._share_cuda_())}, None
-    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
-    path = str(shm / f"minirl-{tag}-{os.getpid()}")
-    with open(path, "wb") as f:
-        f.truncate(nbytes)
+    path = lifecycle.private_file("ipc", nbytes)  # 0600, a new random name, removed if we die
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), {"kind": "shm", "path": path}, path
 
 
@@ -230,7 +227,7 @@ class IpcSender(Sender):
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
         pipelined = self.device.type == "cpu" and overlap is not False
         data_bytes = -(-self.nbytes // self.HEADER) * self.HEADER  # the header starts 64-byte aligned
-        self.raw, source, self.path = shared_buffer(data_bytes + self.HEADER * pipelined, self.device, self.channel)
+        self.raw, source, self.path = shared_buffer(data_bytes + self.HEADER * pipelined, self.device)
         flat = self.raw[:self.nbytes].view(dtype)
         self.header, self.seq = None, 0
         if pipelined:
@@ -281,6 +278,7 @@ class IpcSender(Sender):
                 os.unlink(self.path)
             except OSError:
                 pass
+            lifecycle.tidied(self.path)
             self.path = None
 
     def close(self) -> None:
@@ -303,7 +301,7 @@ class CollectiveSender(Sender):
     transport = "collective"
 
     def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None,
-                 host: str = "127.0.0.1", port: int | None = None, chunk_bytes: int = 4 << 20):
+                 chunk_bytes: int = 4 << 20):
         super().__init__(generator, tensors, peft_config, timeout_s, scales)
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
         on_gpu = self.device.type == "cuda" and not getattr(generator, "on_cpu", True)
@@ -312,16 +310,18 @@ class CollectiveSender(Sender):
         self.raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
         self.packer = Packer(tensors, self.raw.view(dtype), self.layout, self.scales)
         self.chunk = max(1, chunk_bytes // self.raw.view(dtype).element_size())
-        port = port or free_port(host)
-        source = {"kind": "collective", "host": host, "port": port, "backend": self.backend, "timeout_s": timeout_s,
+        self.rdv_dir = rendezvous_dir()
+        source = {"kind": "collective", "rdv_dir": self.rdv_dir, "backend": self.backend, "timeout_s": timeout_s,
                   "doorbell": True}
         fut = asyncio.run_coroutine_threadsafe(
             rpc(generator, "minirl_open_channel", self.channel, self.layout, source, timeout_s=timeout_s + 5),
             generator.loop)
         try:
-            self.store, self.group = open_group(host, port, 0, self.backend, timeout_s)
+            self.store, self.group = open_group(self.rdv_dir, 0, self.backend, timeout_s)
         except BaseException:
             fut.cancel()
+            shutil.rmtree(self.rdv_dir, ignore_errors=True)
+            lifecycle.tidied(self.rdv_dir)
             raise
         try:
             self.open_bell(fut.result(timeout=timeout_s + 10))
@@ -372,6 +372,10 @@ class CollectiveSender(Sender):
             except Exception:
                 pass
         del g  # gloo closes the connections when the group's last reference goes
+        self.store = None
+        if getattr(self, "rdv_dir", None):
+            shutil.rmtree(self.rdv_dir, ignore_errors=True)
+            lifecycle.tidied(self.rdv_dir)
         super().close()
 
 

@@ -3,7 +3,7 @@ in-memory adapter's LoRARequest name and path, the ipc progress word, and the tw
 `collective`."""
 from __future__ import annotations
 
-import socket
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -47,26 +47,43 @@ def adapter_name(lora_id: int, version: int) -> str:
     return f"minirl-v{version}-{lora_id}"
 
 
-def open_group(host: str, port: int, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
+def rendezvous_dir() -> str:
+    """A private folder (0700, /dev/shm when writable) for one collective group's file store: the group's peers
+    meet through a file only this user can open, so no TCP store listens on any port (torch's TCPStore binds
+    every interface) and there is no free-port race. Its path is handed to the worker over the engine's RPC."""
+    from .. import lifecycle
+    return lifecycle.private_dir("rdv")
+
+
+def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
     """A two-process torch.distributed group (rank 0 = trainer, rank 1 = engine worker) that does not touch the
-    default group (vLLM has its own). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
+    default group (vLLM has its own). The peers meet through a file store in `rdv_dir` (`rendezvous_dir`); gloo's
+    connections are bound to 127.0.0.1 (NCCL's bootstrap to the loopback interface unless NCCL_SOCKET_IFNAME is
+    set). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
     import torch.distributed as dist
     timeout = timedelta(seconds=timeout_s)
-    try:
-        store = dist.TCPStore(host, port, world_size=2, is_master=rank == 0, timeout=timeout,
-                              wait_for_workers=True)
-    except Exception as e:  # DistStoreError / RuntimeError on timeout or refused connection
-        raise TimeoutError(f"minirl collective sync: rank {rank} could not meet its peer at {host}:{port} within "
-                           f"{timeout_s:.0f} s ({type(e).__name__}: {e})") from e
+    store = dist.FileStore(os.path.join(rdv_dir, "store"), 2)
+    store.set_timeout(timeout)
     store = dist.PrefixStore(tag, store)
-    if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, 2, timeout)
-    elif backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-    else:
-        raise ValueError(f"unknown collective backend {backend!r}")
+    try:
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+        elif backend == "nccl":
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+            store.set("joined", "1") if rank == 0 else store.get("joined")  # NCCL connects lazily: meet here
+        else:
+            raise ValueError(f"unknown collective backend {backend!r}")
+    except ValueError:
+        raise
+    except Exception as e:  # DistStoreError / RuntimeError when the peer does not come
+        raise TimeoutError(f"minirl collective sync: rank {rank} could not meet its peer within {timeout_s:.0f} s "
+                           f"({type(e).__name__}: {e})") from e
     return store, pg
 
 
@@ -95,9 +112,3 @@ def finish(work, timeout_s: float, what: str) -> None:
 def _broadcast_error(e: Exception, timeout_s: float, what: str) -> CollectiveError:
     return CollectiveError(f"minirl collective sync failed during {what} (peer gone or no answer within "
                            f"{timeout_s:.0f} s): {type(e).__name__}: {e}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
