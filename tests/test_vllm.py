@@ -177,7 +177,7 @@ def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
     assert len(gen.loaded_adapters()) == 1
     gen.load_adapter(None, 0)
     assert gen.loaded_adapters() == set()
-    assert max(abs(a - b) for a, b in zip(before, gen.score(p, probe, 1.0))) < 1e-5
+    assert max(abs(a - b) for a, b in zip(before, gen.score(*probe, 1.0))) < 1e-5
 
 
 def test_engine_errors_reach_the_caller(gen, prompts):
