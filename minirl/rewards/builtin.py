@@ -20,3 +20,14 @@ def last_integer(text: str) -> int | None:
 def arithmetic_correct(prompt: str, completion: str, answer: int, **_: Any) -> float:
     """1.0 if the last integer in the completion equals the answer, else 0.0."""
     return 1.0 if last_integer(completion) == int(answer) else 0.0
+
+
+# --- the built-in code task's reward ---------------------------------------------------------------------------
+
+@reward
+def code_tests_pass(prompt: str, completion: str, tests: list[str], **_: Any) -> float:
+    """The fraction of the row's asserts that the completion's function passes, run in `minirl.sandbox` (no
+    network, private filesystem, resource limits; see its docstring). Raises where no sandbox works here, so the
+    failure is recorded instead of scored 0."""
+    from .sandbox import run_tests
+    return run_tests(completion, list(tests), entry_point="f", timeout_s=5).fraction
