@@ -23,7 +23,7 @@ from .metrics import MetricsLog, rollout_metrics
 from .rewards import Scorer, check_columns
 from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
-from .sync import SyncStats, verify
+from .sync import SyncStats, SyncVerificationError, verify
 from .trainer import Trainer
 from .types import Prompt, SamplingParams, ScoredGroup
 
@@ -113,7 +113,10 @@ class Run:
         self.log.log("start", config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
                      transport=self.sync.transport,
                      transport_why=self._sync_why,
-                     reward_versions=self.scorer.versions)
+                     reward_versions=self.scorer.versions,
+                     **({"servers": self.generator.servers()} if hasattr(self.generator, "servers") else {}))
+        if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
+            self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
         c.to_yaml(self.out / "config.yaml")
         self._probe = None
 
@@ -172,6 +175,7 @@ class Run:
             "median_step_s": statistics.median(step_times) if step_times else None,
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts),
             "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]),
+            **(self.generator.stats() if hasattr(self.generator, "stats") else {}),  # vLLM servers: count, restarts
         })
         return self.summary
 
@@ -239,7 +243,13 @@ class Run:
                 g = scored[0].group
                 self._probe = (g.prompt.token_ids, g.completions[0].token_ids or (self.trainer.tokenizer.eos_token_id,))
             want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
-            verify(self.generator, *self._probe, want, self.trainer.version, self.cfg.temperature)
+            # vLLM servers: every one that is up (one restarting gets the adapter when it is back, checked next push)
+            for target in getattr(self.generator, "replicas", None) or [self.generator]:
+                if getattr(target, "alive", True):
+                    try:
+                        verify(target, *self._probe, want, self.trainer.version, self.cfg.temperature)
+                    except SyncVerificationError as e:
+                        raise SyncVerificationError(f"{target.url}: {e}" if hasattr(target, "url") else str(e)) from e
         return stats
 
     def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
