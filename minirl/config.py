@@ -171,8 +171,10 @@ class Config:
     """A server minirl started that dies or stops answering is killed, started again and given the current
     adapter, and the groups that were in flight on it are generated again; False: the run stops with an error
     naming the server and its log."""
-    server_timeout_s: float = 60.0
-    """A server that does not answer a 1-token request within this many seconds (asked every 2 s) is down."""
+    server_timeout_s: float = 120.0
+    """A server that answers nothing (neither a 1-token request, asked every 2 s, nor any other) for this many
+    seconds is down. Measured here: at 60 s, a server on 2 cores loaded ~15 by other jobs was declared down while
+    it was generating, slowly, with nothing wrong in its log."""
     adapter_dir: str | None = None
     """The folder each adapter version is written to for the servers, which must read it at the same path (across
     machines: a shared mount). None: a tmpfs folder for servers minirl starts, out_dir/server_adapters for

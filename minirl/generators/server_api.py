@@ -155,8 +155,9 @@ class ServerAPI:
     async def unload(self, name: str) -> None:
         await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
-    async def probe(self, model: str, timeout_s: float) -> None:
-        """A 1-token completion: the engine itself answers, not only the HTTP front end."""
+    async def probe(self, model: str, timeout_s: float | None) -> None:
+        """A 1-token completion: the engine itself answers, not only the HTTP front end. `timeout_s` None: no read
+        timeout (the caller bounds the wait)."""
         await self._call("POST", "/v1/completions", dict(model=model, prompt=[0], max_tokens=1, temperature=0.0),
                          timeout_s=timeout_s)
 

@@ -179,7 +179,8 @@ class Fleet:
     async def watch(self, s: Server) -> None:
         """Every POLL_S: has the process exited? Every health_every_s: a 1-token request; the server is hung when
         neither it nor any other request to it was answered for timeout_s (a busy engine on a loaded CPU can take
-        ~20 s to fit a new request in: measured here, 2 cores, load 7)."""
+        ~20 s to fit a new request in: measured here, 2 cores, load 7). The probe has no read timeout of its own:
+        a slow probe on a server whose other requests finish is not a hang."""
         while True:
             await asyncio.sleep(POLL_S)
             if not s.alive:
@@ -189,7 +190,8 @@ class Fleet:
                 await self.fail(s, epoch, f"exited with code {code}")
             elif s.probe is None:
                 if now - s.last_probe >= self.health_every_s:
-                    s.probe, s.probe_t0 = asyncio.ensure_future(s.api.probe(self.base, self.timeout_s)), now
+                    # no read timeout of its own: the check below decides, from the progress of every request
+                    s.probe, s.probe_t0 = asyncio.ensure_future(s.api.probe(self.base, None)), now
             elif s.probe.done():
                 err = s.probe.exception()
                 s.probe, s.last_probe = None, now

@@ -77,7 +77,7 @@ class ServerGenerator:
     name = "vllm-server"
 
     def __init__(self, urls: Sequence[str] = (), *, launch: Sequence[ServerOptions] = (), api_key: str | None = None,
-                 log_dir: str = ".", restart: bool = False, timeout_s: float = 60.0, health_every_s: float = 2.0,
+                 log_dir: str = ".", restart: bool = False, timeout_s: float = 120.0, health_every_s: float = 2.0,
                  start_timeout_s: float = 900.0, dtype: str = "float32"):
         if bool(urls) == bool(launch):
             raise ValueError("give either server urls or server options to launch, not both")
