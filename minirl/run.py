@@ -28,7 +28,7 @@ from .models import resolve_model
 from .rewards import Scorer, check_columns
 from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
-from .sync import SyncStats, verify
+from .sync import SyncStats, SyncVerificationError, verify
 from .trackers import check_tracker, make_tracker, scalars
 from .trainer import Trainer
 from .types import SamplingParams, ScoredGroup
@@ -162,10 +162,13 @@ class Run:
         self.tracker = make_tracker(c.report_to, self.out, c.to_dict(), self.resuming)
         info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
                     transport=self.sync.transport, transport_why=self._sync_why, reward_versions=self.scorer.versions,
-                    train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note)
+                    train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
+                    **({"servers": self.generator.servers()} if hasattr(self.generator, "servers") else {}))
         if self.resuming:
             self.history, self._acc_before = past_steps(self.out, self.start_step)
         self.log = MetricsLog(self.out / "metrics.jsonl", append=self.resuming)
+        if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
+            self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
         self._claimed = True
         if self.resuming:
             self.log.log("resume", step=self.start_step, version=self.trainer.version,
@@ -245,6 +248,7 @@ class Run:
             "transport": self.sync.transport, "max_async_steps": c.max_async_steps,
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts), "eval": self.splits.note,
             **({"resumed_from_step": self.start_step} if self.resuming else {}),
+            **(self.generator.stats() if hasattr(self.generator, "stats") else {}),  # vLLM servers: count, restarts
         })
         return self.summary
 
@@ -342,7 +346,13 @@ class Run:
                 g = scored[0].group
                 self._probe = (g.prompt.token_ids, g.completions[0].token_ids or (self.trainer.tokenizer.eos_token_id,))
             want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
-            verify(self.generator, *self._probe, want, self.trainer.version, self.cfg.temperature)
+            # vLLM servers: every one that is up (one restarting gets the adapter when it is back, checked next push)
+            for target in getattr(self.generator, "replicas", None) or [self.generator]:
+                if getattr(target, "alive", True):
+                    try:
+                        verify(target, *self._probe, want, self.trainer.version, self.cfg.temperature)
+                    except SyncVerificationError as e:
+                        raise SyncVerificationError(f"{target.url}: {e}" if hasattr(target, "url") else str(e)) from e
         return stats
 
     def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:

@@ -11,7 +11,11 @@ seeds (so the same tokens: checked).
 
 Sync latency (file transport): a rank-16 all-linear peft LoRA of the model is saved to tmpfs (/dev/shm) and
 loaded with `load_adapter`; measured from the start of `save_pretrained` until `add_lora` has returned (new
-requests are served with it). Writes `out_dir/generation.json`.
+requests are served with it).
+
+vLLM server (backend 'vllm-server', `servers.py`): the same prompts and params through a vLLM OpenAI-compatible
+server on the same cores, alternating rounds with the in-process engine (`server_vs_inproc`), and the adapter
+push to it. Writes `out_dir/generation.json`.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from pathlib import Path
 
 from ..generators.vllm import VLLMGenerator, request_seed
 from ..models import resolve_model
+from .servers import bench_server
 from ..types import Prompt, SamplingParams
 
 
@@ -171,6 +176,8 @@ def bench_generation(out_dir: str, model: str = "smollm2-135m-instruct", num_pro
         result["ratio"] = round(result["minirl_tok_s"] / result["raw_tok_s"], 4)
         result.update(rounds=rounds_log, raw_tokens=raw_tok, minirl_tokens=mini_tok)
         result.update(bench_files_sync(gen, model_path, reps=sync_reps))
+        result.update(bench_server(gen, model_path, prompts, n, params, rounds=rounds, sync_reps=sync_reps,
+                                   log_dir=str(Path(out_dir) / "server_logs")))
         result.update(bench_hf_merge(model_path, prompts[:8]))
         result.update(model=model, num_prompts=num_prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                       dtype=str(gen.engine_args.dtype), device="cpu" if gen.on_cpu else "gpu",
