@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import lifecycle
 from . import SyncStats
 
 
@@ -23,6 +24,7 @@ class FileSync:
 
     def __init__(self, keep: int = 3):
         self.root = Path(tempfile.mkdtemp(prefix="minirl-adapters-", dir=tmpfs_dir()))
+        lifecycle.keep_tidy(self.root)  # removed by the watchdog if we die before `close`
         self.keep = keep
         self._dirs: list[Path] = []
 
@@ -39,3 +41,4 @@ class FileSync:
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+        lifecycle.tidied(self.root)

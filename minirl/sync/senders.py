@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .. import lifecycle
 from ..adapter import Packer, make_layout, move_into, prescaled_config, uniform
 from . import CollectiveError, SyncError, SyncTimeout
 from .wire import (PROGRESS_BITS, PROGRESS_MASK, InstallRequest, adapter_name, broadcast, finish, free_port,
@@ -197,6 +198,7 @@ def shared_buffer(nbytes: int, device: torch.device, tag: str) -> tuple[torch.Te
         return raw, {"kind": "cuda_ipc", "handle": list(raw.untyped_storage()._share_cuda_())}, None
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
     path = str(shm / f"minirl-{tag}-{os.getpid()}")
+    lifecycle.keep_tidy(path)  # removed by the watchdog if we die before the sender unlinks it
     with open(path, "wb") as f:
         f.truncate(nbytes)
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), {"kind": "shm", "path": path}, path
@@ -281,6 +283,7 @@ class IpcSender(Sender):
                 os.unlink(self.path)
             except OSError:
                 pass
+            lifecycle.tidied(self.path)
             self.path = None
 
     def close(self) -> None:
