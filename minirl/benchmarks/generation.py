@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import lifecycle
 from ..generators.vllm import VLLMGenerator, request_seed
 from ..models import resolve_model
 from .servers import bench_server
@@ -113,6 +114,7 @@ def bench_files_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: 
     peft_model = _lora_model(model_path, rank)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = Path(root or tempfile.mkdtemp(prefix="minirl-sync-", dir=shm))
+    lifecycle.keep_tidy(root)  # removed by the watchdog if the benchmark is killed
     times, nbytes = [], 0
     try:
         for v in range(1, reps + 1):
@@ -132,6 +134,7 @@ def bench_files_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: 
         gen.load_adapter(None, 0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        lifecycle.tidied(root)
     times.sort()
     pct = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
     return {"sync_files_p50_ms": round(pct(0.5), 2), "sync_files_p95_ms": round(pct(0.95), 2),

@@ -76,7 +76,11 @@ def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: 
                             cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
                             max_model_len=cfg.max_prompt_tokens + cfg.max_tokens, inflight=cfg.inflight)
-        sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
+        try:
+            sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
+        except BaseException:  # a failed transport (or a Ctrl-C / SIGTERM here) must not leave the engine running
+            gen.close()
+            raise
         return gen, sync, why
     if asynchronous:  # its own model in its own process: no GIL shared with the trainer
         from ..adapter import adapter_params

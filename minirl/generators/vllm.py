@@ -33,6 +33,7 @@ import weakref
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
 from typing import AsyncIterator, Callable, Sequence
 
+from .. import lifecycle
 from ..sync.wire import WORKER_EXTENSION
 from ..types import Completion, Group, Prompt, SamplingParams
 from . import vllm_available  # noqa: F401 - re-exported: `from minirl.generators.vllm import vllm_available`
@@ -109,8 +110,13 @@ class VLLMGenerator:
 
     async def _start(self):
         from vllm.v1.engine.async_llm import AsyncLLM
-        self._engine.llm = AsyncLLM.from_engine_args(self.engine_args)
-        self.dtype = str(self._engine.llm.model_config.dtype).removeprefix("torch.")
+        with lifecycle.adopting():  # the engine core (and its workers): ended with us, however we end
+            llm = AsyncLLM.from_engine_args(self.engine_args)
+        if self._engine.closed:  # closed while it started (a Ctrl-C or SIGTERM during set-up): shut it down now
+            llm.shutdown()
+            return
+        self._engine.llm = llm
+        self.dtype = str(llm.model_config.dtype).removeprefix("torch.")
 
     @property
     def version(self) -> int:

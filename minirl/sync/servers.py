@@ -11,13 +11,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
 from .. import lifecycle
 from . import SyncStats
-from .files import tmpfs_dir
 
 
 class ServerSync:
@@ -27,10 +25,8 @@ class ServerSync:
 
     def __init__(self, root: str | Path | None = None):
         self.owned = root is None
-        self.root = Path(tempfile.mkdtemp(prefix="minirl-server-adapters-", dir=tmpfs_dir()) if root is None else root)
+        self.root = Path(lifecycle.private_dir("serveradapters") if root is None else root)  # private: 0700, tidied
         self.root.mkdir(parents=True, exist_ok=True)
-        if self.owned:
-            lifecycle.keep_tidy(self.root)
         self.last: dict[str, float] = {}
 
     def push(self, trainer, generator) -> SyncStats:
