@@ -18,14 +18,17 @@ import torch
 
 from . import data as D
 from .config import Config, parse_cores
+from .envs import resolve_env
+from .episodes import make_runner
 from .generators import Generator, make_generator, pick_backend
 from .metrics import MetricsLog, rollout_metrics
 from .rewards import Scorer, check_columns
 from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
 from .sync import SyncStats, verify
+from .tasks import TASKS
 from .trainer import Trainer
-from .types import Prompt, SamplingParams, ScoredGroup
+from .types import Episode, Prompt, SamplingParams, ScoredGroup
 
 
 def cpu_split(cfg: Config) -> tuple[str | None, int]:
@@ -54,9 +57,21 @@ def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, ma
 
 class Run:
     def __init__(self, config: Config | None = None, *, data: Any = None, eval_data: Any = None,
-                 rewards: Sequence[str | Callable] | None = None, **overrides: Any):
+                 rewards: Sequence[str | Callable] | None = None, env: Any = None, **overrides: Any):
         self.cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         self._reward_refs = list(rewards) if rewards is not None else list(self.cfg.rewards)
+        # --- environments (minirl/envs.py, minirl/episodes.py): `env` is a class or factory (one Env per
+        # episode), a built-in task's name or 'module:Class' (also `cfg.env`). Its first reward is "env" (the
+        # summed step rewards); the arithmetic default reward is not added to it.
+        self._env = None
+        if env is not None or self.cfg.env is not None:
+            env_name, self._env = resolve_env(env if env is not None else self.cfg.env)
+            if rewards is None and self._reward_refs == Config().rewards:
+                self._reward_refs = []
+            self._reward_refs = ["env", *[r for r in self._reward_refs if r != "env"]]
+            self.cfg = self.cfg.replace(env=env_name)
+            rewards = self._reward_refs
+        # --- end environments
         if rewards is not None:
             self.cfg = self.cfg.replace(rewards=[r if isinstance(r, str) else r.__name__ for r in rewards])
         self._data, self._eval_data = data, eval_data
@@ -79,12 +94,16 @@ class Run:
         self.out.mkdir(parents=True, exist_ok=True)
         self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std,
                                          c.reward_workers, c.reward_clip, c.reward_memory_mb)
-        if self._data is None and c.data == "arithmetic":
+        if self._data is None and c.data == "arithmetic" and c.env in TASKS:  # a built-in env task's own rows
+            train_rows, eval_rows = TASKS[c.env].splits(c.eval_size, c.seed)
+        elif self._data is None and c.data == "arithmetic":
             train_rows, eval_rows = D.arithmetic_splits(c.eval_size, c.seed)
         else:
             train_rows = D.load_rows(self._data if self._data is not None else c.data)
             eval_rows = D.load_rows(self._eval_data) if self._eval_data is not None else []
         cols = [k for k in train_rows[0] if k != c.prompt_column]
+        if self._env is not None:  # an episode's reward keywords: its transcript and env reward
+            cols += list(Episode((), (), 0).columns())
         for name, fn in self.scorer.rewards:
             check_columns(fn, name, cols)
         self.scorer.start()  # reward workers up before the model loads: a reward that cannot reach them fails now
@@ -101,11 +120,19 @@ class Run:
             train_device = "cpu"
         self.trainer = Trainer(c, device=train_device)
         tok = self.trainer.tokenizer
-        self.train_prompts = D.to_prompts(train_rows, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens)
-        self.eval_prompts = D.to_prompts(eval_rows[: c.eval_size], tok, c.prompt_column, c.system_prompt,
-                                         c.max_prompt_tokens, start_index=len(train_rows))
+        if self._env is None:
+            self.train_prompts = D.to_prompts(train_rows, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens)
+            self.eval_prompts = D.to_prompts(eval_rows[: c.eval_size], tok, c.prompt_column, c.system_prompt,
+                                             c.max_prompt_tokens, start_index=len(train_rows))
         self.generator, self.sync, self._sync_why = make_generator(c, self.trainer, self.backend,
                                                                    self._use_pipeline, gen_devices)
+        # what samples the groups: the generator, or (env runs) the episode runner on it (minirl/episodes.py)
+        self.rollouts = self.generator
+        if self._env is not None:
+            self.rollouts = make_runner(self.generator, self._env, tok, c.max_turns, c.max_episode_tokens)
+            self.train_prompts = self.rollouts.prompts(train_rows, c.prompt_column, c.max_prompt_tokens)
+            self.eval_prompts = self.rollouts.prompts(eval_rows[: c.eval_size], c.prompt_column, c.max_prompt_tokens,
+                                                      start_index=len(train_rows))
         if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, parse_cores(c.train_devices))  # this (trainer) thread; after the engine spawned
         self.stream = D.prompt_stream(self.train_prompts, c.seed)
@@ -124,14 +151,14 @@ class Run:
     # --- the loop ------------------------------------------------------------------------------------------
     def _loop(self, pipeline: bool) -> dict[str, Any]:
         c, log = self.cfg, self.log
-        acc0 = evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens)
+        acc0 = evaluate(self.rollouts, self.eval_prompts, self.scorer, c.max_tokens)
         log.log("eval", step=0, version=0, accuracy=acc0)
         self.summary["eval_accuracy_before"] = acc0
         step_times: list[float] = []
         batches = self._pipeline_batches() if pipeline else self._sync_batches()
         t_prev = time.perf_counter()
         for step, scored, gen in batches:
-            stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.versions]
+            stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.sampled_versions]
             gen.update({"staleness/mean": _mean(stale), "staleness/max": max(stale, default=None)})
             t1 = time.perf_counter()
             tm = self.trainer.step(scored)
@@ -158,10 +185,10 @@ class Run:
                 cb(rec)
             if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
                 log.log("eval", step=step + 1, version=self.trainer.version,
-                        accuracy=evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens))
+                        accuracy=evaluate(self.rollouts, self.eval_prompts, self.scorer, c.max_tokens))
         if pipeline:
             self._close_pipeline()
-        acc1 = evaluate(self.generator, self.eval_prompts, self.scorer, c.max_tokens)
+        acc1 = evaluate(self.rollouts, self.eval_prompts, self.scorer, c.max_tokens)
         log.log("eval", step=len(step_times), version=self.trainer.version, accuracy=acc1)
         rewards = [h["reward/mean"] for h in self.history]
         k = max(1, min(5, len(rewards) // 4)) if rewards else 1
@@ -183,7 +210,7 @@ class Run:
             if self._stop.is_set():
                 return
             t0 = time.perf_counter()
-            groups = self.generator.generate(D.take(self.stream, c.prompts_per_step), c.group_size, self._sampling(step))
+            groups = self.rollouts.generate(D.take(self.stream, c.prompts_per_step), c.group_size, self._sampling(step))
             t_gen = time.perf_counter() - t0
             scored = [self.scorer.score_group(g) for g in groups]
             n_tok = sum(len(x.token_ids) for g in groups for x in g.completions)
@@ -195,7 +222,7 @@ class Run:
         """Asynchronous source: take the step's batch from the rollout buffer (generated up to K versions ago)."""
         c = self.cfg
         batches = [D.take(self.stream, c.prompts_per_step) for _ in range(c.steps)]  # fixed order, as sync
-        self.pipeline = Pipeline(self.generator, self.scorer, lambda s: batches[s], self._sampling, c.group_size,
+        self.pipeline = Pipeline(self.rollouts, self.scorer, lambda s: batches[s], self._sampling, c.group_size,
                                  c.prompts_per_step, c.steps, c.max_async_steps)
         tl = self.pipeline.timeline
         t_prev = tl.now()
@@ -373,7 +400,7 @@ def eval_cli(cfg: Config, adapter: str | None = None) -> dict[str, Any]:
             set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
-        acc = evaluate(run.generator, run.eval_prompts, run.scorer, cfg.max_tokens)
+        acc = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens)
         return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
                 "backend": run.backend}
     finally:
