@@ -10,7 +10,8 @@ from .config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
 
 def _print_step(rec: dict) -> None:
     print(f"step {rec['step'] + 1:3d}  reward {rec['reward/mean']:.3f}  len {rec['length/mean']:5.1f}  "
-          f"gen {rec['time/gen_s']:5.1f}s  train {rec['time/train_s']:5.1f}s  step {rec['time/step_s']:5.1f}s", flush=True)
+          f"gen {rec['time/gen_s']:5.1f}s  train {rec['time/train_s']:5.1f}s  step {rec['time/step_s']:5.1f}s"
+          + (f"  turns {rec['episode/turns']:.2f}" if "episode/turns" in rec else ""), flush=True)  # env runs
 
 
 def _run(cfg: Config) -> dict:
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
+    demo.add_argument("--task", default="arithmetic", help="the built-in task: single-turn 'arithmetic' (default), "
+                      "or a multi-turn env task of minirl/tasks.py ('sums')")
     add_cli_args(demo, Config(**DEMO))
     train = sub.add_parser("train", help="run a YAML config (flags override its fields)")
     train.add_argument("config", help="YAML file with Config fields")
@@ -63,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.cmd == "demo":
-            cfg = Config(**{**DEMO, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
+            from .tasks import TASKS
+            if args.task != "arithmetic" and args.task not in TASKS:
+                raise ValueError(f"unknown task {args.task!r}: choose 'arithmetic' or one of {sorted(TASKS)}")
+            task = {} if args.task == "arithmetic" else {"env": args.task, **TASKS[args.task].demo}  # env tasks
+            cfg = Config(**{**DEMO, **task, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
             _run(cfg)
         elif args.cmd == "train":
             cfg = Config.from_yaml(args.config)
