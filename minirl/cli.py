@@ -1,38 +1,150 @@
-"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl bench ...`."""
+"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl bench ...`.
+
+A bad input is one line on stderr (`minirl: error: ...`, exit code 2), never a traceback. `module:function`
+rewards are imported from the current directory, as a script's imports would be.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
 import json
+import os
 import sys
+from pathlib import Path
 
 from .config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
 
 
-def _print_step(rec: dict) -> None:
-    print(f"step {rec['step'] + 1:3d}  reward {rec['reward/mean']:.3f}  len {rec['length/mean']:5.1f}  "
-          f"gen {rec['time/gen_s']:5.1f}s  train {rec['time/train_s']:5.1f}s  step {rec['time/step_s']:5.1f}s"
-          + (f"  turns {rec['episode/turns']:.2f}" if "episode/turns" in rec else ""), flush=True)  # env runs
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (not the usage block) that suggest the flag that was meant."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        if message.startswith("unrecognized arguments:"):
+            known = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(Config)] + RUN_FLAGS
+            hints = [f"{a} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(a.split("=")[0], known, 1))
+                     else a for a in message.split(":", 1)[1].split() if a.startswith("-")]
+            message = f"unrecognized arguments: {' '.join(hints) or message.split(':', 1)[1].strip()}"
+        print(f"minirl: error: {message}; see `{self.prog} --help`", file=sys.stderr)
+        sys.exit(2)
 
 
-def _run(cfg: Config) -> dict:
+RUN_FLAGS = ["--resume", "--overwrite", "--out", "--adapter", "--seeds", "--ks"]
+
+
+class _Progress:
+    """Progress of a run: on a terminal, tqdm bars for training (step k/N, reward, seconds per step, ETA) and for
+    each evaluation pass; in a log file (no terminal), one line per step with the same figures."""
+
+    def __init__(self, total: int, initial: int, tty: bool | None = None):
+        self.total, self.done = total, initial
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.bar = self.eval_bar = None
+        self.times: list[float] = []
+
+    def step(self, rec: dict) -> None:
+        reward = rec.get("reward/mean")
+        reward = f"reward {reward:.3f}" if isinstance(reward, float) and reward == reward else "reward -"
+        if "episode/turns" in rec:  # env runs
+            reward += f"  turns {rec['episode/turns']:.2f}  tool calls {rec['episode/tool_calls']:.2f}"
+        self.done += 1
+        self.times.append(rec["time/step_s"])
+        if not self.tty:
+            eta = sum(self.times[-5:]) / len(self.times[-5:]) * (self.total - self.done)
+            print(f"step {self.done}/{self.total}  {reward}  {rec['time/step_s']:.1f} s/step  "
+                  f"ETA {_clock(eta)}", file=sys.stderr, flush=True)
+            return
+        from tqdm import tqdm
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, initial=self.done - 1, unit="step", dynamic_ncols=True,
+                            bar_format="step {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
+        self.bar.set_postfix_str(reward, refresh=False)
+        self.bar.update(1)
+
+    def eval(self, rec: dict) -> None:
+        from tqdm import tqdm
+        if "accuracy" in rec:
+            if self.eval_bar is not None:
+                self.eval_bar.close()
+                self.eval_bar = None
+            line = f"held-out accuracy after {rec['step']} steps: {rec['accuracy']:.3f}"
+            tqdm.write(line, file=sys.stderr) if self.tty else print(line, file=sys.stderr, flush=True)
+        elif self.tty:
+            if self.eval_bar is None:
+                self.eval_bar = tqdm(total=rec["total"], desc=f"eval after {rec['step']} steps", unit="prompt",
+                                     leave=False, dynamic_ncols=True)
+            self.eval_bar.update(rec["done"] - self.eval_bar.n)
+
+    def close(self) -> None:
+        for bar in (self.eval_bar, self.bar):
+            if bar is not None:
+                bar.close()
+        self.bar = self.eval_bar = None
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m // 60}:{m % 60:02d}:{s:02d}"
+
+
+def _render(out) -> None:
+    """The run's pictures, drawn from its log, each written atomically."""
+    from .checkpoint import atomic_write
+    from .ui import render
+    log = out / "metrics.jsonl"
+    atomic_write(out / "reward.png", lambda p: render(log, p, panels=("reward",), dpi=100))
+    atomic_write(out / "dashboard.png", lambda p: render(log, p))
+
+
+def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
     from .run import Run
-    run = Run(cfg)
-    run.on_step.append(_print_step)
+    run = Run(cfg, resume=resume, overwrite=overwrite)
     run.setup()
-    print(f"minirl: model={cfg.model} backend={run.backend} ({run.backend_why}) transport={run.sync.transport} "
-          f"steps={cfg.steps} out={cfg.out_dir}", flush=True)
+    print(f"minirl: model={run.cfg.model} backend={run.backend} ({run.backend_why}) transport={run.sync.transport} "
+          f"steps={run.cfg.steps} out={run.cfg.out_dir}", flush=True)
+    print(f"minirl: {len(run.train_prompts)} training prompts; eval: {run.splits.note}"
+          + (f"; resuming after step {run.start_step}" if resume else ""), flush=True)
+    progress = _Progress(run.cfg.steps, run.start_step)
+    run.on_step.append(progress.step)
+    run.on_eval.append(progress.eval)
     try:
         summary = run.run()
+    except KeyboardInterrupt:
+        from .checkpoint import latest_checkpoint
+        progress.close()
+        ckpt = latest_checkpoint(run.out)
+        print(f"minirl: interrupted after {run.next_step} steps; `{again} --resume` continues after step "
+              f"{ckpt.step if ckpt else 0} (the latest checkpoint)", file=sys.stderr)
+        raise
     finally:
+        progress.close()
         if run.history:  # the run's pictures, drawn from its log; a drawing error never hides the run's own
             try:
-                from .ui import render
-                render(run.out / "metrics.jsonl", run.out / "reward.png", panels=("reward",), dpi=100)
-                render(run.out / "metrics.jsonl", run.out / "dashboard.png")
+                _render(run.out)
             except Exception as e:  # noqa: BLE001 - the run's outcome matters more than its pictures
                 print(f"minirl: warning: could not draw the run's plots ({type(e).__name__}: {e})", file=sys.stderr)
     print(json.dumps(summary, indent=2))
     return summary
+
+
+def _eval(cfg: Config, adapter: str | None = None) -> dict:
+    """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
+    from .evaluation import evaluate
+    from .run import Run
+    run = Run(cfg.replace(steps=0))
+    run.load()  # no out_dir of its own: nothing is written
+    try:
+        if adapter:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+            set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
+            run.trainer.version = 1
+            run.sync.push(run.trainer, run.generator)
+        acc = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens)
+        return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
+                "backend": run.backend}
+    finally:
+        run.close()
 
 
 def _seeds(text: str) -> tuple[int, ...]:
@@ -42,16 +154,26 @@ def _seeds(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 0,1,2)") from None
 
 
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", action="store_true", help="continue the run in out_dir from its latest checkpoint")
+    g.add_argument("--overwrite", action="store_true", help="replace the run in out_dir")
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="minirl", description=__doc__)
+    if os.getcwd() not in sys.path and "" not in sys.path:  # the `minirl` script: find 'module:function' here
+        sys.path.insert(0, os.getcwd())
+    p = _Parser(prog="minirl", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
     demo.add_argument("--task", default="arithmetic", help="the built-in task: single-turn 'arithmetic' (default), "
                       "or a multi-turn env task of minirl/tasks.py ('sums')")
+    _add_run_flags(demo)
     add_cli_args(demo, Config(**DEMO))
     train = sub.add_parser("train", help="run a YAML config (flags override its fields)")
     train.add_argument("config", help="YAML file with Config fields")
+    _add_run_flags(train)
     add_cli_args(train)
     ev = sub.add_parser("eval", help="greedy held-out accuracy of a model (+ optional adapter)")
     ev.add_argument("--adapter", default=None, help="peft adapter folder to evaluate")
@@ -63,7 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="comma-separated seeds of the learning benchmark")
     bench.add_argument("--ks", type=_seeds, default=(0, 1, 2), help="comma-separated K (max_async_steps) of the "
                        "learning benchmark")
-    args = p.parse_args(argv)
+    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench}
+    args, extra = p.parse_known_args(argv)
+    if extra:  # named by the subcommand's parser, so the hint points at its --help
+        parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.cmd == "demo":
             from .tasks import TASKS
@@ -71,20 +196,23 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"unknown task {args.task!r}: choose 'arithmetic' or one of {sorted(TASKS)}")
             task = {} if args.task == "arithmetic" else {"env": args.task, **TASKS[args.task].demo}  # env tasks
             cfg = Config(**{**DEMO, **task, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
-            _run(cfg)
+            again = "minirl demo" + (f" --task {args.task}" if args.task != "arithmetic" else "") \
+                + (f" --out {args.out}" if args.out else "")
+            _run(cfg, args.resume, args.overwrite, again)
         elif args.cmd == "train":
             cfg = Config.from_yaml(args.config)
             cfg = Config.from_dict({**cfg.to_dict(), **overrides_from_args(args)})
-            _run(cfg)
+            _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
         elif args.cmd == "eval":
-            from .run import eval_cli
-            print(json.dumps(eval_cli(Config(**overrides_from_args(args)), args.adapter), indent=2))
+            print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
         elif args.cmd == "bench":
             from .benchmarks import run as bench
             print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks), indent=2))
-    except (ConfigError, ValueError, RuntimeError, FileNotFoundError) as e:
+    except (ConfigError, ValueError, RuntimeError, OSError) as e:
         print(f"minirl: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     return 0
 
 

@@ -61,8 +61,15 @@ class Config:
     """A reward value must be finite and at most this in magnitude, else the call is a failure."""
     reward_memory_mb: int = 2048
     """Memory limit of each reward worker process (a reward past it fails with MemoryError)."""
+    eval_data: str | None = None
+    """Held-out prompts for greedy evaluation (the metric is the first reward function): a JSONL path, or
+    'arithmetic' (the built-in task's held-out problems). None: with the built-in task its own held-out problems,
+    else a split carved from `data` (see eval_fraction), disjoint from training."""
+    eval_fraction: float = 0.1
+    """With no eval_data: the fraction of `data`'s distinct prompts held out for evaluation (chosen by seed, never
+    trained on), at most eval_size of them."""
     eval_size: int = 64
-    """Number of held-out prompts for greedy evaluation (the metric is the first reward function)."""
+    """At most this many held-out prompts are evaluated. 0 = no evaluation (the run says so in one line)."""
 
     # --- sampling ------------------------------------------------------------------------------------------
     backend: str = "auto"
@@ -169,6 +176,15 @@ class Config:
     """Where the adapter, metrics.jsonl, checkpoints and plots go."""
     eval_every: int = 0
     """Evaluate held-out accuracy every N steps (0 = only before and after)."""
+    checkpoint_every: int = 10
+    """Write a checkpoint (adapter, optimizer, scheduler, data position, RNG states) every N steps, 0 = only at
+    the end and on stop or error. `minirl train CONFIG --resume` / `Run(cfg, resume=True)` continues from the
+    latest."""
+    keep_checkpoints: int = 2
+    """How many of the latest checkpoints are kept in out_dir/checkpoints (older ones are deleted)."""
+    report_to: str | None = None
+    """Also send every step's metrics (the names of metrics.jsonl) to a tracker: 'trackio' or 'tensorboard'
+    (pip install 'minirl[trackio]' / 'minirl[tensorboard]'). None = metrics.jsonl only."""
     log_samples: int = 4
     """Completions per step written to the log for the sample panel."""
 
@@ -216,6 +232,13 @@ class Config:
         need(self.reward_clip > 0, "reward_clip must be > 0")
         need(self.max_turns >= 1, "max_turns must be >= 1 (model replies per episode)")
         need(self.max_episode_tokens >= 1, "max_episode_tokens must be >= 1")
+        need(self.eval_size >= 0, "eval_size must be >= 0 (0 = no held-out evaluation)")
+        need(0 <= self.eval_fraction < 1, f"eval_fraction={self.eval_fraction}: use a fraction in [0, 1), e.g. 0.1")
+        need(self.eval_every >= 0, "eval_every must be >= 0")
+        need(self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = only at the end)")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+        need(self.report_to in (None, "trackio", "tensorboard"),
+             f"report_to={self.report_to!r}: use 'trackio', 'tensorboard' or none")
 
     # --- conversions ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -230,7 +253,7 @@ class Config:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
+        unknown = sorted(map(str, set(d) - known))
         if unknown:
             import difflib
             hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
@@ -240,10 +263,30 @@ class Config:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Config":
+        """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
         p = Path(path)
-        if not p.exists():
-            raise ConfigError(f"config file {str(p)!r} not found")
-        return cls.from_dict(yaml.safe_load(p.read_text()) or {})
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found" if not p.exists() else
+                              f"config {str(p)!r} is a folder; give a YAML file")
+        try:
+            d = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                              "save it as UTF-8") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"{where}: not valid YAML ({what}); write one `field: value` per line") from None
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"{p}: expected `field: value` lines (a mapping), got {_kind(d)}; "
+                              "e.g. `steps: 20` on its own line")
+        try:
+            return cls.from_dict(d)
+        except ConfigError as e:
+            raise ConfigError(f"{p}: {e}") from None
 
     def replace(self, **kw: Any) -> "Config":
         return dataclasses.replace(self, **kw)
@@ -252,7 +295,7 @@ class Config:
 # The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
 # 2 CPU cores. `minirl bench learning` runs this same config.
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
-            out_dir="runs/demo")
+            checkpoint_every=2, out_dir="runs/demo")
 
 
 def parse_cores(spec: str) -> list[int]:

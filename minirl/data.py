@@ -1,14 +1,18 @@
 """Prompts: from a `datasets.Dataset`, a list of dicts, a JSONL path, or the built-in arithmetic task.
 
 The prompt column (text, or a list of chat messages) goes through the tokenizer's chat template; every other
-column travels with the prompt and reaches the reward functions as keyword arguments.
+column travels with the prompt and reaches the reward functions as keyword arguments. `make_splits` decides what
+is trained on and what is held out; `PromptStream` is the seeded order prompts are trained in, whose whole state is
+one integer (a checkpoint's data position).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Sequence
 
 from .types import Prompt
 
@@ -16,12 +20,12 @@ ARITHMETIC_TEMPLATE = "What is {a} + {b}? Answer with just the number."
 
 
 def arithmetic_rows(n: int, seed: int, lo: int = 0, hi: int = 30, exclude: set | None = None) -> list[dict]:
-    """`n` distinct addition problems; `exclude` keeps the held-out split disjoint from training."""
+    """`n` distinct addition problems (a, b); `exclude` holds unordered pairs (min, max): neither order is drawn."""
     rng = random.Random(seed)
-    seen, rows = set(exclude or ()), []
+    seen, rows = set(), []
     while len(rows) < n:
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        if (a, b) in seen:
+        if (a, b) in seen or (min(a, b), max(a, b)) in (exclude or ()):
             continue
         seen.add((a, b))
         rows.append({"prompt": ARITHMETIC_TEMPLATE.format(a=a, b=b), "answer": a + b, "a": a, "b": b})
@@ -29,45 +33,144 @@ def arithmetic_rows(n: int, seed: int, lo: int = 0, hi: int = 30, exclude: set |
 
 
 def arithmetic_splits(eval_size: int, seed: int = 0, train_size: int = 600) -> tuple[list[dict], list[dict]]:
-    """Train and held-out rows of the built-in task; no (a, b) pair appears in both."""
+    """Train and held-out rows of the built-in task, disjoint by unordered pair: when (a, b) is held out, neither
+    (a, b) nor (b, a) (the same sum) is trained on."""
     held = arithmetic_rows(eval_size, seed=10_000 + seed)
-    train = arithmetic_rows(train_size, seed=seed, exclude={(r["a"], r["b"]) for r in held})
+    train = arithmetic_rows(train_size, seed=seed, exclude={(min(r["a"], r["b"]), max(r["a"], r["b"])) for r in held})
     return train, held
 
 
-def load_rows(source: Any) -> list[dict]:
-    """Rows from a Dataset, a list of dicts, or a JSONL path, with one clear error when that fails."""
-    if isinstance(source, (str, Path)):
-        p = Path(source)
-        if not p.exists():
-            raise ValueError(f"data {str(source)!r}: no such file; give a JSONL path or the built-in 'arithmetic'")
-        rows = []
-        for k, line in enumerate(p.read_text().splitlines(), 1):
+def _read_jsonl(p: Path) -> tuple[list[dict], list[int]]:
+    """The objects of a JSONL file and the line number of each."""
+    rows, numbers = [], []
+    with open(p, "rb") as f:
+        for k, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{p}:{k}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{p}:{k}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                numbers.append(k)
+                if not isinstance(rows[-1], dict):
+                    raise ValueError(f"{p}:{k}: a JSON {type(rows[-1]).__name__}, not an object; each line must be "
+                                     'one JSON object such as {"prompt": "...", "answer": 4}')
+    return rows, numbers
+
+
+def load_rows(source: Any, prompt_column: str | None = None) -> list[dict]:
+    """Rows from a Dataset, a list of dicts, or a JSONL path, with one clear error naming the file and line (or
+    row) when that fails. With `prompt_column`, every row must have it."""
+    names = None  # how an error names row i: its file and line, else its position
+    if isinstance(source, (str, Path)):
+        p = Path(source)
+        if not p.is_file():
+            raise ValueError(f"data {str(source)!r}: no such file; give a JSONL path or the built-in 'arithmetic'")
+        rows, lines = _read_jsonl(p)
+        names = [f"{p}:{k}" for k in lines]
     elif hasattr(source, "to_list"):  # datasets.Dataset
         rows = source.to_list()
     else:
         rows = list(source)
     if not rows:
-        raise ValueError("the dataset is empty: give at least one prompt")
-    if not all(isinstance(r, dict) for r in rows):
-        raise ValueError("each data row must be a dict (a JSON object) with a prompt column")
+        raise ValueError(f"the dataset{f' {source!s}' if names is not None else ''} is empty: give at least one prompt")
+    for i, r in enumerate(rows):
+        name = names[i] if names is not None else f"data row {i}"
+        if not isinstance(r, dict):
+            raise ValueError(f"{name}: each row must be a dict (a JSON object) with a prompt column, "
+                             f"got {type(r).__name__}")
+        if prompt_column is not None and prompt_column not in r:
+            raise ValueError(f"{name}: no {prompt_column!r} column (columns: {sorted(r)}); every row needs one, "
+                             "or set prompt_column to the column holding the prompts")
     return rows
 
 
+@dataclass(frozen=True)
+class Splits:
+    """What a run trains on and evaluates on. `*_ids` are the rows' positions in their source (a step event's
+    `prompt_ids` are train ids); `note` says where the held-out prompts come from."""
+    train: list[dict]
+    train_ids: list[int]
+    eval: list[dict]
+    eval_ids: list[int]
+    note: str
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of both splits: a resumed run checks that its data did not change."""
+        h = hashlib.sha1()
+        for rows in (self.train, self.eval):
+            h.update(json.dumps(rows, sort_keys=True, default=str).encode())
+        return h.hexdigest()[:16]
+
+
+def held_out(rows: Sequence[dict], prompt_column: str, fraction: float, cap: int, seed: int) -> tuple[list[int], list[int]]:
+    """(train ids, eval ids) of `rows`: a seeded choice of distinct prompts, `fraction` of them (at least one),
+    at most `cap`. Rows with the same prompt stay on the same side, so nothing held out is ever trained on."""
+    keys: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        keys.setdefault(json.dumps(r[prompt_column], sort_keys=True, default=str), []).append(i)
+    distinct = list(keys)
+    if len(distinct) < 2:
+        raise ValueError(f"the data has {len(distinct)} distinct prompt(s): too few to hold some out for evaluation; "
+                         "give eval_data, or set eval_size: 0 to train without evaluation")
+    n = min(cap, max(1, round(fraction * len(distinct))), len(distinct) - 1)
+    chosen = set(random.Random(f"eval-split:{seed}").sample(distinct, n))
+    eval_ids = sorted(keys[k][0] for k in chosen)
+    train_ids = [i for k in distinct if k not in chosen for i in keys[k]]
+    return sorted(train_ids), eval_ids
+
+
+def make_splits(data: Any, eval_data: Any, *, prompt_column: str, eval_fraction: float, eval_size: int,
+                seed: int) -> Splits:
+    """Training rows from `data` and held-out rows: from `eval_data` when given (its first `eval_size` rows; the
+    built-in task's held-out problems for 'arithmetic'), else the built-in task's own held-out problems, else a
+    split carved from `data` (`held_out`). eval_size = 0 (or eval_fraction = 0 with nothing else given) means no
+    evaluation, said in `note`."""
+    builtin = isinstance(data, str) and data == "arithmetic"
+    eval_builtin = isinstance(eval_data, str) and eval_data == "arithmetic"
+    if builtin:
+        train, held = arithmetic_splits(eval_size, seed)
+        train_ids = list(range(len(train)))
+    else:
+        train, train_ids = load_rows(data, prompt_column), None
+    if eval_size == 0:
+        ev, ev_ids, note = [], [], "no held-out evaluation (eval_size=0)"
+    elif eval_data is not None and not eval_builtin:
+        ev = load_rows(eval_data, prompt_column)[:eval_size]
+        ev_ids, note = list(range(len(ev))), f"{len(ev)} held-out prompts from eval_data"
+    elif builtin or eval_builtin:
+        held = held if builtin else arithmetic_splits(eval_size, seed)[1]
+        ev, ev_ids = held[:eval_size], list(range(len(held[:eval_size])))
+        note = f"{len(ev)} held-out arithmetic problems"
+    elif eval_fraction == 0:
+        ev, ev_ids, note = [], [], "no held-out evaluation (eval_fraction=0 and no eval_data)"
+    else:
+        train_ids, ev_ids = held_out(train, prompt_column, eval_fraction, eval_size, seed)
+        ev = [train[i] for i in ev_ids]
+        train = [train[i] for i in train_ids]
+        note = f"{len(ev)} held-out prompts carved from data (eval_fraction={eval_fraction}, never trained on)"
+    if train_ids is None:
+        train_ids = list(range(len(train)))
+    return Splits(train, train_ids, ev, ev_ids, note)
+
+
 def to_prompts(rows: Sequence[dict], tokenizer, prompt_column: str = "prompt", system_prompt: str | None = None,
-               max_prompt_tokens: int | None = None, start_index: int = 0) -> list[Prompt]:
-    """Apply the chat template and tokenize. Errors name the row and the fix."""
-    if prompt_column not in rows[0]:
-        raise ValueError(f"the data has no {prompt_column!r} column (columns: {sorted(rows[0])}); "
-                         "set prompt_column to the column holding the prompts")
+               max_prompt_tokens: int | None = None, start_index: int = 0,
+               indices: Sequence[int] | None = None) -> list[Prompt]:
+    """Apply the chat template and tokenize. A prompt's index is `indices[i]` (its row in the source) when given,
+    else `start_index + i`. Errors name the row and the fix."""
     limit = max_prompt_tokens or getattr(tokenizer, "model_max_length", None) or 10**9
     out = []
     for i, row in enumerate(rows):
+        index = indices[i] if indices is not None else start_index + i
+        if prompt_column not in row:
+            raise ValueError(f"data row {index}: no {prompt_column!r} column (columns: {sorted(row)}); "
+                             "set prompt_column to the column holding the prompts")
         content = row[prompt_column]
         msgs = content if isinstance(content, list) else [{"role": "user", "content": str(content)}]
         if system_prompt:
@@ -78,21 +181,42 @@ def to_prompts(rows: Sequence[dict], tokenizer, prompt_column: str = "prompt", s
             text = "\n".join(m["content"] for m in msgs) + "\n"
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > limit:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens, more than the limit {limit}; "
+            raise ValueError(f"prompt {index} has {len(ids)} tokens, more than the limit {limit}; "
                              "shorten it or raise max_prompt_tokens")
         cols = {k: v for k, v in row.items() if k != prompt_column}
-        out.append(Prompt(start_index + i, tuple(ids), str(content if isinstance(content, str) else msgs[-1]["content"]), cols))
+        out.append(Prompt(index, tuple(ids), str(content if isinstance(content, str) else msgs[-1]["content"]), cols))
     return out
 
 
-def prompt_stream(prompts: Sequence[Prompt], seed: int) -> Iterator[Prompt]:
-    """Endless shuffled passes over the prompts (a new permutation each epoch, seeded)."""
-    rng = random.Random(seed)
-    epoch = list(prompts)
-    while True:
-        rng.shuffle(epoch)
-        yield from epoch
+class PromptStream:
+    """Endless shuffled passes over the prompts: epoch e is the seeded shuffle of epoch e - 1's order. The order is
+    a function of (seed, position), so `position` (prompts handed out so far) is the stream's whole state: a
+    stream made with the position a checkpoint saved continues exactly where the run left off."""
 
+    def __init__(self, prompts: Sequence[Prompt], seed: int, position: int = 0):
+        if not prompts:
+            raise ValueError("no training prompts: the data is empty after holding out the evaluation split")
+        self._rng = random.Random(seed)
+        self._order = list(prompts)
+        self._epoch = -1
+        self._next_epoch()
+        self.position = 0
+        self.skip(position)
 
-def take(it: Iterable, n: int) -> list:
-    return [x for _, x in zip(range(n), it)]
+    def _next_epoch(self) -> None:
+        self._rng.shuffle(self._order)
+        self._epoch += 1
+
+    def skip(self, n: int) -> None:
+        while self.position + n >= (self._epoch + 1) * len(self._order):
+            n -= (self._epoch + 1) * len(self._order) - self.position
+            self.position = (self._epoch + 1) * len(self._order)
+            self._next_epoch()
+        self.position += n
+
+    def take(self, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            out.append(self._order[self.position - self._epoch * len(self._order)])
+            self.skip(1)
+        return out

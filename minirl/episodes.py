@@ -114,8 +114,10 @@ class EpisodeRunner:
         return messages, self.chat.encode(self.chat.opening(shown))
 
     def prompts(self, rows: Sequence[dict], prompt_column: str = "prompt", max_prompt_tokens: int | None = None,
-                start_index: int = 0) -> list[Prompt]:
-        """One Prompt per row, opened by a throwaway env (the episodes open the same way). Errors name the row."""
+                start_index: int = 0, indices: Sequence[int] | None = None) -> list[Prompt]:
+        """One Prompt per row, opened by a throwaway env (the episodes open the same way); its index is
+        `indices[i]` when given, else `start_index + i` (distinct over every prompt of the runner: an episode finds
+        its row by it). Errors name the row."""
         out = []
         for i, row in enumerate(rows):
             try:
@@ -126,7 +128,7 @@ class EpisodeRunner:
             if max_prompt_tokens and len(ids) > max_prompt_tokens:
                 raise ValueError(f"the episode of row {i} opens with {len(ids)} tokens, more than the limit "
                                  f"{max_prompt_tokens}; shorten it or raise max_prompt_tokens")
-            index = start_index + i
+            index = indices[i] if indices is not None else start_index + i
             self.rows[index] = dict(row)
             text = next((m["content"] for m in reversed(messages) if m["role"] == "user"), messages[-1]["content"]
                         if messages else "")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ METRICS: dict[str, str] = {
     "time/gen_s": "generation seconds in this step",
     "time/train_s": "training seconds in this step",
     "train/skipped_nonfinite": "optimizer updates skipped because the loss or gradients were not finite",
+    "prompt_ids": "indices of the prompts trained on at this step (their rows in the training data)",
     # environment runs (multi-turn episodes, minirl/episodes.py); absent from single-turn runs
     "episode/turns": "mean model replies per episode",
     "episode/turns_max": "most replies in one episode",
@@ -92,6 +94,32 @@ def episode_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
             "episode/sampled_frac": sum(sum(c.mask or ()) for c in comps) / max(1, tokens)}
 
 
+def sample_rows(groups: Sequence[ScoredGroup], n: int) -> list[dict]:
+    """The first completion of the first `n` groups, with its scores (a "samples" event, for the sample panel)."""
+    rows = []
+    for g in groups[:n]:
+        c = g.group.completions[0]
+        rows.append({"prompt": g.group.prompt.text, "columns": g.group.prompt.columns, "completion": c.text,
+                     "reward": g.rewards[0], "per_reward": {k: v[0] for k, v in g.per_reward.items()},
+                     "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures]})
+    return rows
+
+
+def step_summary(history: Sequence[dict]) -> dict[str, Any]:
+    """A run's summary figures from its step events: steps, median step seconds, mean reward of the first and the
+    last k steps (k = a quarter of the steps, 1..5)."""
+    rewards = [h["reward/mean"] for h in history]
+    times = [h["time/step_s"] for h in history]
+    k = max(1, min(5, len(rewards) // 4))
+    return {"steps": len(history), "median_step_s": statistics.median(times) if times else None,
+            "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:])}
+
+
+def _mean(xs: Sequence[Any]) -> float | None:
+    xs = [x for x in xs if x is not None and x == x]
+    return sum(xs) / len(xs) if xs else None
+
+
 def _clean(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
@@ -99,14 +127,18 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsLog:
-    """Append-only JSONL: one JSON object per event, flushed at once so a crash loses nothing written."""
+    """Append-only JSONL: one JSON object per event, flushed at once so a crash loses nothing written. `append`
+    (a resumed run) continues the file and its clock, so times stay increasing across the resume."""
 
     def __init__(self, path: str | Path, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        last = _last_time(self.path) if append else 0.0
         self._f = open(self.path, "a" if append else "w", buffering=1)
+        if append and not _ends_a_line(self.path):
+            self._f.write("\n")  # a killed writer's half line stays a line of its own (skipped by readers)
         self._lock = threading.Lock()
-        self.t0 = time.time()
+        self.t0 = time.time() - last
 
     def log(self, event: str, **fields: Any) -> dict:
         rec = {"event": event, "time": round(time.time() - self.t0, 4), **{k: _clean(v) for k, v in fields.items()}}
@@ -116,6 +148,35 @@ class MetricsLog:
 
     def close(self) -> None:
         self._f.close()
+
+
+def _ends_a_line(path: Path) -> bool:
+    with open(path, "rb") as f:
+        if f.seek(0, 2) == 0:
+            return True
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
+
+
+def _last_time(path: Path) -> float:
+    try:
+        events = read_log(path)
+    except FileNotFoundError:
+        return 0.0
+    return max((e.get("time") or 0.0 for e in events), default=0.0)
+
+
+def supersede(events: list[dict], resume: dict) -> list[dict]:
+    """The events a resume leaves standing: a run resumed from a checkpoint after `resume["step"]` steps redoes the
+    later steps, so the first attempt's step, samples and later eval events of those steps are dropped."""
+    s = resume.get("step") or 0
+
+    def gone(e: dict) -> bool:
+        step = e.get("step")
+        if step is None:
+            return False
+        return (e["event"] in ("step", "samples") and step >= s) or (e["event"] == "eval" and step > s)
+    return [e for e in events if not gone(e)]
 
 
 class LogTail:
@@ -148,14 +209,17 @@ class LogTail:
                     new.append(json.loads(line))
                 except json.JSONDecodeError:
                     continue
-        self.events.extend(new)
+        for e in new:
+            if e.get("event") == "resume":
+                self.events = supersede(self.events, e)
+            self.events.append(e)
         return new
 
 
 
-
 def read_log(path: str | Path) -> list[dict]:
-    """Every complete event of a run's log (`metrics.jsonl`, or the run folder holding it)."""
+    """Every complete event of a run's log (`metrics.jsonl`, or the run folder holding it); after a resume, the
+    resumed run's events replace those of the steps it redid (`supersede`)."""
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"

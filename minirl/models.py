@@ -10,6 +10,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from functools import lru_cache
 from pathlib import Path
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -81,6 +82,56 @@ def resolve_model(name: str) -> str:
     if "/" not in name:
         raise ValueError(f"unknown model {name!r}: use '{EMBEDDED}', a Hugging Face id like 'org/name', "
                          "or a local folder")
+    return _hub_model(name)
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub answers a TCP connect within `timeout_s` (name lookup included: it runs in a
+    thread of its own, since `getaddrinfo` has no timeout of its own)."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+    from huggingface_hub import constants
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    ok: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                     timeout_s).close()
+            ok.append(True)
+        except OSError:
+            pass
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout_s + 0.5)
+    return bool(ok)
+
+
+@lru_cache(maxsize=None)
+def _hub_model(name: str) -> str:
+    """A Hugging Face id, found within seconds or one clear error (once per process). Offline (HF_HUB_OFFLINE, or the Hub unreachable)
+    the cached snapshot folder is used, and offline mode is set so that processes started later (a generator) do not
+    wait on the network either; online, the id must exist on the Hub."""
+    from huggingface_hub import errors, hf_hub_download, try_to_load_from_cache
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or not _hub_reachable()
+    if offline:
+        cached = try_to_load_from_cache(name, "config.json")
+        if isinstance(cached, str):
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            return str(Path(cached).parent)
+        raise ValueError(f"model {name!r} is not in the local Hugging Face cache and the Hub cannot be reached; "
+                         f"use the embedded default (model: {EMBEDDED}), a local model folder, or download it "
+                         "where there is a network")
+    try:
+        hf_hub_download(name, "config.json")
+    except (errors.RepositoryNotFoundError, errors.GatedRepoError, errors.EntryNotFoundError) as e:
+        raise ValueError(f"model {name!r} cannot be loaded from the Hugging Face Hub ({type(e).__name__}); check "
+                         f"the id, or use the embedded default (model: {EMBEDDED}) or a local model folder") from None
+    except Exception as e:  # noqa: BLE001 - any other Hub failure (HTTP error, timeout): one line, not a traceback
+        raise ValueError(f"model {name!r}: the Hugging Face Hub did not serve it ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''}); retry, or use the embedded default "
+                         f"(model: {EMBEDDED}) or a local model folder") from None
     return name
 
 

@@ -110,10 +110,12 @@ class Pipeline:
     our own for the transformers backend) and hands batches to the caller's thread."""
 
     def __init__(self, generator, scorer, prompts: Callable[[int], Sequence[Prompt]], sampling: Callable,
-                 group_size: int, prompts_per_step: int, steps: int, max_async_steps: int):
+                 group_size: int, prompts_per_step: int, steps: int, max_async_steps: int, first_step: int = 0):
+        """Generates steps `first_step` .. `steps - 1` (a resumed run starts past 0)."""
         self.gen, self.scorer = generator, scorer
         self.prompts_for, self.sampling = prompts, sampling
         self.G, self.P, self.steps, self.K = group_size, prompts_per_step, steps, max_async_steps
+        self.first_step = first_step
         self.timeline = Timeline()
         self.accounting = {"generated": 0, "trained": 0, "dropped_stale": 0, "unused": 0}
         self.gen_tokens: dict[int, int] = defaultdict(int)
@@ -142,7 +144,7 @@ class Pipeline:
     async def _produce(self) -> None:
         tasks: list[asyncio.Task] = []
         try:
-            for step in range(self.steps):
+            for step in range(self.first_step, self.steps):
                 while self.gen.version < step - self.K:  # the depth bound: at most K versions ahead
                     self._wake.clear()
                     await self._wake.wait()

@@ -1,13 +1,13 @@
 """A run: generate → score → train → push adapter → repeat, readable top to bottom in `Run._loop`.
 
 `Run(cfg).run()` blocks; `Run(cfg).start()` runs in a background thread (a notebook kernel stays responsive)
-with `pause()`, `resume()`, `stop()` and `wait()`. Every event goes to `out_dir/metrics.jsonl`.
+with `pause()`, `resume()`, `stop()` and `wait()`. Every event goes to `out_dir/metrics.jsonl`; checkpoints go to
+`out_dir/checkpoints` (see `checkpoint.py`), and `Run(cfg, resume=True)` continues from the latest one.
 """
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import threading
 import time
 import traceback
@@ -17,18 +17,23 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import data as D
-from .config import Config, parse_cores
+from .checkpoint import (Checkpoint, atomic_text, check_out_dir, clear_run, lock_out_dir, past_steps, restore,
+                         resume_point, save_adapter, save_checkpoint)
+from .config import Config, ConfigError, parse_cores
 from .envs import resolve_env
 from .episodes import make_runner
+from .evaluation import evaluate
 from .generators import Generator, make_generator, pick_backend
-from .metrics import MetricsLog, rollout_metrics
+from .metrics import MetricsLog, rollout_metrics, sample_rows, step_summary
+from .models import resolve_model
 from .rewards import Scorer, check_columns
 from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
 from .sync import SyncStats, verify
 from .tasks import TASKS
+from .trackers import check_tracker, make_tracker, scalars
 from .trainer import Trainer
-from .types import Episode, Prompt, SamplingParams, ScoredGroup
+from .types import Episode, SamplingParams, ScoredGroup
 
 
 def cpu_split(cfg: Config) -> tuple[str | None, int]:
@@ -45,19 +50,13 @@ def cpu_split(cfg: Config) -> tuple[str | None, int]:
     return gen, train
 
 
-def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, max_tokens: int) -> float:
-    """Greedy accuracy on held-out prompts: the mean of the *first* reward function (the reward is the metric)."""
-    if not prompts:
-        return float("nan")
-    groups = generator.generate(prompts, 1, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    name = scorer.rewards[0][0]
-    scores = [scorer.score_group(g, names=[name]).per_reward[name][0] for g in groups]
-    return sum(0.0 if v is None else v for v in scores) / len(scores)  # a failed score counts as wrong
-
-
 class Run:
+    """`resume=True` continues the run in out_dir from its latest checkpoint (the log is appended to);
+    `overwrite=True` replaces the run in out_dir. Without either, a run refuses an out_dir that holds one."""
+
     def __init__(self, config: Config | None = None, *, data: Any = None, eval_data: Any = None,
-                 rewards: Sequence[str | Callable] | None = None, env: Any = None, **overrides: Any):
+                 rewards: Sequence[str | Callable] | None = None, env: Any = None, resume: bool = False, overwrite: bool = False,
+                 **overrides: Any):
         self.cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         self._reward_refs = list(rewards) if rewards is not None else list(self.cfg.rewards)
         # --- environments (minirl/envs.py, minirl/episodes.py): `env` is a class or factory (one Env per
@@ -75,6 +74,7 @@ class Run:
         if rewards is not None:
             self.cfg = self.cfg.replace(rewards=[r if isinstance(r, str) else r.__name__ for r in rewards])
         self._data, self._eval_data = data, eval_data
+        self.resuming, self.overwrite = resume, overwrite
         self.out = Path(self.cfg.out_dir)
         self.history: list[dict] = []
         self.summary: dict[str, Any] = {}
@@ -85,32 +85,66 @@ class Run:
         self._thread: threading.Thread | None = None
         self.trainer: Trainer | None = None
         self.generator: Generator | None = None
+        self.rollouts: Any = None  # the generator, or (env runs) the episode runner on it
+        self.tracker = None
         self.on_step: list[Callable[[dict], None]] = []
+        self.on_eval: list[Callable[[dict], None]] = []  # {"step", "done", "total"} as it goes, then the eval event
         self._use_pipeline = self.cfg.max_async_steps > 0
+        self.checkpoint: Checkpoint | None = None  # the one this run resumed from
+        self.start_step = self.next_step = 0  # first step this process trains; steps done so far
+        self._between_steps = True  # the trainer's state is a whole number of steps (a checkpoint may be taken)
+        self._claimed = False  # out_dir is this run's to write (set once everything before the loop worked)
+        self._lock = None  # held while this run writes into out_dir
+        self._acc_before: float | None = None
 
     # --- set-up --------------------------------------------------------------------------------------------
     def setup(self) -> None:
+        """Check out_dir and every input, load the model and the generator, then claim out_dir. Everything that
+        can fail on a bad input fails before the model loads; a failure writes nothing into out_dir."""
+        check_out_dir(self.out, self.resuming, self.overwrite)
+        if self.resuming:
+            self.checkpoint, self.cfg = resume_point(self.out, self.cfg, self.SAFE_KNOBS)
+            self.start_step = self.next_step = self.checkpoint.step if self.checkpoint else 0
+        try:
+            self.load()
+            self._claim()
+        except BaseException:
+            self.close()
+            raise
+
+    def load(self) -> None:
+        """Check the inputs (rewards, data, tracker, model) and load the model, the prompts and the generator, from
+        the checkpoint being resumed if any. Writes nothing: `setup` is out_dir's checks, `load`, then the claim."""
         c = self.cfg
-        self.out.mkdir(parents=True, exist_ok=True)
+        check_tracker(c.report_to)
         self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std,
                                          c.reward_workers, c.reward_clip, c.reward_memory_mb)
-        if self._data is None and c.data == "arithmetic" and c.env in TASKS:  # a built-in env task's own rows
-            train_rows, eval_rows = TASKS[c.env].splits(c.eval_size, c.seed)
-        elif self._data is None and c.data == "arithmetic":
-            train_rows, eval_rows = D.arithmetic_splits(c.eval_size, c.seed)
-        else:
-            train_rows = D.load_rows(self._data if self._data is not None else c.data)
-            eval_rows = D.load_rows(self._eval_data) if self._eval_data is not None else []
-        cols = [k for k in train_rows[0] if k != c.prompt_column]
+        data = self._data if self._data is not None else c.data
+        eval_data = self._eval_data if self._eval_data is not None else c.eval_data
+        if self._env is not None and isinstance(data, str) and data == "arithmetic" and c.env in TASKS:
+            data, held = TASKS[c.env].splits(c.eval_size, c.seed)  # a built-in env task's own rows
+            eval_data = held if eval_data is None else eval_data
+        builtin = isinstance(data, str) and data == "arithmetic"
+        data = data if builtin else D.load_rows(data, c.prompt_column)  # the rows' own errors come first
+        cols = [k for k in (D.arithmetic_rows(1, 0) if builtin else data)[0] if k != c.prompt_column]
         if self._env is not None:  # an episode's reward keywords: its transcript and env reward
             cols += list(Episode((), (), 0).columns())
         for name, fn in self.scorer.rewards:
             check_columns(fn, name, cols)
+        self.splits = D.make_splits(data, eval_data,
+                                    prompt_column=c.prompt_column, eval_fraction=c.eval_fraction,
+                                    eval_size=c.eval_size, seed=c.seed)
+        if self.checkpoint and self.checkpoint.state.get("data") != self.splits.fingerprint:
+            raise ConfigError(f"the data differs from the data {str(self.out)!r} was trained on (its checkpoint "
+                              "records another fingerprint); resume with the same data, or start a new run")
+        if not self.splits.eval:
+            print(f"minirl: {self.splits.note}: held-out accuracy is not measured", flush=True)
         self.scorer.start()  # reward workers up before the model loads: a reward that cannot reach them fails now
         self.backend, self.backend_why = pick_backend(c.backend, torch.cuda.is_available())
         if c.inflight != "continue" and self.backend != "vllm":
             raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                              "backend finishes in-flight sequences on their adapter (inflight='continue')")
+        resolve_model(c.model)  # a model that cannot be found fails here, within seconds
         if torch.cuda.is_available():
             gen_devices = None if c.gen_devices == "auto" else c.gen_devices.replace("cuda:", "")
             train_device = "cuda" if c.train_devices == "auto" else c.train_devices
@@ -120,29 +154,69 @@ class Run:
             train_device = "cpu"
         self.trainer = Trainer(c, device=train_device)
         tok = self.trainer.tokenizer
+        sp = self.splits
         if self._env is None:
-            self.train_prompts = D.to_prompts(train_rows, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens)
-            self.eval_prompts = D.to_prompts(eval_rows[: c.eval_size], tok, c.prompt_column, c.system_prompt,
-                                             c.max_prompt_tokens, start_index=len(train_rows))
+            self.train_prompts = D.to_prompts(sp.train, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
+                                              indices=sp.train_ids)
+            self.eval_prompts = D.to_prompts(sp.eval, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
+                                             indices=sp.eval_ids)
+        if self.checkpoint is not None:
+            restore(self.checkpoint, self.trainer)
+            self.trainer.reconfigure(c)
         self.generator, self.sync, self._sync_why = make_generator(c, self.trainer, self.backend,
                                                                    self._use_pipeline, gen_devices)
         # what samples the groups: the generator, or (env runs) the episode runner on it (minirl/episodes.py)
         self.rollouts = self.generator
-        if self._env is not None:
+        if self._env is not None:  # its episodes open with reset(row); an eval row's index follows the train rows'
             self.rollouts = make_runner(self.generator, self._env, tok, c.max_turns, c.max_episode_tokens)
-            self.train_prompts = self.rollouts.prompts(train_rows, c.prompt_column, c.max_prompt_tokens)
-            self.eval_prompts = self.rollouts.prompts(eval_rows[: c.eval_size], c.prompt_column, c.max_prompt_tokens,
-                                                      start_index=len(train_rows))
+            self.train_prompts = self.rollouts.prompts(sp.train, c.prompt_column, c.max_prompt_tokens,
+                                                       indices=sp.train_ids)
+            first = 1 + max(sp.train_ids, default=-1)  # (the runner finds each prompt's row by its index)
+            self.eval_prompts = self.rollouts.prompts(sp.eval, c.prompt_column, c.max_prompt_tokens,
+                                                      indices=[first + i for i in range(len(sp.eval))])
         if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, parse_cores(c.train_devices))  # this (trainer) thread; after the engine spawned
-        self.stream = D.prompt_stream(self.train_prompts, c.seed)
-        self.log = MetricsLog(self.out / "metrics.jsonl")
-        self.log.log("start", config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
-                     transport=self.sync.transport,
-                     transport_why=self._sync_why,
-                     reward_versions=self.scorer.versions)
-        c.to_yaml(self.out / "config.yaml")
+        if self.checkpoint is not None:
+            self.sync.push(self.trainer, self.generator)  # the generator serves the restored policy
+        position = self.checkpoint.state["data_position"] if self.checkpoint else 0
+        self.stream = D.PromptStream(self.train_prompts, c.seed, position)
         self._probe = None
+
+    def _claim(self) -> None:
+        """Make out_dir this run's: replace an old run (overwrite), or continue its log (resume)."""
+        c = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._lock = lock_out_dir(self.out)
+        if self.overwrite:
+            clear_run(self.out)
+        self.tracker = make_tracker(c.report_to, self.out, c.to_dict(), self.resuming)
+        info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
+                    transport=self.sync.transport, transport_why=self._sync_why, reward_versions=self.scorer.versions,
+                    train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note)
+        if self.resuming:
+            self.history, self._acc_before = past_steps(self.out, self.start_step)
+        self.log = MetricsLog(self.out / "metrics.jsonl", append=self.resuming)
+        self._claimed = True
+        if self.resuming:
+            self.log.log("resume", step=self.start_step, version=self.trainer.version,
+                         checkpoint=str(self.checkpoint.path) if self.checkpoint else None, **info)
+        else:
+            atomic_text(self.out / "config.yaml", c.to_yaml())
+            self.log.log("start", **info)
+
+    def close(self) -> None:
+        """Close what `load` opened (after a failed set-up, or an evaluation without a run: `minirl eval`)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.close()
+        scorer, self.scorer = getattr(self, "scorer", None), None
+        if scorer is not None:
+            scorer.close()
+        for name in ("generator", "sync", "tracker"):
+            obj = getattr(self, name, None)
+            setattr(self, name, None)
+            if obj is not None:
+                obj.close()
 
     def _sampling(self, step: int) -> SamplingParams:
         c = self.cfg
@@ -151,66 +225,97 @@ class Run:
     # --- the loop ------------------------------------------------------------------------------------------
     def _loop(self, pipeline: bool) -> dict[str, Any]:
         c, log = self.cfg, self.log
-        acc0 = evaluate(self.rollouts, self.eval_prompts, self.scorer, c.max_tokens)
-        log.log("eval", step=0, version=0, accuracy=acc0)
+        if self.history or self._acc_before is not None:  # resumed: measured before the first step already
+            acc0 = self._acc_before
+        else:
+            acc0 = self._evaluate(0)
         self.summary["eval_accuracy_before"] = acc0
-        step_times: list[float] = []
+        self._pos0 = self.stream.position
         batches = self._pipeline_batches() if pipeline else self._sync_batches()
         t_prev = time.perf_counter()
         for step, scored, gen in batches:
             stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.sampled_versions]
             gen.update({"staleness/mean": _mean(stale), "staleness/max": max(stale, default=None)})
             t1 = time.perf_counter()
+            self._between_steps = False
             tm = self.trainer.step(scored)
             t2 = time.perf_counter()
             sync = self._push(scored)
             t3 = time.perf_counter()
+            self._between_steps, self.next_step = True, step + 1
             if pipeline:
                 self.pipeline.signal_version()
                 self.pipeline.timeline.add_train(t1, t3)
             else:
                 self.log.log("timeline", side="train", start=t1 - self._t_start, end=t3 - self._t_start)
             dt, t_prev = t3 - t_prev, t3
-            step_times.append(dt)
             rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
                    "reward/failure_kinds": failure_kinds(scored),
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
-                   "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt}
+                   "sync/ms": sync.ms, "sync/bytes": sync.bytes, "time/step_s": dt,
+                   "prompt_ids": [g.group.prompt.index for g in scored]}
             rec.setdefault("busy/train", (t3 - t1) / dt)
             if "busy/gen" not in rec:
                 rec["busy/gen"] = gen["time/gen_s"] / dt
             self.history.append(log.log("step", **rec))
+            if self.tracker is not None:
+                self.tracker.log(scalars(rec), step)
             self._log_samples(step, scored)
             for cb in self.on_step:
                 cb(rec)
             if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
-                log.log("eval", step=step + 1, version=self.trainer.version,
-                        accuracy=evaluate(self.rollouts, self.eval_prompts, self.scorer, c.max_tokens))
+                self._evaluate(step + 1)
+            if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0 and step + 1 < c.steps:
+                self._checkpoint()
         if pipeline:
             self._close_pipeline()
-        acc1 = evaluate(self.rollouts, self.eval_prompts, self.scorer, c.max_tokens)
-        log.log("eval", step=len(step_times), version=self.trainer.version, accuracy=acc1)
-        rewards = [h["reward/mean"] for h in self.history]
-        k = max(1, min(5, len(rewards) // 4)) if rewards else 1
+        acc1 = self._evaluate(self.next_step)
         self.summary.update({
-            "steps": len(step_times), "backend": self.backend, "backend_why": self.backend_why,
-            "transport": self.sync.transport,
-            "max_async_steps": c.max_async_steps,
-            "median_step_s": statistics.median(step_times) if step_times else None,
-            "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts),
-            "reward_first": _mean(rewards[:k]), "reward_last": _mean(rewards[-k:]),
+            **step_summary(self.history), "backend": self.backend, "backend_why": self.backend_why,
+            "transport": self.sync.transport, "max_async_steps": c.max_async_steps,
+            "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts), "eval": self.splits.note,
+            **({"resumed_from_step": self.start_step} if self.resuming else {}),
         })
         return self.summary
+
+    def _evaluate(self, step: int) -> float | None:
+        """Held-out greedy accuracy after `step` steps, logged (and sent to the tracker); None without eval data."""
+        if not self.eval_prompts:
+            return None
+
+        def progress(done: int, total: int) -> None:
+            for cb in self.on_eval:
+                cb({"step": step, "done": done, "total": total})
+        acc = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress)
+        rec = self.log.log("eval", step=step, version=self.trainer.version, accuracy=acc)
+        if self.tracker is not None:
+            self.tracker.log({"eval/accuracy": acc}, step)
+        for cb in self.on_eval:
+            cb(rec)
+        return acc
+
+    def _checkpoint(self) -> None:
+        """A checkpoint after `next_step` steps (nothing when this process trained none, or the step is saved)."""
+        if self.next_step == self.start_step or getattr(self, "_saved_step", None) == self.next_step:
+            return
+        c = self.cfg
+        state = {"step": self.next_step, "version": self.trainer.version, "data": self.splits.fingerprint,
+                 "data_position": self._pos0 + (self.next_step - self.start_step) * c.prompts_per_step,
+                 "config": c.to_dict()}
+        path = save_checkpoint(self.out, self.trainer, state, c.keep_checkpoints)
+        self.log.log("checkpoint", step=self.next_step, version=self.trainer.version, path=path and str(path),
+                     **({} if path else {"skipped": "the adapter holds non-finite values"}))
+        self._saved_step = self.next_step
 
     def _sync_batches(self):
         """Synchronous source: generate the step's groups now, with the current policy, then score them."""
         c = self.cfg
-        for step in range(c.steps):
+        for step in range(self.start_step, c.steps):
             self._running.wait()
             if self._stop.is_set():
                 return
             t0 = time.perf_counter()
-            groups = self.rollouts.generate(D.take(self.stream, c.prompts_per_step), c.group_size, self._sampling(step))
+            groups = self.rollouts.generate(self.stream.take(c.prompts_per_step), c.group_size, self._sampling(step))
             t_gen = time.perf_counter() - t0
             scored = [self.scorer.score_group(g) for g in groups]
             n_tok = sum(len(x.token_ids) for g in groups for x in g.completions)
@@ -219,14 +324,15 @@ class Run:
                                  "staleness/dropped_groups": 0, "buffer/depth": 0}
 
     def _pipeline_batches(self):
-        """Asynchronous source: take the step's batch from the rollout buffer (generated up to K versions ago)."""
+        """Asynchronous source: take the step's batch from the rollout buffer (generated up to K versions ago).
+        A resumed run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
         c = self.cfg
-        batches = [D.take(self.stream, c.prompts_per_step) for _ in range(c.steps)]  # fixed order, as sync
-        self.pipeline = Pipeline(self.rollouts, self.scorer, lambda s: batches[s], self._sampling, c.group_size,
-                                 c.prompts_per_step, c.steps, c.max_async_steps)
+        batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}  # as sync
+        self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, self._sampling, c.group_size,
+                                 c.prompts_per_step, c.steps, c.max_async_steps, first_step=self.start_step)
         tl = self.pipeline.timeline
         t_prev = tl.now()
-        for step in range(c.steps):
+        for step in range(self.start_step, c.steps):
             self._running.wait()
             if self._stop.is_set():
                 return
@@ -270,14 +376,8 @@ class Run:
         return stats
 
     def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
-        rows = []
-        for g in scored[: self.cfg.log_samples]:
-            c = g.group.completions[0]
-            rows.append({"prompt": g.group.prompt.text, "columns": g.group.prompt.columns, "completion": c.text,
-                         "reward": g.rewards[0],
-                         "per_reward": {k: v[0] for k, v in g.per_reward.items()},
-                         "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures]})
-        self.log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
+        self.log.log("samples", step=step, samples=sample_rows(scored, self.cfg.log_samples),
+                     reward_versions=self.scorer.versions)
 
     # --- lifecycle -----------------------------------------------------------------------------------------
     def run(self, pipeline: bool | None = None) -> dict[str, Any]:
@@ -305,20 +405,12 @@ class Run:
     def _finish(self) -> None:
         """Save and close everything, however the run ended. A failure here is logged and never hides the run's own
         error, and never keeps the next step from closing what it closes."""
-        def save() -> None:
-            if self.trainer is None:
-                return
-            if not self.trainer.adapter_is_finite():
-                self.summary["adapter"] = None
-                self.summary["adapter_not_saved"] = "non-finite weights"
-                return
-            self.trainer.save_adapter(self.out / "adapter")  # saved even on a crash: nothing is lost
-            self.summary["adapter"] = str(self.out / "adapter")
-            (self.out / "summary.json").write_text(json.dumps(self.summary, indent=2))
-        closing = [("pipeline", self._close_pipeline), ("adapter and summary", save),
+        closing = [("pipeline", self._close_pipeline),
+                   ("checkpoint, adapter and summary", lambda: self._claimed and self._save_final()),
                    ("generator", lambda: self.generator is not None and self.generator.close()),
                    ("sync", lambda: getattr(self, "sync", None) is not None and self.sync.close()),
-                   ("reward workers", lambda: getattr(self, "scorer", None) is not None and self.scorer.close())]
+                   ("reward workers", lambda: getattr(self, "scorer", None) is not None and self.scorer.close()),
+                   ("tracker", lambda: self.tracker is not None and self.tracker.close())]
         failed: list[BaseException] = []
         for what, fn in closing:
             try:
@@ -330,9 +422,25 @@ class Run:
         if hasattr(self, "log"):
             self.log.log("end", summary=self.summary)
             self.log.close()
+        if self._lock is not None:
+            self._lock.close()  # out_dir is free for the next run
         if failed and self.error is None:  # the run itself went well: its closing failure must not pass silently
             self.error = failed[0]
             raise failed[0]
+
+    def _save_final(self) -> None:
+        """At the end, on stop or on an error: a checkpoint (unless the error struck mid-step: then the last one
+        stands), the adapter and the summary, each written atomically. Saved even on a crash, so nothing is lost;
+        but a non-finite adapter is never saved."""
+        if self._between_steps:
+            self._checkpoint()
+        if self.trainer.adapter_is_finite():
+            save_adapter(self.trainer, self.out / "adapter")
+            self.summary["adapter"] = str(self.out / "adapter")
+        else:
+            self.summary["adapter"] = None
+            self.summary["adapter_not_saved"] = "non-finite weights"
+        atomic_text(self.out / "summary.json", json.dumps(self.summary, indent=2))
 
     def start(self) -> "Run":
         """Run in a background thread; the caller (a notebook kernel) stays free."""
@@ -387,26 +495,6 @@ class Run:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-
-def eval_cli(cfg: Config, adapter: str | None = None) -> dict[str, Any]:
-    """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
-    run = Run(cfg.replace(steps=0))
-    run.setup()
-    try:
-        if adapter:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
-            set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
-            run.trainer.version = 1
-            run.sync.push(run.trainer, run.generator)
-        acc = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens)
-        return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
-                "backend": run.backend}
-    finally:
-        run.generator.close()
-        run.sync.close()
-        run.log.close()
 
 
 def _mean(xs: Sequence[float]) -> float | None:

@@ -128,14 +128,17 @@ class Trainer:
         return path
 
     def state_dict(self) -> dict:
-        return {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "version": self.version,
-                "rng": torch.get_rng_state()}
+        """Optimizer, scheduler and policy version: with the adapter (`save_adapter`), the trainer's whole state."""
+        return {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "version": self.version}
 
     def load_state(self, adapter_dir: str | Path, state: dict) -> None:
+        """Continue from a checkpoint: the adapter saved in `adapter_dir` (copied into the live LoRA tensors, so
+        the flat adapter buffer stays shared) and `state_dict()`'s output."""
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
-        set_peft_model_state_dict(self.model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+        res = set_peft_model_state_dict(self.model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
+        if getattr(res, "unexpected_keys", None):
+            raise ValueError(f"{adapter_dir}: the adapter does not fit this model (unexpected {res.unexpected_keys[:3]})")
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])
         self.version = state["version"]
-        torch.set_rng_state(state["rng"])

@@ -114,7 +114,9 @@ def test_unknown_config_field_suggests_the_right_one():
     (dict(data=[]), "dataset is empty"),
     (dict(data=[{"prompt": "hi"}]), r"needs column\(s\) \['answer'\]"),
     (dict(data=[{"question": "hi", "answer": 1}]), "no 'prompt' column"),
-    (dict(data=[{"prompt": "1 " * 600, "answer": 1}]), "has .* tokens, more than the limit"),
+    (dict(data=[{"prompt": "1 " * 600, "answer": 1}], eval_data=TOY_ROWS[:2]), "has .* tokens, more than the limit"),
+    (dict(data=[{"prompt": "hi", "answer": 1}] * 3), "1 distinct prompt.*give eval_data, or set eval_size: 0"),
+    (dict(data=TOY_ROWS[:1] + [{"answer": 2}]), r"data row 1: no 'prompt' column"),
 ])
 def test_bad_data_is_a_clear_error(toy_cfg, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -191,11 +191,14 @@ def test_engine_errors_reach_the_caller(gen, prompts):
 def test_close_leaves_no_process(gen, prompts):
     import psutil
 
-    def children():  # live processes below us, except Python's resource tracker (it exits with us)
-        out = []
+    from minirl import lifecycle
+
+    def children():  # live processes below us, except Python's resource tracker and minirl's watchdog (both
+        out = []     # exit with us, by design)
         for p in psutil.Process().children(recursive=True):
             try:
-                if p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline()):
+                if (p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())
+                        and p.pid != lifecycle.watchdog_pid()):
                     out.append(p)
             except psutil.NoSuchProcess:
                 pass

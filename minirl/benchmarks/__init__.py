@@ -33,7 +33,7 @@ def bench_pipeline(out: str | Path, steps: int = 12, warmup: int = 2, eval_size:
                             eval_size=eval_size, gen_devices="0", train_devices="1", seed=0), **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "learning": {}, "async_k": async_k}
     for K in (0, 1, 2):
-        run = Run(base.replace(max_async_steps=K, out_dir=str(Path(out) / f"pipeline_k{K}")))
+        run = Run(base.replace(max_async_steps=K, out_dir=str(Path(out) / f"pipeline_k{K}")), overwrite=True)
         s = run.run(pipeline=True)
         h = run.history[warmup:]
         res[f"k{K}"] = {"step_s": statistics.median(x["time/step_s"] for x in h),
@@ -80,7 +80,8 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
             if f"s{seed}_k{K}" in res["runs"]:
                 continue
             split = dict(gen_devices="0", train_devices="1") if K else {}
-            run = Run(base.replace(seed=seed, max_async_steps=K, out_dir=str(Path(out) / f"s{seed}_k{K}"), **split))
+            run = Run(base.replace(seed=seed, max_async_steps=K, out_dir=str(Path(out) / f"s{seed}_k{K}"), **split),
+                      overwrite=True)  # a run not in learning.json was interrupted: start it again
             s = run.run()
             res["runs"][f"s{seed}_k{K}"] = {
                 "before": s["eval_accuracy_before"], "after": s["eval_accuracy_after"],

@@ -1,0 +1,264 @@
+"""The run folder and its checkpoints: everything needed to continue a run exactly, and nothing written halfway.
+
+    out_dir/config.yaml          the config the run started with
+    out_dir/metrics.jsonl        the event log (a resumed run appends a "resume" event; it is never truncated)
+    out_dir/adapter/             the latest adapter, peft format
+    out_dir/summary.json
+    out_dir/checkpoints/step-000012/
+        adapter_config.json, adapter_model.safetensors   the adapter after 12 steps
+        trainer.pt    optimizer and scheduler state, the torch (CPU and CUDA) and Python RNG states
+        state.json    next step, policy version, data position, data fingerprint, the live config
+
+Files are written under a temporary name in their folder and renamed over the target; a checkpoint is written
+to a temporary folder and renamed into place. A rename is atomic, so a kill at any instant leaves the old file or
+the new one, never a mixture, and a checkpoint folder either is complete or does not exist.
+
+What a checkpoint does not hold: rollouts generated ahead of the trainer (K >= 1). They are regenerated on resume,
+for the same steps from the same prompts with the same per-step seeds, under the restored policy: the prompts
+trained at each step are exactly those of an uninterrupted run, none lost, none twice. Saving them instead would
+not make a K >= 1 run exact: what the buffer holds at a given step, and under which versions it was sampled,
+depends on timing, so an uninterrupted run is not reproducible token for token either.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .config import Config, ConfigError
+from .metrics import read_log, supersede
+
+# what a run writes into its out_dir (all of it goes on --overwrite; nothing else there is touched)
+RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "adapter", "checkpoints", "reward.png", "dashboard.png",
+             "tensorboard")
+
+# fields a resumed run may change: length, cadence, logging and the machine it runs on. Every other field decides
+# what is trained; changing it would make the continuation a different run.
+RESUME_FREE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkpoints", "log_samples", "report_to",
+                         "out_dir", "backend", "gen_devices", "train_devices", "gpu_memory_utilization", "kv_cache_gb",
+                         "sync_transport", "verify_sync", "reward_timeout_s", "inflight", "max_async_steps"})
+
+
+class RunExists(ConfigError):
+    """out_dir already holds a run, and neither resume nor overwrite was asked for."""
+
+
+# --- atomic writes ------------------------------------------------------------------------------------------
+
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
+    """`write(tmp)` writes a temporary file beside `path` (same suffix), which then replaces `path` in one rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_name(path.parent, path.stem, path.suffix)  # created by `write`: the usual permissions (umask)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def _temp_name(folder: Path, stem: str, suffix: str = "") -> Path:
+    return folder / f".{stem}-{uuid.uuid4().hex[:12]}{suffix}"
+
+
+def _usual_permissions(folder: Path) -> None:
+    """Give the files in `folder` the permissions a new file gets (the umask's): safetensors writes its files
+    private (0600), which would make an adapter unreadable to the other users of a shared machine."""
+    probe = folder / f".probe-{uuid.uuid4().hex[:8]}"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, mode)
+
+
+def _temp_dir(folder: Path, stem: str) -> Path:
+    """A new hidden folder in `folder` (mkdtemp's would be private, 0700, and stay so after the rename)."""
+    tmp = _temp_name(folder, stem)
+    tmp.mkdir()
+    return tmp
+
+
+def atomic_text(path: str | Path, text: str) -> Path:
+    return atomic_write(path, lambda p: p.write_text(text))
+
+
+def save_adapter(trainer, path: str | Path) -> Path:
+    """The trainer's adapter into the folder `path`, each file replaced in one rename (the config first, the
+    weights last): a reader sees the old adapter or the new one."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = _temp_dir(path.parent, "adapter")
+    try:
+        trainer.save_adapter(tmp)
+        _usual_permissions(tmp)
+        for f in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):
+            os.replace(f, path / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+# --- the run folder -----------------------------------------------------------------------------------------
+
+def holds_run(out: Path) -> bool:
+    return any((out / name).exists() for name in RUN_FILES)
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Refuse, in one line, to start a new run over an existing one, or to resume where there is none."""
+    if resume and overwrite:
+        raise ConfigError("resume and overwrite exclude each other: resume continues the run in out_dir, "
+                          "overwrite replaces it")
+    if resume and not (out / "metrics.jsonl").exists():
+        raise ConfigError(f"nothing to resume in {str(out)!r}: no run there; start one without --resume, or point "
+                          "out_dir at the run to continue")
+    if not resume and not overwrite and holds_run(out):
+        raise RunExists(f"{str(out)!r} already holds a run; continue it with --resume (resume=True), replace it "
+                        "with --overwrite (overwrite=True), or choose another out_dir")
+
+
+def lock_out_dir(out: Path):
+    """Hold `out` for this process until the returned file is closed (or the process dies, even by SIGKILL): a
+    second run into the same out_dir while one is going, e.g. a --resume started too early, stops in one line."""
+    import fcntl
+    f = open(out / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(f"{str(out)!r} is in use by a run that is still going (pid {pid}); wait for it to end, "
+                          "stop it, or choose another out_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
+def clear_run(out: Path) -> None:
+    """Remove what a run wrote into `out` (for overwrite); other files are left alone."""
+    for name in RUN_FILES:
+        p = out / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+
+
+def resume_config(given: Config, out: Path, live: dict | None, knobs: Sequence[str]) -> Config:
+    """The config a resumed run continues with. `given` may differ from the run's own (out_dir/config.yaml) only in
+    RESUME_FREE fields (e.g. more `steps`) and the mid-run knobs; a knob left as the run started keeps the value it
+    had at the checkpoint (`live`: a `Run.set` carries over)."""
+    original = Config.from_yaml(out / "config.yaml").to_dict() if (out / "config.yaml").exists() else given.to_dict()
+    new = given.to_dict()
+    changed = [f"{k} ({original[k]!r} -> {new[k]!r})" for k in new
+               if k not in RESUME_FREE and k not in knobs and new[k] != original[k]]
+    if changed:
+        raise ConfigError(f"cannot resume {str(out)!r} with a different {', '.join(changed)}: resume with the run's "
+                          "own config (its config.yaml), or start a new run (another out_dir, or --overwrite)")
+    for k in knobs:
+        if live is not None and new[k] == original[k]:
+            new[k] = live[k]
+    return Config.from_dict(new)
+
+
+def resume_point(out: Path, given: Config, knobs: Sequence[str]) -> tuple["Checkpoint | None", Config]:
+    """The latest checkpoint in `out` (None: the run stopped before its first; it starts again at step 0) and the
+    config to continue with (`resume_config`)."""
+    ckpt = latest_checkpoint(out)
+    cfg = resume_config(given, out, ckpt.state["config"] if ckpt else None, knobs)
+    if ckpt is not None and ckpt.step >= cfg.steps:
+        raise ConfigError(f"{str(out)!r} already trained its {ckpt.step} steps; give more steps "
+                          f"(e.g. --steps {ckpt.step + 10}) to continue it")
+    return ckpt, cfg
+
+
+def past_steps(out: Path, step: int) -> tuple[list[dict], float | None]:
+    """What a run resumed after `step` steps keeps of its log: the step events before `step`, and the held-out
+    accuracy measured before training (None if none was)."""
+    done = supersede(read_log(out), {"step": step})
+    before = next((e["accuracy"] for e in done if e["event"] == "eval" and e["step"] == 0), None)
+    return [e for e in done if e["event"] == "step"], before
+
+
+# --- checkpoints --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path
+    step: int  # steps done: the next step to train
+    state: dict  # state.json
+
+
+def rng_state() -> dict:
+    """Every global RNG state sampling or user code may draw from: torch CPU and CUDA, and Python's `random`.
+    (Sampling seeds are a function of (seed, step), and the prompt order of (seed, position).)"""
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate()}
+
+
+def set_rng_state(s: dict) -> None:
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+    random.setstate(s["python"])
+
+
+def save_checkpoint(out: Path, trainer, state: dict, keep: int) -> Path | None:
+    """Write checkpoint `state["step"]` (atomically) and delete all but the latest `keep`. A non-finite adapter is
+    never written (None is returned): resuming from it could only fail."""
+    if not trainer.adapter_is_finite():
+        return None
+    root = out / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{state['step']:06d}"
+    tmp = _temp_dir(root, final.name)
+    try:
+        trainer.save_adapter(tmp)
+        torch.save({"trainer": trainer.state_dict(), "rng": rng_state()}, tmp / "trainer.pt")
+        (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
+        _usual_permissions(tmp)
+        if final.exists():  # the same step again (a resumed run's re-done step): the newer one wins
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in checkpoints(out)[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return final
+
+
+def checkpoints(out: Path) -> list[Checkpoint]:
+    """The complete checkpoints in `out`, oldest first (temporary folders of an interrupted write are not)."""
+    found = []
+    for p in sorted((out / "checkpoints").glob("step-*")):
+        if (p / "state.json").exists():
+            state = json.loads((p / "state.json").read_text())
+            found.append(Checkpoint(p, int(state["step"]), state))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(out: Path) -> Checkpoint | None:
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
+def restore(ckpt: Checkpoint, trainer) -> None:
+    """Load a checkpoint into the trainer (adapter, optimizer, scheduler, version) and the global RNGs."""
+    saved = torch.load(ckpt.path / "trainer.pt", map_location="cpu", weights_only=True)
+    trainer.load_state(ckpt.path, saved["trainer"])
+    set_rng_state(saved["rng"])

@@ -1,0 +1,126 @@
+"""The command line as a new user meets it: their own JSONL and reward module, and every bad input one line."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minirl.cli import main
+
+from conftest import TOY_ROWS
+
+REWARD = '''def says_yes(prompt, completion, **_):
+    return 1.0 if "yes" in completion.split() else 0.0
+'''
+
+
+def _write_run(tmp_path, model, **extra):
+    with open(tmp_path / "my.jsonl", "w") as f:
+        for r in TOY_ROWS:
+            f.write(json.dumps(r) + "\n")
+    (tmp_path / "myrew.py").write_text(REWARD)
+    cfg = dict(model=model, backend="hf", data="my.jsonl", rewards=["myrew:says_yes"], steps=2, prompts_per_step=4,
+               group_size=4, max_tokens=6, lr="1e-2", lora_rank=8, lora_alpha=16, out_dir="runs/my", **extra)
+    (tmp_path / "my.yaml").write_text("".join(f"{k}: {json.dumps(v) if isinstance(v, list) else v}\n"
+                                              for k, v in cfg.items()).replace('lr: "1e-2"', "lr: 1e-2"))
+
+
+def test_train_on_own_jsonl_with_a_reward_module_in_the_current_directory(tiny_model, tmp_path):
+    """`minirl train my.yaml` on a JSONL, with `myrew:says_yes` from the current directory: `-P` keeps the current
+    directory off sys.path, as for the installed `minirl` script. Held-out accuracy before and after."""
+    _write_run(tmp_path, tiny_model)
+    p = subprocess.run([sys.executable, "-P", "-m", "minirl.cli", "train", "my.yaml"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads(p.stdout[p.stdout.index("{"):])
+    assert summary["eval_size"] == 6 and "carved from data" in summary["eval"]
+    assert isinstance(summary["eval_accuracy_before"], float) and isinstance(summary["eval_accuracy_after"], float)
+    assert "held-out accuracy after 0 steps" in p.stderr and "held-out accuracy after 2 steps" in p.stderr
+    assert "step 2/2  reward" in p.stderr and "Traceback" not in p.stderr
+    assert (tmp_path / "runs/my/adapter/adapter_model.safetensors").exists()
+    assert (tmp_path / "runs/my/dashboard.png").exists()
+
+
+BAD = [  # (what, files, argv, the line's content)
+    ("yaml syntax", {"c.yaml": "steps: 3\nlr: [1e-4\n"}, ["train", "c.yaml"], "c.yaml:3:1: not valid YAML"),
+    ("yaml list", {"c.yaml": "- steps: 3\n"}, ["train", "c.yaml"], "c.yaml: expected `field: value` lines (a mapping), got a list"),
+    ("yaml value", {"c.yaml": "reward_timeout_s: soon\n"}, ["train", "c.yaml"], "c.yaml: reward_timeout_s: expected a number, got 'soon'"),
+    ("yaml typo", {"c.yaml": "stepz: 3\n"}, ["train", "c.yaml"], "'stepz' (did you mean 'steps'?)"),
+    ("no config", {}, ["train", "nope.yaml"], "config file 'nope.yaml' not found"),
+    ("row without prompt", {"c.yaml": "data: d.jsonl\n", "d.jsonl": '{"prompt": "a", "answer": 1}\n{"answer": 2}\n'},
+     ["train", "c.yaml"], "d.jsonl:2: no 'prompt' column (columns: ['answer']); every row needs one"),
+    ("not utf-8", {"c.yaml": "data: d.jsonl\n", "d.jsonl": b'{"prompt": "a"}\n{"prompt": "\xff"}\n'},
+     ["train", "c.yaml"], "d.jsonl:2: not UTF-8 text (byte 0xff"),
+    ("no data file", {"c.yaml": "data: nope.jsonl\n"}, ["train", "c.yaml"], "data 'nope.jsonl': no such file"),
+    ("reward module", {"c.yaml": "rewards: [nomod:f]\n"}, ["train", "c.yaml"], "reward 'nomod:f' cannot be imported"),
+    ("unknown flag", {}, ["demo", "--stepz", "3"], "unrecognized arguments: --stepz (did you mean --steps?); see `minirl demo --help`"),
+    ("bad flag value", {}, ["demo", "--eval-fraction", "2"], "eval_fraction=2.0: use a fraction in [0, 1)"),
+    ("run exists", {"runs/demo/metrics.jsonl": "{}\n"}, ["demo"], "'runs/demo' already holds a run; continue it with --resume"),
+    ("nothing to resume", {}, ["demo", "--resume"], "nothing to resume in 'runs/demo'"),
+    ("tracker", {}, ["demo", "--report-to", "wandb"], "report_to='wandb': use 'trackio', 'tensorboard' or none"),
+]
+
+
+@pytest.mark.parametrize("what,files,argv,expect", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_one_line_before_the_model_loads(what, files, argv, expect, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current directory on it
+    monkeypatch.setattr("minirl.run.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    code = _exit_code(argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("minirl: error: ") and expect in lines[0], lines[0]
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's errors exit
+        return e.code
+
+
+def test_a_model_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path, capsys):
+    """A Hugging Face id not in the local cache, with the Hub unreachable (here: a closed loopback port)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("minirl.run.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    t0 = time.time()
+    assert main(["demo", "--model", "someone/no-such-model-here"]) == 2
+    assert time.time() - t0 < 30  # a generous bound: the probe times out after 3 s
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert "'someone/no-such-model-here' is not in the local Hugging Face cache" in line
+    assert "model: smollm2-135m-instruct" in line
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_shows_step_reward_rate_and_eta(tty, capsys):
+    from minirl.cli import _Progress
+    p = _Progress(total=4, initial=1, tty=tty)
+    p.eval({"step": 1, "done": 8, "total": 16})
+    p.eval({"event": "eval", "step": 1, "accuracy": 0.25})
+    for k in (1, 2):
+        p.step({"step": k, "reward/mean": 0.5 * k, "time/step_s": 2.0})
+    p.close()
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "held-out accuracy after 1 steps: 0.250" in err
+    if tty:
+        assert "step 3/4" in err and "reward 1.000" in err and "step/s" in err and "<00:0" in err  # rate, ETA
+    else:
+        assert err.splitlines()[-1] == "step 3/4  reward 1.000  2.0 s/step  ETA 0:00:02"
+
+
+def test_eval_measures_the_held_out_split_and_writes_nothing(tiny_model, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current directory on it
+    _write_run(tmp_path, tiny_model)
+    assert main(["eval", "--model", tiny_model, "--backend", "hf", "--data", "my.jsonl", "--rewards", "[myrew:says_yes]",
+                 "--max-tokens", "6", "--out-dir", "runs/my"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["eval_size"] == 6 and 0 <= out["accuracy"] <= 1
+    assert not (tmp_path / "runs").exists()

@@ -1,0 +1,98 @@
+"""Data: held-out splits for any data (disjoint from training, deterministic), the seeded prompt order whose state is
+one position, and one clear error line naming the file and line for bad rows."""
+import json
+from pathlib import Path
+
+import pytest
+
+from minirl import Run
+from minirl import data as D
+from minirl.metrics import read_log
+from minirl.types import Prompt
+
+from conftest import TOY_ROWS
+
+
+def test_held_out_split_is_deterministic_disjoint_and_capped():
+    rows = [{"prompt": f"q{i % 30}", "answer": i} for i in range(60)]  # every prompt twice
+    tr, ev = D.held_out(rows, "prompt", 0.1, 64, seed=0)
+    assert len(ev) == 3 and (tr, ev) == D.held_out(rows, "prompt", 0.1, 64, seed=0)
+    assert ev != D.held_out(rows, "prompt", 0.1, 64, seed=1)[1]
+    assert not {rows[i]["prompt"] for i in tr} & {rows[i]["prompt"] for i in ev}  # a duplicate never leaks
+    assert len(tr) == 60 - 6 and len({rows[i]["prompt"] for i in ev}) == 3
+    assert len(D.held_out(rows, "prompt", 0.5, 4, seed=0)[1]) == 4  # capped by eval_size
+    assert len(D.held_out(rows[:2], "prompt", 0.1, 64, seed=0)[1]) == 1  # at least one, at least one left
+    with pytest.raises(ValueError, match="1 distinct prompt"):
+        D.held_out([{"prompt": "same"}] * 5, "prompt", 0.1, 64, seed=0)
+
+
+def test_split_sources(tmp_path):
+    kw = dict(prompt_column="prompt", eval_fraction=0.1, eval_size=4, seed=0)
+    s = D.make_splits(TOY_ROWS, TOY_ROWS[:10], **kw)
+    assert (len(s.train), s.eval, s.eval_ids) == (64, TOY_ROWS[:4], [0, 1, 2, 3])
+    s = D.make_splits(TOY_ROWS, None, **kw)
+    assert len(s.eval) == 4 and "carved from data" in s.note and sorted(s.train_ids + s.eval_ids) == list(range(64))
+    assert [TOY_ROWS[i] for i in s.train_ids] == s.train
+    s = D.make_splits("arithmetic", None, **kw)
+    assert len(s.eval) == 4 and len(s.train) == 600
+    assert D.make_splits(TOY_ROWS, "arithmetic", **kw).eval == D.arithmetic_splits(4, 0)[1]
+    for off in (dict(eval_size=0), dict(eval_fraction=0.0)):
+        s = D.make_splits(TOY_ROWS, None, **{**kw, **off})
+        assert s.eval == [] and "no held-out evaluation" in s.note and len(s.train) == 64
+    assert D.make_splits("arithmetic", None, **{**kw, "eval_size": 0}).eval == []
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_arithmetic_split_is_disjoint_by_unordered_pair(seed):
+    train, held = D.arithmetic_splits(64, seed)
+    pair = lambda r: (min(r["a"], r["b"]), max(r["a"], r["b"]))  # noqa: E731 - (a, b) and (b, a): the same sum
+    assert not {pair(r) for r in train} & {pair(r) for r in held}
+    assert len(train) == 600 and len(held) == 64
+
+
+def test_prompt_stream_position_is_its_whole_state():
+    prompts = [Prompt(i, (), "", {}) for i in range(7)]
+    whole = [p.index for p in D.PromptStream(prompts, seed=3).take(40)]
+    assert sorted(whole[:7]) == list(range(7)) and sorted(whole[7:14]) == list(range(7))  # epochs
+    assert whole[:7] != whole[7:14]  # a new shuffle each epoch
+    for k in range(41):
+        s = D.PromptStream(prompts, seed=3, position=k)
+        assert [p.index for p in s.take(40 - k)] == whole[k:] and s.position == 40
+
+
+def test_bad_rows_name_the_file_and_line(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "a", "answer": 1}\n\n{"answer": 2}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:3: no 'prompt' column \(columns: \['answer'\]\)"):
+        D.load_rows(p, "prompt")
+    p.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"d.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\); save the file"):
+        D.load_rows(p)
+    p.write_text('{"prompt": "a"}\n["prompt", "b"]\n')
+    with pytest.raises(ValueError, match="d.jsonl:2: a JSON list, not an object"):
+        D.load_rows(p)
+    with pytest.raises(ValueError, match="data row 1: no 'prompt' column"):
+        D.load_rows([{"prompt": "a"}, {"q": "b"}], "prompt")
+
+
+def test_a_run_on_data_alone_evaluates_a_held_out_split(toy_cfg):
+    """`Run(cfg, data=rows)` without eval_data: a held-out split is carved and never trained on."""
+    s = Run(toy_cfg.replace(steps=2, eval_size=64), data=TOY_ROWS).run()
+    assert s["eval_size"] == 6 and s["eval_accuracy_before"] is not None and s["eval_accuracy_after"] is not None
+    held = set(D.make_splits(TOY_ROWS, None, prompt_column="prompt", eval_fraction=0.1, eval_size=64,
+                             seed=0).eval_ids)
+    trained = {i for e in read_log(toy_cfg.out_dir) if e["event"] == "step" for i in e["prompt_ids"]}
+    assert trained and not trained & held
+
+
+@pytest.mark.parametrize("data", [TOY_ROWS, "arithmetic"])
+def test_evaluating_nothing_is_explicit_and_says_so(toy_cfg, capsys, data):
+    cfg = toy_cfg.replace(steps=1, eval_size=0)
+    if data == "arithmetic":
+        cfg = cfg.replace(data="arithmetic", rewards=["arithmetic_correct"])
+    s = Run(cfg, data=None if data == "arithmetic" else data).run()
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("minirl:")]
+    assert out == ["minirl: no held-out evaluation (eval_size=0): held-out accuracy is not measured"]
+    assert s["eval_accuracy_before"] is None and s["eval_size"] == 0
+    assert not [e for e in read_log(cfg.out_dir) if e["event"] == "eval"]
+    assert json.loads((Path(cfg.out_dir) / "summary.json").read_text())["steps"] == 1

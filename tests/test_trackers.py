@@ -1,0 +1,78 @@
+"""report_to: the real trackio and TensorBoard get every step's metrics under the names of metrics.jsonl, and the
+held-out accuracy as eval/accuracy. Skipped when the package is not installed (the dev extra installs both)."""
+import ipaddress
+import socket
+
+import pytest
+
+from minirl import ConfigError, Run
+from minirl.metrics import read_log
+from minirl.trackers import check_tracker
+
+from conftest import TOY_ROWS
+
+NAMES = ("reward/mean", "length/mean", "time/step_s", "version")
+
+
+def _logged(out):
+    ev = read_log(out)
+    return [e for e in ev if e["event"] == "step"], [e for e in ev if e["event"] == "eval"]
+
+
+def test_tensorboard_gets_the_metrics_of_the_log(toy_cfg):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    Run(toy_cfg.replace(report_to="tensorboard"), data=TOY_ROWS).run()
+    ea = EventAccumulator(toy_cfg.out_dir + "/tensorboard")
+    ea.Reload()
+    steps, evals = _logged(toy_cfg.out_dir)
+    for name in NAMES:
+        got = [(s.step, s.value) for s in ea.Scalars(name)]
+        assert got == [(e["step"], pytest.approx(e[name], rel=1e-6)) for e in steps], name
+    assert [(s.step, s.value) for s in ea.Scalars("eval/accuracy")] == [(e["step"], e["accuracy"]) for e in evals]
+    assert "prompt_ids" not in ea.Tags()["scalars"]
+
+
+def test_trackio_gets_the_metrics_locally_and_touches_no_network(toy_cfg, tmp_path, monkeypatch):
+    """trackio writes to its local folder only: no connection leaves the machine, no socket listens."""
+    pytest.importorskip("trackio")
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    for var in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "SPACE_ID"):
+        monkeypatch.delenv(var, raising=False)
+    import trackio.sqlite_storage
+    import trackio.utils
+    for mod in (trackio.utils, trackio.sqlite_storage):  # read from the environment at import time
+        monkeypatch.setattr(mod, "TRACKIO_DIR", tmp_path / "trackio")
+    remote = []
+    connect = socket.socket.connect
+
+    def watched(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not ipaddress.ip_address(address[0]).is_loopback:
+            remote.append(address)
+            raise OSError("network access in a test")
+        return connect(self, address)
+    monkeypatch.setattr(socket.socket, "connect", watched)
+
+    Run(toy_cfg.replace(report_to="trackio"), data=TOY_ROWS).run()
+
+    assert remote == []
+    listening = [c for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert all(ipaddress.ip_address(c.laddr.ip).is_loopback for c in listening), listening
+    logs = trackio.sqlite_storage.SQLiteStorage.get_logs("minirl", toy_cfg.out_dir)
+    steps, evals = _logged(toy_cfg.out_dir)
+    by_step = {}
+    for row in logs:
+        by_step.setdefault(row["step"], {}).update(row)
+    for e in steps:
+        for name in NAMES:
+            assert by_step[e["step"]][name] == pytest.approx(e[name], rel=1e-9), name
+    for e in evals:
+        assert by_step[e["step"]]["eval/accuracy"] == e["accuracy"]
+    assert (tmp_path / "trackio" / "minirl.db").exists()
+
+
+def test_a_missing_tracker_package_is_one_line_before_the_model_loads(monkeypatch):
+    monkeypatch.setattr("minirl.trackers.importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"report_to='trackio' needs the trackio package: pip install 'minirl\[trackio\]'"):
+        check_tracker("trackio")
