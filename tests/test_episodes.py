@@ -334,3 +334,17 @@ def test_the_exactness_check_catches_re_tokenized_turns(tiny_model, tiny_tok):
         else:
             with pytest.raises(AssertionError, match="no request's output"):
                 assert_token_exact([batch], spy.calls, min_turns=3)
+
+
+def test_dashboard_shows_turns_tool_calls_and_tool_errors_only_for_env_runs():
+    """The episodes panel draws its three lines from the `episode/*` metrics; a single-turn run has no such panel."""
+    from minirl.ui import render
+    steps = [{"step": i, "reward/mean": 0.5, "length/mean": 4.0, "loss": 0.1} for i in range(3)]
+    env_steps = [{**h, "episode/turns": 2.0 + i, "episode/tool_calls": 1.5, "episode/tool_errors": 0.25 * i,
+                  "episode/truncated_frac": 0.0} for i, h in enumerate(steps)]
+    fig = render(env_steps)
+    (ax,) = [a for a in fig.axes if a.get_title(loc="left").startswith("episodes")]
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in ax.get_lines()}
+    assert lines["turns / episode"] == [2.0, 3.0, 4.0] and lines["tool calls / episode"] == [1.5] * 3
+    assert lines["tool errors / episode"] == [0.0, 0.25, 0.5]
+    assert not [a for a in render(steps).axes if a.get_title(loc="left").startswith("episodes")]

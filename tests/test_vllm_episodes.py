@@ -15,6 +15,13 @@ pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
 
+@pytest.fixture(scope="module")
+def vllm_tiny(tmp_path_factory):
+    """The tiny test model with head_dim 64 (vLLM's CPU attention has no kernel for the default tiny's 16)."""
+    from minirl.models import build_tiny_model
+    return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny64", hidden=256))
+
+
 class SampleSpy:
     """Records each engine request of the episodes (the ids given, the Completion sampled); calls the real one."""
 
@@ -28,11 +35,11 @@ class SampleSpy:
         return c
 
 
-def _adapter(tiny_model, path):
+def _adapter(model_path, path):
     """A LoRA for the tiny model whose B matrices are not zero (it changes the model), saved to `path`."""
     from minirl import Config
     from minirl.models import build_model
-    model = build_model(Config(model=tiny_model, lora_rank=8, lora_alpha=16), "cpu").eval()
+    model = build_model(Config(model=model_path, lora_rank=8, lora_alpha=16), "cpu").eval()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -42,11 +49,11 @@ def _adapter(tiny_model, path):
     return model
 
 
-def _swap_between_turns(run, tiny_model, tmp_path):
+def _swap_between_turns(run, model, tmp_path):
     """With the run's engine, before it trains: the adapter served changes while the episode is at the env."""
     from minirl.batch import sequence_logprobs
     from minirl.episodes import make_runner
-    gen, new = run.generator, _adapter(tiny_model, tmp_path / "v1")
+    gen, new = run.generator, _adapter(model, tmp_path / "v1")
 
     class SwapAtTheEnv(Count):
         def step(self, reply):
@@ -68,18 +75,19 @@ def _swap_between_turns(run, tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("K", [0, 1])
-def test_vllm_run_trains_on_exactly_the_ids_sampled_turn_by_turn(toy_cfg, tiny_model, monkeypatch, tmp_path, K):
+def test_vllm_run_trains_on_exactly_the_ids_sampled_turn_by_turn(toy_cfg, vllm_tiny, monkeypatch, tmp_path, K):
     import minirl.trainer as T
     batches = []
     real = T.make_batch
     monkeypatch.setattr(T, "make_batch", lambda *a, **k: batches.append(real(*a, **k)) or batches[-1])
-    cfg = toy_cfg.replace(backend="vllm", steps=2, max_async_steps=K, max_turns=3, max_episode_tokens=64,
-                          max_tokens=5, kv_cache_gb=1)
+    cfg = toy_cfg.replace(model=vllm_tiny, backend="vllm", steps=2, max_async_steps=K, max_turns=3,
+                          max_episode_tokens=64, max_tokens=5, kv_cache_gb=1,
+                          max_prompt_tokens=128)  # the tiny model has 256 positions
     run = minirl.Run(cfg, data=ROWS[:24], eval_data=ROWS[24:28], env=Count)
     run.setup()
     assert type(run.rollouts).__name__ == "AsyncEpisodeRunner"
     if K == 0:
-        _swap_between_turns(run, tiny_model, tmp_path)
+        _swap_between_turns(run, vllm_tiny, tmp_path)
     spy = SampleSpy(run.generator)
     s = run.run()
     assert s["steps"] == 2 and s["backend"] == "vllm"
