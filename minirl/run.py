@@ -55,8 +55,8 @@ class Run:
     `overwrite=True` replaces the run in out_dir. Without either, a run refuses an out_dir that holds one."""
 
     def __init__(self, config: Config | None = None, *, data: Any = None, eval_data: Any = None,
-                 rewards: Sequence[str | Callable] | None = None, env: Any = None, resume: bool = False, overwrite: bool = False,
-                 **overrides: Any):
+                 rewards: Sequence[str | Callable] | None = None, env: Any = None, resume: bool = False,
+                 overwrite: bool = False, **overrides: Any):
         self.cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         self._reward_refs = list(rewards) if rewards is not None else list(self.cfg.rewards)
         # --- environments (minirl/envs.py, minirl/episodes.py): `env` is a class or factory (one Env per
