@@ -2,7 +2,8 @@
 (`minirl demo --task NAME`, or `env: NAME` in a config).
 
 sums: "What is 23 + 48 + 17?" with an `add(a, b)` tool. The model calls the tool (plain-text call format: the
-      embedded SmolLM2's template has no tool format), reads each result, and answers with the total; the episode
+      embedded SmolLM2's template has no tool format), reads each result (with the numbers it has not added yet: the
+      untrained model otherwise stops after one call), and answers with the total; the episode
       ends at the first reply that calls no tool, with reward 1 if its last number is the sum. A worked example
       opens every episode (few-shot), which is what a 135M model needs to call a tool at all.
 """
@@ -18,9 +19,9 @@ from .rewards.builtin import last_integer
 SUMS_EXAMPLE = [
     {"role": "user", "content": "What is 4 + 15 + 31? Use add to add two numbers at a time."},
     {"role": "assistant", "content": "add(4, 15)"},
-    {"role": "user", "content": "add result: 19"},
+    {"role": "user", "content": "add result: 19 (still to add: 31)"},
     {"role": "assistant", "content": "add(19, 31)"},
-    {"role": "user", "content": "add result: 50"},
+    {"role": "user", "content": "add result: 50 (all numbers added)"},
     {"role": "assistant", "content": "50"},
 ]
 
@@ -29,12 +30,16 @@ class Sums(Env):
     """Sums of three or four numbers; `add(a, b)` is the tool, the final reply is the answer."""
 
     @tool
-    def add(self, a: int, b: int) -> int:
+    def add(self, a: int, b: int) -> str:
         """Add two integers."""
-        return a + b
+        for n in (a, b):  # what the model has not added yet, said with each result (its scratchpad)
+            if n in self.left:
+                self.left.remove(n)
+        left = ", ".join(map(str, self.left))
+        return f"{a + b} (still to add: {left})" if left else f"{a + b} (all numbers added)"
 
     def reset(self, row: dict) -> list[dict]:
-        self.answer = int(row["answer"])
+        self.answer, self.left = int(row["answer"]), list(row["numbers"])
         return [*SUMS_EXAMPLE, {"role": "user", "content": row["prompt"]}]
 
     def step(self, reply: str) -> EnvStep:

@@ -129,3 +129,17 @@ def test_resolve_env_names():
         resolve_env("nope")
     with pytest.raises(ValueError, match="cannot be imported"):
         resolve_env("minirl.tasks:Nope")
+
+
+def test_sums_task_answers_each_call_with_what_is_left_and_rewards_the_total():
+    from minirl.tasks import Sums, sums_splits
+    train, held = sums_splits(8, seed=0, train_size=50)
+    assert not {tuple(r["numbers"]) for r in train} & {tuple(r["numbers"]) for r in held}
+    env = Sums()
+    env.reset({"prompt": "What is 14 + 98 + 25?", "answer": 137, "numbers": [14, 98, 25]})
+    assert env.step("add(14, 98)").messages[0]["content"] == "112 (still to add: 25)"
+    assert env.step("add(112, 25)").messages[0]["content"] == "137 (all numbers added)"
+    assert env.step("add(1, two)").messages[0]["content"].startswith("error: ValueError: cannot read the call")
+    assert env.step("The answer is 137").reward == 1.0 and (env.tool_calls, env.tool_errors) == (3, 1)
+    env.reset({"prompt": "What is 1 + 2 + 3?", "answer": 6, "numbers": [1, 2, 3]})
+    assert env.step("3").reward == 0.0
