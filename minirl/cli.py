@@ -46,6 +46,8 @@ class _Progress:
     def step(self, rec: dict) -> None:
         reward = rec.get("reward/mean")
         reward = f"reward {reward:.3f}" if isinstance(reward, float) and reward == reward else "reward -"
+        if "episode/turns" in rec:  # env runs
+            reward += f"  turns {rec['episode/turns']:.2f}  tool calls {rec['episode/tool_calls']:.2f}"
         self.done += 1
         self.times.append(rec["time/step_s"])
         if not self.tty:
@@ -148,7 +150,7 @@ def _eval(cfg: Config, adapter: str | None = None) -> dict:
             set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
-        acc = evaluate(run.generator, run.eval_prompts, run.scorer, cfg.max_tokens)
+        acc = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens)
         return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
                 "backend": run.backend}
     finally:
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
+    demo.add_argument("--task", default="arithmetic", help="the built-in task: single-turn 'arithmetic' (default), "
+                      "or a multi-turn env task of minirl/tasks.py ('sums')")
     _add_run_flags(demo)
     add_cli_args(demo, Config(**DEMO))
     train = sub.add_parser("train", help="run a YAML config (flags override its fields)")
@@ -210,8 +214,14 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; 0 when it went through."""
     if args.cmd == "demo":
-        cfg = Config(**{**DEMO, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
-        _run(cfg, args.resume, args.overwrite, "minirl demo" + (f" --out {args.out}" if args.out else ""))
+        from .tasks import TASKS
+        if args.task != "arithmetic" and args.task not in TASKS:
+            raise ValueError(f"unknown task {args.task!r}: choose 'arithmetic' or one of {sorted(TASKS)}")
+        task = {} if args.task == "arithmetic" else {"env": args.task, **TASKS[args.task].demo}  # env tasks
+        cfg = Config(**{**DEMO, **task, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
+        again = "minirl demo" + (f" --task {args.task}" if args.task != "arithmetic" else "") \
+            + (f" --out {args.out}" if args.out else "")
+        _run(cfg, args.resume, args.overwrite, again)
     elif args.cmd == "train":
         cfg = Config.from_yaml(args.config)
         cfg = Config.from_dict({**cfg.to_dict(), **overrides_from_args(args)})

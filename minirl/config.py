@@ -91,6 +91,18 @@ class Config:
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are an error."""
 
+    # --- environments (multi-turn episodes: minirl/envs.py, minirl/episodes.py) -----------------------------
+    env: str | None = None
+    """Multi-turn environment: a built-in task ('sums': sums of 3-4 numbers with an `add` tool), or a
+    'module:Class' path to a `minirl.Env`; None = single-turn prompts. In Python, `Run(cfg, env=MyEnv)` takes the
+    class (or any factory) itself. An env run's first reward is `env` (the summed step rewards); `rewards` are
+    added to it."""
+    max_turns: int = 4
+    """An episode ends after this many model replies (recorded as truncated unless the env ended it)."""
+    max_episode_tokens: int = 256
+    """Cap on an episode's tokens after the prompt (replies and env messages); each reply is also capped by
+    max_tokens. An episode with no room for another reply ends, recorded as truncated."""
+
     # --- optimisation --------------------------------------------------------------------------------------
     steps: int = 40
     """Optimizer steps (policy versions) to run."""
@@ -253,6 +265,8 @@ class Config:
         need(self.reward_workers >= 0, "reward_workers must be >= 0 (0 = rewards run in the trainer's process)")
         need(self.reward_timeout_s > 0, "reward_timeout_s must be > 0 seconds")
         need(self.reward_clip > 0, "reward_clip must be > 0")
+        need(self.max_turns >= 1, "max_turns must be >= 1 (model replies per episode)")
+        need(self.max_episode_tokens >= 1, "max_episode_tokens must be >= 1")
         need(self.eval_size >= 0, "eval_size must be >= 0 (0 = no held-out evaluation)")
         need(0 <= self.eval_fraction < 1, f"eval_fraction={self.eval_fraction}: use a fraction in [0, 1), e.g. 0.1")
         need(self.eval_every >= 0, "eval_every must be >= 0")

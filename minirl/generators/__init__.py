@@ -75,7 +75,8 @@ def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: 
         gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
                             cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=cfg.max_prompt_tokens + cfg.max_tokens, inflight=cfg.inflight)
+                            max_model_len=cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens),
+                            inflight=cfg.inflight)  # env runs: an episode's turns follow its prompt
         try:
             sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
         except BaseException:  # a failed transport (or a Ctrl-C / SIGTERM here) must not leave the engine running
