@@ -1,11 +1,13 @@
 """minirl: asynchronous RL fine-tuning of small LLMs with LoRA on one machine."""
 from .config import Config, ConfigError
+from .envs import Env, EnvStep, tool, tools
 from .rewards import REGISTRY, Scorer, reward, sandbox
 from .run import Run
-from .ui import Dashboard, check, doctor, preview, render, rescore
+from .ui import Dashboard, check, doctor, preview, preview_episodes, render, rescore
 
 plot = render  # minirl.plot(out_dir or metrics.jsonl): the dashboard's panels from a saved run
 
 __all__ = ["Config", "ConfigError", "Run", "Scorer", "reward", "REGISTRY", "Dashboard", "doctor", "render", "plot",
-           "check", "preview", "rescore", "sandbox"]
+           "check", "preview", "rescore", "sandbox", "Env", "EnvStep", "tool", "tools",
+           "preview_episodes"]
 __version__ = "0.1.0"

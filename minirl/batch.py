@@ -28,12 +28,14 @@ class Sample:
     versions: tuple[int, ...]
     advantage: float
     temperature: float = 1.0  # the temperature the completion was sampled at: its logprobs are taken at it
+    mask: tuple[bool, ...] | None = None  # episodes: which completion tokens were sampled (None: all)
 
 
 @dataclass
 class Batch:
-    """Right-padded prompt+completion rows. `tgt_mask_B_L[b, t]` marks completion tokens (the loss targets);
-    per-token tensors are aligned to the token they score."""
+    """Right-padded prompt+completion rows. `tgt_mask_B_L[b, t]` marks the sampled completion tokens (the loss
+    targets; an episode's environment tokens are context only); per-token tensors are aligned to the token they
+    score."""
     input_ids_B_L: torch.Tensor
     attn_B_L: torch.Tensor
     tgt_mask_B_L: torch.Tensor
@@ -79,7 +81,8 @@ def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = Fal
         for c, r, a in zip(g.group.completions, g.rewards, g.advantages):
             if r is None or not c.token_ids or (a == 0.0 and not keep_zero_adv):
                 continue
-            out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a, g.group.temperature))
+            out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a, g.group.temperature,
+                              c.mask))
     return out
 
 
@@ -95,7 +98,7 @@ def make_batch(samples: Sequence[Sample], pad_id: int, agg: str, max_tokens: int
         p, c = len(s.prompt_ids), len(s.completion_ids)
         ids[b, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
         attn[b, : p + c] = 1
-        tgt[b, p: p + c] = True
+        tgt[b, p: p + c] = True if s.mask is None else torch.tensor(s.mask, dtype=torch.bool)  # env tokens: context
         behav[b, p: p + c] = torch.tensor(s.behav_logp)
         ver[b, p: p + c] = torch.tensor(s.versions)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
+from .lifecycle import Terminated, sigterm_interrupts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,6 +46,8 @@ class _Progress:
     def step(self, rec: dict) -> None:
         reward = rec.get("reward/mean")
         reward = f"reward {reward:.3f}" if isinstance(reward, float) and reward == reward else "reward -"
+        if "episode/turns" in rec:  # env runs
+            reward += f"  turns {rec['episode/turns']:.2f}  tool calls {rec['episode/tool_calls']:.2f}"
         self.done += 1
         self.times.append(rec["time/step_s"])
         if not self.tty:
@@ -94,10 +97,19 @@ def _render(out) -> None:
     atomic_write(out / "dashboard.png", lambda p: render(log, p))
 
 
+def _why(stop: KeyboardInterrupt) -> str:
+    return "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+
+
 def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
     from .run import Run
     run = Run(cfg, resume=resume, overwrite=overwrite)
-    run.setup()
+    try:
+        run.setup()  # a failed set-up closes what it opened and writes nothing
+    except KeyboardInterrupt as e:
+        print(f"minirl: stopped during set-up ({_why(e)}); nothing was written: run "
+              f"`{again}{' --resume' if resume else ''}` again", file=sys.stderr)
+        raise
     print(f"minirl: model={run.cfg.model} backend={run.backend} ({run.backend_why}) transport={run.sync.transport} "
           f"steps={run.cfg.steps} out={run.cfg.out_dir}", flush=True)
     print(f"minirl: {len(run.train_prompts)} training prompts; eval: {run.splits.note}"
@@ -107,12 +119,12 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
     run.on_eval.append(progress.eval)
     try:
         summary = run.run()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         from .checkpoint import latest_checkpoint
         progress.close()
         ckpt = latest_checkpoint(run.out)
-        print(f"minirl: interrupted after {run.next_step} steps; `{again} --resume` continues after step "
-              f"{ckpt.step if ckpt else 0} (the latest checkpoint)", file=sys.stderr)
+        print(f"minirl: interrupted after {run.next_step} steps ({_why(e)}); `{again} --resume` continues after "
+              f"step {ckpt.step if ckpt else 0} (the latest checkpoint)", file=sys.stderr)
         raise
     finally:
         progress.close()
@@ -138,7 +150,7 @@ def _eval(cfg: Config, adapter: str | None = None) -> dict:
             set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
-        acc = evaluate(run.generator, run.eval_prompts, run.scorer, cfg.max_tokens)
+        acc = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens)
         return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
                 "backend": run.backend}
     finally:
@@ -165,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
+    demo.add_argument("--task", default="arithmetic", help="the built-in task: single-turn 'arithmetic' (default), "
+                      "or a multi-turn env task of minirl/tasks.py ('sums')")
     _add_run_flags(demo)
     add_cli_args(demo, Config(**DEMO))
     train = sub.add_parser("train", help="run a YAML config (flags override its fields)")
@@ -186,23 +200,37 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # named by the subcommand's parser, so the hint points at its --help
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
-        if args.cmd == "demo":
-            cfg = Config(**{**DEMO, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
-            _run(cfg, args.resume, args.overwrite, "minirl demo" + (f" --out {args.out}" if args.out else ""))
-        elif args.cmd == "train":
-            cfg = Config.from_yaml(args.config)
-            cfg = Config.from_dict({**cfg.to_dict(), **overrides_from_args(args)})
-            _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
-        elif args.cmd == "eval":
-            print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
-        elif args.cmd == "bench":
-            from .benchmarks import run as bench
-            print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks), indent=2))
+        with sigterm_interrupts():  # SIGTERM stops as Ctrl-C does: checkpoint, children closed, exit 143
+            return _command(args)
     except (ConfigError, ValueError, RuntimeError, OSError) as e:
         print(f"minirl: error: {e}", file=sys.stderr)
         return 2
+    except Terminated:
+        return 143  # 128 + SIGTERM, as a shell reports it
     except KeyboardInterrupt:
-        return 130
+        return 130  # 128 + SIGINT
+
+
+def _command(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand; 0 when it went through."""
+    if args.cmd == "demo":
+        from .tasks import TASKS
+        if args.task != "arithmetic" and args.task not in TASKS:
+            raise ValueError(f"unknown task {args.task!r}: choose 'arithmetic' or one of {sorted(TASKS)}")
+        task = {} if args.task == "arithmetic" else {"env": args.task, **TASKS[args.task].demo}  # env tasks
+        cfg = Config(**{**DEMO, **task, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
+        again = "minirl demo" + (f" --task {args.task}" if args.task != "arithmetic" else "") \
+            + (f" --out {args.out}" if args.out else "")
+        _run(cfg, args.resume, args.overwrite, again)
+    elif args.cmd == "train":
+        cfg = Config.from_yaml(args.config)
+        cfg = Config.from_dict({**cfg.to_dict(), **overrides_from_args(args)})
+        _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
+    elif args.cmd == "eval":
+        print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
+    elif args.cmd == "bench":
+        from .benchmarks import run as bench
+        print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks), indent=2))
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -73,7 +74,8 @@ class Config:
 
     # --- sampling ------------------------------------------------------------------------------------------
     backend: str = "auto"
-    """Generator: 'vllm', 'hf' (transformers), or 'auto' (vLLM when installed, else transformers)."""
+    """Generator: 'vllm' (an in-process engine), 'vllm-server' (vLLM OpenAI-compatible servers: num_servers that
+    minirl starts, or your own at server_urls), 'hf' (transformers), or 'auto' (vLLM on GPUs, else transformers)."""
     prompts_per_step: int = 8
     """Prompts per optimizer step."""
     group_size: int = 8
@@ -88,6 +90,18 @@ class Config:
     """Top-k sampling, 0 = off."""
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are an error."""
+
+    # --- environments (multi-turn episodes: minirl/envs.py, minirl/episodes.py) -----------------------------
+    env: str | None = None
+    """Multi-turn environment: a built-in task ('sums': sums of 3-4 numbers with an `add` tool), or a
+    'module:Class' path to a `minirl.Env`; None = single-turn prompts. In Python, `Run(cfg, env=MyEnv)` takes the
+    class (or any factory) itself. An env run's first reward is `env` (the summed step rewards); `rewards` are
+    added to it."""
+    max_turns: int = 4
+    """An episode ends after this many model replies (recorded as truncated unless the env ended it)."""
+    max_episode_tokens: int = 256
+    """Cap on an episode's tokens after the prompt (replies and env messages); each reply is also capped by
+    max_tokens. An episode with no room for another reply ends, recorded as truncated."""
 
     # --- optimisation --------------------------------------------------------------------------------------
     steps: int = 40
@@ -157,6 +171,29 @@ class Config:
     verify_sync: bool = True
     """After each adapter push, check that the engine serves it (probe logprobs vs the trainer's)."""
 
+    # --- vLLM servers (backend 'vllm-server') ---------------------------------------------------------------
+    num_servers: int = 1
+    """How many vLLM servers minirl starts (`vllm serve`, each on a loopback port with a random API key, pinned to
+    its own cores or GPU taken from gen_devices; logs in out_dir/servers/). Not used with server_urls."""
+    server_urls: list[str] = field(default_factory=list)
+    """Servers you started yourself (README: the `vllm serve` command line), e.g. ['http://10.0.0.2:8000']; minirl
+    then starts none. Their API key is read from the environment variable VLLM_API_KEY, never from the config
+    (which is saved with the run)."""
+    restart_servers: bool = False
+    """A server minirl started that dies or stops answering is killed, started again and given the current
+    adapter, and the groups that were in flight on it are generated again; False: the run stops with an error
+    naming the server and its log."""
+    server_timeout_s: float = 120.0
+    """A server that answers nothing (neither a 1-token request, asked every 2 s, nor any other) for this many
+    seconds is down. Measured here: at 60 s, a server on 2 cores loaded ~15 by other jobs was declared down while
+    it was generating, slowly, with nothing wrong in its log."""
+    adapter_dir: str | None = None
+    """The folder each adapter version is written to for the servers, which must read it at the same path (across
+    machines: a shared mount). None: a tmpfs folder for servers minirl starts, out_dir/server_adapters for
+    server_urls."""
+    server_args: list[str] = field(default_factory=list)
+    """Extra `vllm serve` flags for the servers minirl starts, e.g. ['--enforce-eager']."""
+
     # --- run -----------------------------------------------------------------------------------------------
     seed: int = 0
     """Seed for data order, sampling and initialisation."""
@@ -203,7 +240,17 @@ class Config:
         need(self.lr_schedule in ("constant", "cosine"), f"lr_schedule={self.lr_schedule!r}: use 'constant' or 'cosine'")
         need(self.loss_agg in ("token-mean", "seq-mean", "constant"),
              f"loss_agg={self.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
-        need(self.backend in ("auto", "vllm", "hf"), f"backend={self.backend!r}: use 'auto', 'vllm' or 'hf'")
+        need(self.backend in ("auto", "vllm", "vllm-server", "hf"),
+             f"backend={self.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
+        need(self.num_servers >= 1, f"num_servers={self.num_servers}: start at least 1 server, or give server_urls")
+        for i, url in enumerate(self.server_urls):
+            need(re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url) is not None,
+                 f"server_urls[{i}]={url!r}: give the server's address as http://HOST:PORT")
+        need(not self.server_urls or self.backend == "vllm-server",
+             f"server_urls needs backend='vllm-server' (got backend={self.backend!r})")
+        need(not (self.restart_servers and self.server_urls), "restart_servers restarts servers minirl started; it "
+             "cannot restart yours (server_urls): drop one of the two")
+        need(self.server_timeout_s > 0, "server_timeout_s must be > 0 seconds")
         need(self.inflight in ("continue", "abort", "inflight"),
              f"inflight={self.inflight!r}: use 'continue', 'abort' or 'inflight'")
         need(self.sync_transport in ("auto", "ipc", "collective", "files"),
@@ -218,6 +265,8 @@ class Config:
         need(self.reward_workers >= 0, "reward_workers must be >= 0 (0 = rewards run in the trainer's process)")
         need(self.reward_timeout_s > 0, "reward_timeout_s must be > 0 seconds")
         need(self.reward_clip > 0, "reward_clip must be > 0")
+        need(self.max_turns >= 1, "max_turns must be >= 1 (model replies per episode)")
+        need(self.max_episode_tokens >= 1, "max_episode_tokens must be >= 1")
         need(self.eval_size >= 0, "eval_size must be >= 0 (0 = no held-out evaluation)")
         need(0 <= self.eval_fraction < 1, f"eval_fraction={self.eval_fraction}: use a fraction in [0, 1), e.g. 0.1")
         need(self.eval_every >= 0, "eval_every must be >= 0")

@@ -1,4 +1,4 @@
-"""Prompts: from a `datasets.Dataset`, a list of dicts, a JSONL path, or the built-in arithmetic task.
+"""Prompts: from a `datasets.Dataset`, a list of dicts, a JSONL path, or a built-in task ('arithmetic', 'code').
 
 The prompt column (text, or a list of chat messages) goes through the tokenizer's chat template; every other
 column travels with the prompt and reaches the reward functions as keyword arguments. `make_splits` decides what
@@ -40,6 +40,40 @@ def arithmetic_splits(eval_size: int, seed: int = 0, train_size: int = 600) -> t
     return train, held
 
 
+CODE_TEMPLATE = "Write a Python function {sig} that {what}. Reply with only the code."
+# (signature, what it does with k, its body with k, test inputs): the built-in code task's families
+_CODE_FAMILIES = [
+    ("f(x)", "returns x plus {k}", "x + {k}", [0, 5, -3]),
+    ("f(x)", "returns x times {k}", "x * {k}", [0, 4, -2]),
+    ("f(x)", "returns x minus {k}", "x - {k}", [0, 10, -1]),
+    ("f(x)", "returns the remainder of x divided by {k}", "x % {k}", [0, 17, 100]),
+    ("f(x)", "returns True if x is greater than {k}, else False", "x > {k}", ["0", "{k}", "{k} + 1"]),
+    ("f(x)", "returns x squared plus {k}", "x * x + {k}", [0, 3, -4]),
+    ("f(s)", "returns the string s repeated {k} times", "s * {k}", ["'ab'", "''", "'x'"]),
+    ("f(s)", "returns the first {k} characters of the string s", "s[:{k}]", ["'abcdefghijklmn'", "'hi'", "''"]),
+    ("f(xs)", "returns the sum of the list xs plus {k}", "sum(xs) + {k}", ["[1, 2, 3]", "[]", "[-5]"]),
+    ("f(xs)", "returns the largest number in the list xs times {k}", "max(xs) * {k}", ["[1, 9, 3]", "[-2, -7]", "[4]"]),
+]
+
+
+def code_rows() -> list[dict]:
+    """The built-in code task: 120 small functions to write (10 families x k = 1..12), each checked by three
+    asserts run in `minirl.sandbox` (reward `code_tests_pass`). Held out like any data: a carved split of
+    distinct prompts (so a held-out k of a family may be trained on with another k)."""
+    rows = []
+    for sig, what, body, inputs in _CODE_FAMILIES:
+        arg = sig[2:-1]
+        for k in range(1, 13):
+            fn = eval(f"lambda {arg}: {body.format(k=k)}")  # our own constant bodies: the expected values
+            args = [str(x).format(k=k) for x in inputs]
+            tests = [f"assert f({a}) == {fn(eval(a))!r}" for a in args]
+            rows.append({"prompt": CODE_TEMPLATE.format(sig=sig, what=what.format(k=k)), "tests": tests})
+    return rows
+
+
+BUILTIN_DATA = {"code": code_rows}  # 'arithmetic' has its own fixed held-out split (`arithmetic_splits`)
+
+
 def _read_jsonl(p: Path) -> tuple[list[dict], list[int]]:
     """The objects of a JSONL file and the line number of each."""
     rows, numbers = [], []
@@ -66,10 +100,13 @@ def load_rows(source: Any, prompt_column: str | None = None) -> list[dict]:
     """Rows from a Dataset, a list of dicts, or a JSONL path, with one clear error naming the file and line (or
     row) when that fails. With `prompt_column`, every row must have it."""
     names = None  # how an error names row i: its file and line, else its position
+    if isinstance(source, str) and source in BUILTIN_DATA:
+        return BUILTIN_DATA[source]()
     if isinstance(source, (str, Path)):
         p = Path(source)
         if not p.is_file():
-            raise ValueError(f"data {str(source)!r}: no such file; give a JSONL path or the built-in 'arithmetic'")
+            raise ValueError(f"data {str(source)!r}: no such file; give a JSONL path or a built-in task: "
+                             f"'arithmetic', {', '.join(repr(k) for k in BUILTIN_DATA)}")
         rows, lines = _read_jsonl(p)
         names = [f"{p}:{k}" for k in lines]
     elif hasattr(source, "to_list"):  # datasets.Dataset

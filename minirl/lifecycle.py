@@ -5,9 +5,10 @@ the ends no code of ours survives (SIGKILL of the trainer, a notebook kernel kil
 one small watchdog process per trainer process holds the read end of a pipe that only the trainer writes to. When
 the trainer dies, the kernel closes the pipe; the watchdog then ends every process it was told about (`adopt`)
 and their descendants (SIGTERM, then SIGKILL after a grace period), removes the files and folders it was told
-about (`keep_tidy`), and exits. While the trainer lives, the watchdog samples the descendants of the adopted
-processes every `POLL_S`, so grandchildren (a vLLM engine core's own workers, say) are known before they are
-orphaned. A pid is matched with its start time, so a pid reused by an unrelated process is never touched.
+about (`keep_tidy`) and the /dev/shm files those processes mapped that were made while it watched (vLLM's
+message queues, 160-240 MB each, stay behind a killed engine otherwise), and exits. While the trainer lives, the
+watchdog samples the descendants of the adopted processes (and their mappings) every `POLL_S`, so grandchildren
+(a vLLM engine core's own workers, say) are known before they are orphaned. A pid is matched with its start time, so a pid reused by an unrelated process is never touched.
 
 Children also protect themselves where they can: reward workers, the generator process and vLLM servers set
 PR_SET_PDEATHSIG; the sandbox kills its namespace. The watchdog is the net under all of them, including the
@@ -17,6 +18,7 @@ children that vLLM starts itself.
     with lifecycle.adopting():                # children started by library code inside the block (vLLM's engine)
         AsyncLLM.from_engine_args(...)
     lifecycle.keep_tidy(path) / lifecycle.tidied(path)   # a /dev/shm file or temp folder: remove it if we die
+    with lifecycle.sigterm_interrupts():      # the CLI: SIGTERM stops a run as Ctrl-C does (`Terminated`)
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -83,16 +86,31 @@ def children() -> set[int]:
 
 @contextlib.contextmanager
 def adopting():
-    """Adopt every child this process starts inside the block (for children that library code starts)."""
+    """Adopt every child this process starts inside the block (for children that library code starts). Children
+    are looked for every `POLL_S` while the block runs, not only at its end: a block that takes a minute (vLLM
+    starting its engine core, then waiting for it to load the model) can be cut short by a kill at any moment."""
     if not sys.platform.startswith("linux"):
         yield
         return
-    before = children()
+    seen = children()
+    done = threading.Event()
+
+    def sweep() -> None:  # the watchdog itself may start inside the block: never adopt it (it would end itself first)
+        for pid in children() - seen - {watchdog_pid()}:
+            seen.add(pid)
+            adopt(pid)
+
+    def poll() -> None:
+        while not done.wait(POLL_S):
+            sweep()
+    watcher = threading.Thread(target=poll, name="minirl-adopting", daemon=True)
+    watcher.start()
     try:
         yield
     finally:
-        for pid in children() - before:
-            adopt(pid)
+        done.set()
+        watcher.join()
+        sweep()
 
 
 def keep_tidy(path: str | os.PathLike) -> None:
@@ -167,6 +185,31 @@ def sweep_stale() -> list[str]:
     return removed
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread by `sigterm_interrupts`: every `except KeyboardInterrupt` / `finally`
+    that makes a Ctrl-C stop clean (the run's checkpoint, its children closed) does the same for a SIGTERM."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts():
+    """Inside the block, SIGTERM raises `Terminated` in the main thread, as SIGINT raises KeyboardInterrupt; without
+    it a SIGTERM ends Python at once, like SIGKILL, and nothing is saved or closed. One SIGTERM is enough: later
+    ones are ignored while the stop is under way (SIGKILL still ends it, and the watchdog its children). Only
+    from the main thread; elsewhere the block runs unchanged."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated("SIGTERM")
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def watchdog_pid() -> int | None:
     return _watchdog.pid if _watchdog is not None and _watchdog.poll() is None else None
 
@@ -175,7 +218,8 @@ def watchdog_pid() -> int | None:
 _WATCHDOG = r'''
 import os, select, shutil, signal, sys, time
 parent, poll_s, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-adopted, known, paths = {}, {}, set()
+adopted, known, paths, mapped = {}, {}, set(), set()
+born = time.time()
 
 def stat(pid):
     try:
@@ -203,6 +247,15 @@ def scan():
             if pid not in known and pid not in adopted:
                 known[pid] = start
                 todo.append(pid)
+    for pid in list(adopted) + list(known):  # their shared-memory files (vLLM's message queues, say)
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(" /dev/shm/")
+                    if i >= 0 and not line.endswith("(deleted)\n"):
+                        mapped.add(line[i + 1:].rstrip("\n"))
+        except OSError:
+            pass
 
 def end_all():
     scan()
@@ -217,6 +270,12 @@ def end_all():
         deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5)
         while time.monotonic() < deadline and any(alive(p, s) for p, s in victims.items()):
             time.sleep(0.05)
+    for p in mapped:  # made during this run (never an older file that one of them happened to map)
+        try:
+            if os.stat(p).st_ctime >= born - 1:
+                os.unlink(p)
+        except OSError:
+            pass
     for p in paths:
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p, ignore_errors=True)
@@ -239,7 +298,8 @@ while True:
             kind, _, rest = line.decode().partition(" ")
             if kind == "pid":
                 pid, start = rest.split()
-                adopted[int(pid)] = start
+                if int(pid) != os.getpid():
+                    adopted[int(pid)] = start
             elif kind == "path":
                 paths.add(rest)
             elif kind == "unpath":

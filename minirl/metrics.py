@@ -56,6 +56,14 @@ METRICS: dict[str, str] = {
     "time/train_s": "training seconds in this step",
     "train/skipped_nonfinite": "optimizer updates skipped because the loss or gradients were not finite",
     "prompt_ids": "indices of the prompts trained on at this step (their rows in the training data)",
+    # environment runs (multi-turn episodes, minirl/episodes.py); absent from single-turn runs
+    "episode/turns": "mean model replies per episode",
+    "episode/turns_max": "most replies in one episode",
+    "episode/tool_calls": "mean tool calls per episode",
+    "episode/tool_errors": "mean failed tool calls per episode (unreadable call, no such tool, or the tool raised)",
+    "episode/truncated_frac": "fraction of episodes ended by max_turns or max_episode_tokens",
+    "episode/env_errors": "episodes whose env raised (recorded failures, left out of the loss)",
+    "episode/sampled_frac": "fraction of episode tokens the model sampled (the rest is env context, not trained)",
 }
 
 
@@ -75,7 +83,23 @@ def rollout_metrics(groups: Sequence[ScoredGroup], max_tokens: int) -> dict[str,
     for name in (groups[0].per_reward if groups else {}):
         vals = [v for g in groups for v in g.per_reward[name] if v is not None]
         m[f"reward/{name}"] = sum(vals) / len(vals) if vals else float("nan")
+    m.update(episode_metrics(groups))
     return m
+
+
+def episode_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """The `episode/*` metrics of an environment run's groups ({} when they hold no episodes)."""
+    comps = [c for g in groups for c in g.group.completions if c.episode is not None]
+    if not comps:
+        return {}
+    n, eps = len(comps), [c.episode for c in comps]
+    tokens = sum(len(c.token_ids) for c in comps)
+    return {"episode/turns": sum(e.turns for e in eps) / n, "episode/turns_max": max(e.turns for e in eps),
+            "episode/tool_calls": sum(e.tool_calls for e in eps) / n,
+            "episode/tool_errors": sum(e.tool_errors for e in eps) / n,
+            "episode/truncated_frac": sum(e.truncated for e in eps) / n,
+            "episode/env_errors": sum(e.end == "error" for e in eps),
+            "episode/sampled_frac": sum(sum(c.mask or ()) for c in comps) / max(1, tokens)}
 
 
 def sample_rows(groups: Sequence[ScoredGroup], n: int) -> list[dict]:

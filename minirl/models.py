@@ -143,6 +143,17 @@ def load_tokenizer(name: str):
     return tok
 
 
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's native bf16 instructions (AVX512-bf16, AMX-bf16) as /proc/cpuinfo lists them; [] where bf16 is
+    only emulated (AVX2-only machines: many times slower than fp32) or where cpuinfo cannot be read."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return []
+    return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+
+
 def train_dtype(cfg):
     """The trainer's weight dtype for `cfg.dtype`: 'auto' is bfloat16 on GPU, float32 on CPU."""
     import torch

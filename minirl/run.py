@@ -22,6 +22,8 @@ from . import lifecycle
 from .checkpoint import (Checkpoint, atomic_text, check_out_dir, clear_run, lock_out_dir, past_steps, restore,
                          resume_point, save_adapter, save_checkpoint)
 from .config import Config, ConfigError, parse_cores
+from .envs import resolve_env
+from .episodes import make_runner
 from .evaluation import evaluate
 from .generators import Generator, make_generator, pick_backend
 from .metrics import MetricsLog, rollout_metrics, sample_rows, step_summary
@@ -29,10 +31,11 @@ from .models import resolve_model
 from .rewards import Scorer, check_columns
 from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
-from .sync import SyncStats, Verification, make_probe, verify
+from .sync import SyncStats, SyncVerificationError, Verification, make_probe, verify
+from .tasks import TASKS
 from .trackers import check_tracker, make_tracker, scalars
 from .trainer import Trainer
-from .types import SamplingParams, ScoredGroup
+from .types import Episode, SamplingParams, ScoredGroup
 
 
 def cpu_split(cfg: Config) -> tuple[str | None, int]:
@@ -54,10 +57,22 @@ class Run:
     `overwrite=True` replaces the run in out_dir. Without either, a run refuses an out_dir that holds one."""
 
     def __init__(self, config: Config | None = None, *, data: Any = None, eval_data: Any = None,
-                 rewards: Sequence[str | Callable] | None = None, resume: bool = False, overwrite: bool = False,
-                 **overrides: Any):
+                 rewards: Sequence[str | Callable] | None = None, env: Any = None, resume: bool = False,
+                 overwrite: bool = False, **overrides: Any):
         self.cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         self._reward_refs = list(rewards) if rewards is not None else list(self.cfg.rewards)
+        # --- environments (minirl/envs.py, minirl/episodes.py): `env` is a class or factory (one Env per
+        # episode), a built-in task's name or 'module:Class' (also `cfg.env`). Its first reward is "env" (the
+        # summed step rewards); the arithmetic default reward is not added to it.
+        self._env = None
+        if env is not None or self.cfg.env is not None:
+            env_name, self._env = resolve_env(env if env is not None else self.cfg.env)
+            if rewards is None and self._reward_refs == Config().rewards:
+                self._reward_refs = []
+            self._reward_refs = ["env", *[r for r in self._reward_refs if r != "env"]]
+            self.cfg = self.cfg.replace(env=env_name)
+            rewards = self._reward_refs
+        # --- end environments
         if rewards is not None:
             self.cfg = self.cfg.replace(rewards=[r if isinstance(r, str) else r.__name__ for r in rewards])
         self._data, self._eval_data = data, eval_data
@@ -72,6 +87,7 @@ class Run:
         self._thread: threading.Thread | None = None
         self.trainer: Trainer | None = None
         self.generator: Generator | None = None
+        self.rollouts: Any = None  # the generator, or (env runs) the episode runner on it
         self.tracker = None
         self.on_step: list[Callable[[dict], None]] = []
         self.on_eval: list[Callable[[dict], None]] = []  # {"step", "done", "total"} as it goes, then the eval event
@@ -107,12 +123,18 @@ class Run:
         self.scorer = Scorer.from_config(self._reward_refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std,
                                          c.reward_workers, c.reward_clip, c.reward_memory_mb)
         data = self._data if self._data is not None else c.data
+        eval_data = self._eval_data if self._eval_data is not None else c.eval_data
+        if self._env is not None and isinstance(data, str) and data == "arithmetic" and c.env in TASKS:
+            data, held = TASKS[c.env].splits(c.eval_size, c.seed)  # a built-in env task's own rows
+            eval_data = held if eval_data is None else eval_data
         builtin = isinstance(data, str) and data == "arithmetic"
         data = data if builtin else D.load_rows(data, c.prompt_column)  # the rows' own errors come first
         cols = [k for k in (D.arithmetic_rows(1, 0) if builtin else data)[0] if k != c.prompt_column]
+        if self._env is not None:  # an episode's reward keywords: its transcript and env reward
+            cols += list(Episode((), (), 0).columns())
         for name, fn in self.scorer.rewards:
             check_columns(fn, name, cols)
-        self.splits = D.make_splits(data, self._eval_data if self._eval_data is not None else c.eval_data,
+        self.splits = D.make_splits(data, eval_data,
                                     prompt_column=c.prompt_column, eval_fraction=c.eval_fraction,
                                     eval_size=c.eval_size, seed=c.seed)
         if self.checkpoint and self.checkpoint.state.get("data") != self.splits.fingerprint:
@@ -136,15 +158,25 @@ class Run:
         self.trainer = Trainer(c, device=train_device)
         tok = self.trainer.tokenizer
         sp = self.splits
-        self.train_prompts = D.to_prompts(sp.train, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
-                                          indices=sp.train_ids)
-        self.eval_prompts = D.to_prompts(sp.eval, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
-                                         indices=sp.eval_ids)
+        if self._env is None:
+            self.train_prompts = D.to_prompts(sp.train, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
+                                              indices=sp.train_ids)
+            self.eval_prompts = D.to_prompts(sp.eval, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
+                                             indices=sp.eval_ids)
         if self.checkpoint is not None:
             restore(self.checkpoint, self.trainer)
             self.trainer.reconfigure(c)
         self.generator, self.sync, self._sync_why = make_generator(c, self.trainer, self.backend,
                                                                    self._use_pipeline, gen_devices)
+        # what samples the groups: the generator, or (env runs) the episode runner on it (minirl/episodes.py)
+        self.rollouts = self.generator
+        if self._env is not None:  # its episodes open with reset(row); an eval row's index follows the train rows'
+            self.rollouts = make_runner(self.generator, self._env, tok, c.max_turns, c.max_episode_tokens)
+            self.train_prompts = self.rollouts.prompts(sp.train, c.prompt_column, c.max_prompt_tokens,
+                                                       indices=sp.train_ids)
+            first = 1 + max(sp.train_ids, default=-1)  # (the runner finds each prompt's row by its index)
+            self.eval_prompts = self.rollouts.prompts(sp.eval, c.prompt_column, c.max_prompt_tokens,
+                                                      indices=[first + i for i in range(len(sp.eval))])
         if not torch.cuda.is_available() and c.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, parse_cores(c.train_devices))  # this (trainer) thread; after the engine spawned
         if self.checkpoint is not None:
@@ -168,10 +200,13 @@ class Run:
         self.tracker = make_tracker(c.report_to, self.out, c.to_dict(), self.resuming)
         info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
                     transport=self.sync.transport, transport_why=self._sync_why, reward_versions=self.scorer.versions,
-                    train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note)
+                    train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
+                    **({"servers": self.generator.servers()} if hasattr(self.generator, "servers") else {}))
         if self.resuming:
             self.history, self._acc_before = past_steps(self.out, self.start_step)
         self.log = MetricsLog(self.out / "metrics.jsonl", append=self.resuming)
+        if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
+            self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
         self._claimed = True
         if self.resuming:
             self.log.log("resume", step=self.start_step, version=self.trainer.version,
@@ -210,7 +245,7 @@ class Run:
         batches = self._pipeline_batches() if pipeline else self._sync_batches()
         t_prev = time.perf_counter()
         for step, scored, gen in batches:
-            stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.versions]
+            stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.sampled_versions]
             gen.update({"staleness/mean": _mean(stale), "staleness/max": max(stale, default=None)})
             t1 = time.perf_counter()
             self._between_steps = False
@@ -250,6 +285,7 @@ class Run:
             "transport": self.sync.transport, "max_async_steps": c.max_async_steps,
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts), "eval": self.splits.note,
             **({"resumed_from_step": self.start_step} if self.resuming else {}),
+            **(self.generator.stats() if hasattr(self.generator, "stats") else {}),  # vLLM servers: count, restarts
         })
         return self.summary
 
@@ -261,7 +297,7 @@ class Run:
         def progress(done: int, total: int) -> None:
             for cb in self.on_eval:
                 cb({"step": step, "done": done, "total": total})
-        acc = evaluate(self.generator, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress)
+        acc = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress)
         rec = self.log.log("eval", step=step, version=self.trainer.version, accuracy=acc)
         if self.tracker is not None:
             self.tracker.log({"eval/accuracy": acc}, step)
@@ -290,7 +326,7 @@ class Run:
             if self._stop.is_set():
                 return
             t0 = time.perf_counter()
-            groups = self.generator.generate(self.stream.take(c.prompts_per_step), c.group_size, self._sampling(step))
+            groups = self.rollouts.generate(self.stream.take(c.prompts_per_step), c.group_size, self._sampling(step))
             t_gen = time.perf_counter() - t0
             scored = [self.scorer.score_group(g) for g in groups]
             n_tok = sum(len(x.token_ids) for g in groups for x in g.completions)
@@ -303,7 +339,7 @@ class Run:
         A resumed run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
         c = self.cfg
         batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}  # as sync
-        self.pipeline = Pipeline(self.generator, self.scorer, batches.__getitem__, self._sampling, c.group_size,
+        self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, self._sampling, c.group_size,
                                  c.prompts_per_step, c.steps, c.max_async_steps, first_step=self.start_step)
         tl = self.pipeline.timeline
         t_prev = tl.now()
@@ -345,15 +381,27 @@ class Run:
         if self._probe is None:
             return stats
         self._verified = self._verify()
-        return dataclasses.replace(stats, verification=self._verified)
+        least = min(self._verified.values(), key=lambda v: (v.verified, -v.new_diff), default=None)
+        return dataclasses.replace(stats, verification=least)
 
-    def _verify(self) -> Verification:
-        """`sync.verify` on the run's probe; the trainer's probe logprobs at the last check are the previous
-        adapter's (nothing is recomputed, training is not disturbed)."""
+    def _verify(self) -> dict[str, Verification]:
+        """`sync.verify` on the run's probe, for the generator or each vLLM server that is up (one restarting gets
+        the adapter when it is back, checked at the next push). Returns each one's check (by url), the next
+        check's `previous`; the trainer's probe logprobs at the last check are the previous adapter's (nothing is
+        recomputed, training is not disturbed)."""
         want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
         dtype = str(next(self.trainer.model.parameters()).dtype)
-        return verify(self.generator, self._probe, want, self.trainer.version, self._verified, self.cfg.temperature,
-                      dtype)
+        checks = {}
+        for target in getattr(self.generator, "replicas", None) or [self.generator]:
+            if not getattr(target, "alive", True):
+                continue
+            key = getattr(target, "url", "")
+            try:
+                checks[key] = verify(target, self._probe, want, self.trainer.version,
+                                     (self._verified or {}).get(key), self.cfg.temperature, dtype)
+            except SyncVerificationError as e:
+                raise SyncVerificationError(f"{key}: {e}" if key else str(e)) from e
+        return checks
 
     def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
         self.log.log("samples", step=step, samples=sample_rows(scored, self.cfg.log_samples),

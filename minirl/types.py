@@ -1,6 +1,10 @@
 """The data that flows through a run: small frozen dataclasses with named fields.
 
 prompt ─► Generator ─► Group (G Completions) ─► Scorer ─► ScoredGroup ─► Trainer (Batch)
+
+A multi-turn episode (`minirl.envs`, run by `minirl.episodes`) is a Completion too: everything after the prompt,
+the model's replies and the environment's messages, as the token ids the generator was given and sampled, with a
+per-token `mask` of the sampled ones (the loss trains only those) and an `Episode` record of what happened.
 """
 from __future__ import annotations
 
@@ -29,18 +33,60 @@ class Prompt:
 
 
 @dataclass(frozen=True)
+class Episode:
+    """What a multi-turn episode did besides its tokens. `messages`: the whole chat (the opening messages, then
+    each reply as an assistant message and the environment's messages after it), for reward functions and
+    people; the tokens are never re-rendered from it. `end`: 'done' (the env ended it), 'max_turns' or
+    'max_episode_tokens' (truncated), or 'error' (the env raised: `error` says what; the episode is a recorded
+    failure, left out of the loss)."""
+    messages: tuple[dict, ...]
+    step_rewards: tuple[float, ...]  # one per env step that gave a reward
+    turns: int                       # model replies
+    end: str = "done"
+    tool_calls: int = 0
+    tool_errors: int = 0             # calls that could not be parsed, named no tool, or raised
+    error: str | None = None
+
+    @property
+    def reward(self) -> float:
+        """The sum of the step rewards (the `env` reward of the run)."""
+        return float(sum(self.step_rewards))
+
+    @property
+    def truncated(self) -> bool:
+        return self.end in ("max_turns", "max_episode_tokens")
+
+    def columns(self) -> dict:
+        """What reward functions get besides the dataset columns: the transcript as messages and the env's part."""
+        return {"messages": [dict(m) for m in self.messages], "env_reward": self.reward, "env_error": self.error,
+                "turns": self.turns}
+
+
+@dataclass(frozen=True)
 class Completion:
-    """One sampled completion. Every token carries its behaviour logprob (the log-probability it was sampled
-    with, temperature applied) and the policy version that produced it."""
+    """One sampled completion, or one episode. Every token carries its behaviour logprob (the log-probability it
+    was sampled with, temperature applied) and the policy version that produced it. An episode's environment
+    tokens have `mask` False, logprob 0 and the version of the reply they answer: they are context, never
+    trained on. `mask` None: every token was sampled (a single turn)."""
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     versions: tuple[int, ...]
     text: str
-    finish_reason: str  # "stop" (EOS / stop string) or "length" (cut by max_tokens)
+    finish_reason: str  # "stop" (EOS / stop string / env done), "length" (cut by max_tokens, max_turns or
+    #                     max_episode_tokens) or "error" (the env raised)
+    mask: tuple[bool, ...] | None = None
+    episode: Episode | None = None
 
     @property
     def truncated(self) -> bool:
         return self.finish_reason == "length"
+
+    @property
+    def sampled_versions(self) -> tuple[int, ...]:
+        """The versions of the sampled tokens only (what staleness is about)."""
+        if self.mask is None:
+            return self.versions
+        return tuple(v for v, m in zip(self.versions, self.mask) if m)
 
 
 @dataclass(frozen=True)
@@ -53,7 +99,7 @@ class Group:
 
     @property
     def oldest_version(self) -> int:
-        return min((v for c in self.completions for v in c.versions), default=0)
+        return min((v for c in self.completions for v in c.sampled_versions), default=0)
 
 
 @dataclass(frozen=True)

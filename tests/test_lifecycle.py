@@ -87,3 +87,73 @@ def test_a_reused_pid_is_never_touched(tmp_path):
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def test_a_watchdog_started_inside_adopting_does_not_adopt_itself(tmp_path):
+    """The first lifecycle call of a process can be `adopting()` itself (a vLLM engine is the run's first child):
+    the watchdog then starts inside the block and must not count itself among the children it ends, or it
+    would end itself first and leave the others."""
+    import minirl.lifecycle as lifecycle
+    script = textwrap.dedent(f"""
+        import importlib.util, json, subprocess, sys, time
+        spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
+        lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
+        with lc.adopting():
+            child = subprocess.Popen([sys.executable, "-c", "import signal, time; "  # SIGKILL is needed to end it
+                                      "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)"])
+            time.sleep(3 * lc.POLL_S)  # the block's poll adopts it, starting the watchdog inside the block
+        time.sleep(3 * lc.POLL_S)
+        print(json.dumps([child.pid, lc.watchdog_pid()]), flush=True)
+        time.sleep(1000)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child, watchdog = json.loads(parent.stdout.readline())
+    assert _alive(child) and _alive(watchdog)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(30)
+    _gone_within([child, watchdog], [], 10)
+
+
+def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_path):
+    """vLLM's message queues are /dev/shm files its engine core makes and maps: the watchdog removes the
+    files its processes mapped, but only those made while it watched (an older file they mapped is not theirs)."""
+    import minirl.lifecycle as lifecycle
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    older = Path(f"/dev/shm/minirl-test-older-{os.getpid()}")
+    older.write_bytes(b"\0" * 4096)
+    os.utime(older)
+    time.sleep(1.5)  # the watchdog's guard is the file's ctime against its own start, with 1 s of slack
+    child_code = ("import mmap, os, sys, time\n"
+                  "maps = []\n"
+                  "for p in sys.argv[1:]:\n"
+                  "    if not os.path.exists(p):\n"
+                  "        open(p, 'wb').truncate(4096)\n"
+                  "    f = open(p, 'r+b'); maps.append(mmap.mmap(f.fileno(), 4096))\n"
+                  "print('mapped', flush=True); time.sleep(1000)\n")
+    script = textwrap.dedent(f"""
+        import importlib.util, json, subprocess, sys, time
+        spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
+        lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
+        lc.adopt(0)  # starts the watchdog (pid 0 is never a process)
+        time.sleep(1.5)
+        child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], stdout=subprocess.PIPE)
+        child.stdout.readline()
+        lc.adopt(child.pid)
+        time.sleep(3 * lc.POLL_S)  # the watchdog reads its mappings
+        print(child.pid, flush=True)
+        time.sleep(1000)
+    """)
+    made = f"/dev/shm/minirl-test-made-{os.getpid()}"
+    try:
+        parent = subprocess.Popen([sys.executable, "-c", script, child_code, made, str(older)], stdout=subprocess.PIPE,
+                                  text=True)
+        child = int(parent.stdout.readline())
+        assert os.path.exists(made)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        _gone_within([child], [made], 10)
+        assert older.exists()
+    finally:
+        older.unlink(missing_ok=True)
+        Path(made).unlink(missing_ok=True)

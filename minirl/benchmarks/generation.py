@@ -11,7 +11,11 @@ seeds (so the same tokens: checked).
 
 Sync latency (file transport): a rank-16 all-linear peft LoRA of the model is saved to tmpfs (/dev/shm) and
 loaded with `load_adapter`; measured from the start of `save_pretrained` until `add_lora` has returned (new
-requests are served with it). Writes `out_dir/generation.json`.
+requests are served with it).
+
+vLLM server (backend 'vllm-server', `servers.py`): the same prompts and params through a vLLM OpenAI-compatible
+server on the same cores, alternating rounds with the in-process engine (`server_vs_inproc`), and the adapter
+push to it. Writes `out_dir/generation.json`.
 """
 from __future__ import annotations
 
@@ -23,8 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import lifecycle
 from ..generators.vllm import VLLMGenerator, request_seed
 from ..models import resolve_model
+from .servers import bench_server
 from ..types import Prompt, SamplingParams
 
 
@@ -108,6 +114,7 @@ def bench_files_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: 
     peft_model = _lora_model(model_path, rank)
     shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     root = Path(root or tempfile.mkdtemp(prefix="minirl-sync-", dir=shm))
+    lifecycle.keep_tidy(root)  # removed by the watchdog if the benchmark is killed
     times, nbytes = [], 0
     try:
         for v in range(1, reps + 1):
@@ -127,6 +134,7 @@ def bench_files_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: 
         gen.load_adapter(None, 0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        lifecycle.tidied(root)
     times.sort()
     pct = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
     return {"sync_files_p50_ms": round(pct(0.5), 2), "sync_files_p95_ms": round(pct(0.95), 2),
@@ -171,6 +179,8 @@ def bench_generation(out_dir: str, model: str = "smollm2-135m-instruct", num_pro
         result["ratio"] = round(result["minirl_tok_s"] / result["raw_tok_s"], 4)
         result.update(rounds=rounds_log, raw_tokens=raw_tok, minirl_tokens=mini_tok)
         result.update(bench_files_sync(gen, model_path, reps=sync_reps))
+        result.update(bench_server(gen, model_path, prompts, n, params, rounds=rounds, sync_reps=sync_reps,
+                                   log_dir=str(Path(out_dir) / "server_logs")))
         result.update(bench_hf_merge(model_path, prompts[:8]))
         result.update(model=model, num_prompts=num_prompts, n=n, max_tokens=max_tokens, temperature=temperature,
                       dtype=str(gen.engine_args.dtype), device="cpu" if gen.on_cpu else "gpu",

@@ -5,6 +5,8 @@ applied: the distribution actually sampled from) and the policy version that pro
   hf_process.py  `ProcGenerator`: an `HFGenerator` in a process of its own (the asynchronous CPU pipeline)
   vllm.py        `VLLMGenerator`: vLLM `AsyncLLM` in a thread of its own (the only module importing vllm)
   engine_thread.py  that thread: its event loop, calls from other threads, shutdown
+  vllm_server.py `ServerGenerator`: vLLM OpenAI-compatible servers over HTTP, started by minirl
+                 (server_proc.py; server_auth.py guards them) or by you; server_api.py: the requests
   swaps.py       exact per-token versions across in-place adapter swaps (vLLM `inflight` policy)
 
 `make_generator` is the choice a run makes: which generator, and which `WeightSync` carries the adapter to it.
@@ -64,6 +66,8 @@ def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: 
     `gen_devices`: on CPU the cores generation is pinned to ('0', '0-3', '0,2'), on GPU the GPU ids it may use
     ('1', '0,1'); None: no constraint."""
     on_gpu = trainer.device.startswith("cuda")
+    if backend == "vllm-server":
+        return _server_generator(cfg, trainer, gen_devices, on_gpu)
     if backend == "vllm":
         from ..sync import make_sync
         from .vllm import VLLMGenerator
@@ -71,8 +75,13 @@ def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: 
         gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
                             cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            max_model_len=cfg.max_prompt_tokens + cfg.max_tokens, inflight=cfg.inflight)
-        sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
+                            max_model_len=cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens),
+                            inflight=cfg.inflight)  # env runs: an episode's turns follow its prompt
+        try:
+            sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
+        except BaseException:  # a failed transport (or a Ctrl-C / SIGTERM here) must not leave the engine running
+            gen.close()
+            raise
         return gen, sync, why
     if asynchronous:  # its own model in its own process: no GIL shared with the trainer
         from ..adapter import adapter_params
@@ -87,3 +96,51 @@ def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: 
     from .hf import HFGenerator
     gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
     return gen, SharedSync(), "synchronous transformers loop: the generator uses the trainer's own model"
+
+
+def split_devices(spec: str | None, n: int, on_gpu: bool) -> list[str]:
+    """Where each of `n` servers runs: on GPU one id each from `spec` ('0,1'; None: every GPU), round robin; on
+    CPU an equal share of the cores in `spec` ('0-3'; None: every core this process may use), or, with fewer
+    cores than servers, one core each, round robin."""
+    import os
+    if on_gpu:
+        import torch
+        ids = spec.split(",") if spec else [str(i) for i in range(torch.cuda.device_count())]
+        return [ids[i % len(ids)] for i in range(n)]
+    from ..config import parse_cores
+    cores = parse_cores(spec) if spec else sorted(os.sched_getaffinity(0))
+    if len(cores) < n:
+        return [str(cores[i % len(cores)]) for i in range(n)]
+    per = len(cores) // n
+    return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(n)]
+
+
+def _server_generator(cfg, trainer, gen_devices: str | None, on_gpu: bool):
+    """(ServerGenerator, ServerSync, why): the servers minirl starts (`num_servers`, pinned by `split_devices`),
+    or yours (`server_urls`, key from VLLM_API_KEY)."""
+    import os
+    from pathlib import Path
+    from ..sync.servers import ServerSync
+    from .server_proc import ServerOptions
+    from .vllm_server import ServerGenerator
+    dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+    common = dict(restart=cfg.restart_servers, timeout_s=cfg.server_timeout_s, dtype=dtype,
+                  log_dir=str(Path(cfg.out_dir) / "servers"))
+    if cfg.server_urls:
+        root = cfg.adapter_dir or str(Path(cfg.out_dir).resolve() / "server_adapters")
+        gen = ServerGenerator(cfg.server_urls, api_key=os.environ.get("VLLM_API_KEY"), **common)
+        why = f"{len(cfg.server_urls)} vLLM server(s) at server_urls; adapters written to {root}"
+        return gen, ServerSync(root), why
+    if not vllm_available():
+        raise RuntimeError("backend='vllm-server' starts vLLM servers, but vllm is not installed here: `bash "
+                           "install.sh cpu` (CPU) or `bash install.sh gpu` (GPU), or give server_urls")
+    places = split_devices(gen_devices, cfg.num_servers, on_gpu)
+    launch = [ServerOptions(trainer.model_path, dtype=dtype, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens,
+                            max_lora_rank=cfg.lora_rank, max_loras=cfg.max_async_steps + 2, seed=cfg.seed,
+                            on_cpu=not on_gpu, cores=None if on_gpu else p, gpus=p if on_gpu else None,
+                            kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            extra_args=tuple(cfg.server_args)) for p in places]
+    gen = ServerGenerator(launch=launch, **common)
+    where = "GPUs" if on_gpu else "cores"
+    why = f"{cfg.num_servers} vLLM server(s) started by minirl on {where} {places}; adapters through files"
+    return gen, ServerSync(cfg.adapter_dir), why

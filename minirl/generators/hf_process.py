@@ -14,12 +14,17 @@ pinned to its own cores, generation runs truly beside the trainer.
 
 The adapter travels the way the vLLM `ipc` transport sends it (one shared-memory flat buffer, one fused copy).
 If the process dies, every waiting call raises `GeneratorProcessError`; closing (or the trainer dying) ends it.
+The trainer dying, however: the process has PR_SET_PDEATHSIG (so create a `ProcGenerator` in a thread that
+outlives it: the run's own thread does), and the trainer's watchdog (`minirl.lifecycle`) ends it and removes the
+shared-memory file should the trainer die before unlinking it.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import itertools
 import os
+import signal
+import sys
 import threading
 import traceback
 from pathlib import Path
@@ -27,8 +32,8 @@ from typing import Sequence
 
 import torch
 
+from .. import lifecycle
 from ..config import Config
-from ..sync.files import tmpfs_dir
 from ..types import Group, Prompt, SamplingParams
 from .hf import HFGenerator
 
@@ -37,8 +42,20 @@ class GeneratorProcessError(RuntimeError):
     pass
 
 
-def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | None, device: str) -> None:
+def _die_with(parent: int) -> None:
+    """Linux: the kernel sends us SIGKILL when the thread that started us ends (the trainer, even SIGKILLed); if
+    it already has, go now. The trainer's watchdog (`minirl.lifecycle`) ends us too; this is the faster path."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+
+def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | None, device: str,
+           parent: int) -> None:
     """The generator process: the main thread takes messages, one worker thread runs generate/score in order."""
+    _die_with(parent)
     import queue
     from ..adapter import adapter_params, unpack
     from ..models import build_model, load_tokenizer
@@ -140,18 +157,17 @@ class ProcGenerator:
         layout = make_layout(tensors, {})
         self.nbytes = layout["nbytes"]
         self.dtype = layout["dtype"].removeprefix("torch.")  # the process builds its model as the trainer did
-        path = tmpfs_dir() / f"minirl-genproc-{os.getpid()}-{id(self)}"
-        with open(path, "wb") as f:
-            f.truncate(self.nbytes)
+        path = lifecycle.private_file("genproc", self.nbytes)  # 0600, a new name; the watchdog removes it if we die
         try:
             raw = torch.from_file(str(path), shared=True, size=self.nbytes, dtype=torch.uint8)
             self.packer = Packer(tensors, raw.view(next(iter(tensors.values())).dtype), layout)
             self.packer.pack()
             ctx = mp.get_context("spawn")
             self._conn, child = ctx.Pipe()
-            self.proc = ctx.Process(target=_serve, args=(child, cfg, layout, str(path), cores, device),
+            self.proc = ctx.Process(target=_serve, args=(child, cfg, layout, str(path), cores, device, os.getpid()),
                                     name="minirl-genproc", daemon=True)
             self.proc.start()
+            lifecycle.adopt(self.proc.pid)  # ended by the watchdog if we die (a notebook kernel killed, say)
             child.close()
             self._reader = threading.Thread(target=self._read, name="minirl-genproc-reader", daemon=True)
             self._reader.start()
@@ -161,6 +177,7 @@ class ProcGenerator:
             raise
         finally:
             Path(path).unlink(missing_ok=True)  # both sides hold their mapping; the name cannot leak
+            lifecycle.tidied(path)
         self.push(0)
 
     def _read(self) -> None:

@@ -33,6 +33,7 @@ import weakref
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
 from typing import AsyncIterator, Callable, Sequence
 
+from .. import lifecycle
 from ..sync.wire import WORKER_EXTENSION
 from ..types import Completion, Group, Prompt, SamplingParams
 from . import vllm_available  # noqa: F401 - re-exported: `from minirl.generators.vllm import vllm_available`
@@ -109,8 +110,13 @@ class VLLMGenerator:
 
     async def _start(self):
         from vllm.v1.engine.async_llm import AsyncLLM
-        self._engine.llm = AsyncLLM.from_engine_args(self.engine_args)
-        self.dtype = str(self._engine.llm.model_config.dtype).removeprefix("torch.")
+        with lifecycle.adopting():  # the engine core (and its workers): ended with us, however we end
+            llm = AsyncLLM.from_engine_args(self.engine_args)
+        if self._engine.closed:  # closed while it started (a Ctrl-C or SIGTERM during set-up): shut it down now
+            llm.shutdown()
+            return
+        self._engine.llm = llm
+        self.dtype = str(llm.model_config.dtype).removeprefix("torch.")
 
     @property
     def version(self) -> int:
@@ -210,7 +216,22 @@ class VLLMGenerator:
             visit = self._visits.get(prompt.index, 0)
             self._visits[prompt.index] = visit + 1
             seed = request_seed(params.seed, prompt.index, visit)
-        seqs = [[c] for c in await self._request(prompt.token_ids, n, params, seed)]
+        comps = await self._sample_n(prompt.token_ids, n, params, seed)
+        self.tokens_generated += sum(len(c.token_ids) for c in comps)
+        return Group(prompt, comps, params.temperature)
+
+    async def sample(self, token_ids: Sequence[int], params: SamplingParams, seed: int | None = None) -> Completion:
+        """One sequence continuing `token_ids`, sampled with exactly `seed`: a turn of an episode
+        (`minirl.episodes`; the ids are the prompt and the turns so far). Runs on the engine loop; the same
+        per-token versions and `inflight='abort'` handling as `generate_group`."""
+        (c,) = await self._sample_n(token_ids, 1, params, seed)
+        self.tokens_generated += len(c.token_ids)
+        return c
+
+    async def _sample_n(self, token_ids: Sequence[int], n: int, params: SamplingParams,
+                        seed: int | None) -> tuple[Completion, ...]:
+        """n samples continuing `token_ids`; aborted sequences (`inflight='abort'`) resubmitted until done."""
+        seqs = [[c] for c in await self._request(token_ids, n, params, seed)]
         resubmits = 0
         while todo := [i for i, parts in enumerate(seqs) if parts[-1].finish_reason == "abort"
                        and sum(len(p.token_ids) for p in parts) < params.max_tokens]:
@@ -220,12 +241,10 @@ class VLLMGenerator:
                 done = [t for p in seqs[i] for t in p.token_ids]
                 sp = dataclasses.replace(params, max_tokens=params.max_tokens - len(done))
                 s = None if seed is None else request_seed(seed, i, len(done))
-                seqs[i] += await self._request(list(prompt.token_ids) + done, 1, sp, s)
+                seqs[i] += await self._request(list(token_ids) + done, 1, sp, s)
             await asyncio.gather(*(cont(i) for i in todo))
         self.resubmitted += resubmits
-        comps = tuple([await self._join(p) if len(p) > 1 or p[0].finish_reason == "abort" else p[0] for p in seqs])
-        self.tokens_generated += sum(len(c.token_ids) for c in comps)
-        return Group(prompt, comps, params.temperature)
+        return tuple([await self._join(p) if len(p) > 1 or p[0].finish_reason == "abort" else p[0] for p in seqs])
 
     async def _join(self, parts: list[Completion]) -> Completion:
         """One completion from the segments of an aborted-and-resubmitted sequence (text decoded whole)."""

@@ -2,9 +2,9 @@
 each group and turns rewards into group-relative advantages (`scorer.py`), the worker processes the calls run in
 (`workers.py`, `worker_main.py`), and the sandbox for model-written code (`sandbox.py`, `sandbox_supervisor.py`)."""
 from . import builtin, sandbox  # noqa: F401 - builtin registers the built-in rewards
-from .builtin import arithmetic_correct, last_integer
+from .builtin import arithmetic_correct, code_tests_pass, last_integer
 from .registry import REGISTRY, RewardFn, check_columns, resolve_reward, reward, source_hash
 from .scorer import Scorer
 
-__all__ = ["REGISTRY", "RewardFn", "Scorer", "arithmetic_correct", "check_columns", "last_integer", "resolve_reward",
-           "reward", "source_hash"]
+__all__ = ["REGISTRY", "RewardFn", "Scorer", "arithmetic_correct", "check_columns", "code_tests_pass", "last_integer",
+           "resolve_reward", "reward", "source_hash"]

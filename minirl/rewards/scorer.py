@@ -83,8 +83,8 @@ class Scorer:
         rewards = [(n, f) for n, f in self.rewards if names is None or n in names]
         cols = dict(group.prompt.columns)
         keys = [(name, i) for name, _ in rewards for i in range(len(group.completions))]
-        outcomes = self.pool.call_many([RewardCall(name, group.prompt.text, group.completions[i].text, cols)
-                                        for name, i in keys])
+        outcomes = self.pool.call_many([RewardCall(name, group.prompt.text, group.completions[i].text,
+                                                   _columns(cols, group.completions[i])) for name, i in keys])
         per: dict[str, list[float | None]] = {n: [None] * len(group.completions) for n, _ in rewards}
         failures: list[RewardFailure] = []
         for (name, i), out in zip(keys, outcomes):
@@ -104,6 +104,12 @@ class Scorer:
             totals, adv = [None] * len(totals), [0.0] * len(adv)
         return ScoredGroup(group, tuple(totals), {n: tuple(v) for n, v in per.items()}, tuple(adv),
                            tuple(failures), dict(self.versions))
+
+
+def _columns(columns: dict, completion) -> dict:
+    """A completion's reward keywords: the dataset columns, and for an episode its transcript and env reward
+    (`Episode.columns`: messages, env_reward, env_error, turns)."""
+    return columns if completion.episode is None else {**columns, **completion.episode.columns()}
 
 
 def _is_numpy_number(v: Any) -> bool:

@@ -49,7 +49,8 @@ class View:
 
 
 PANELS = ("reward", "reward_hist", "length", "loss", "policy", "is_weight", "staleness", "throughput",
-          "groups", "sync", "timeline")
+          "groups", "sync", "episodes", "timeline")
+EPISODE_PANELS = ("episodes",)  # drawn only for environment runs (their steps carry `episode/*` metrics)
 
 
 def _xy(steps: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
@@ -169,6 +170,14 @@ def draw_panel(ax, name: str, v: View) -> None:
         if not any([_line(ax, s, key, label, **kw) for key, label, kw in lines]):  # a list: draw every line
             _empty(ax)
         _finish(ax, title)
+    elif name == "episodes":
+        ok = _line(ax, s, "episode/turns", "turns / episode", color="k")
+        ok |= _line(ax, s, "episode/tool_calls", "tool calls / episode")
+        ok |= _line(ax, s, "episode/tool_errors", "tool errors / episode", color="red")
+        ok |= _line(ax, s, "episode/truncated_frac", "truncated frac", ls="--")
+        if not ok:
+            _empty(ax, "no episodes (single-turn run)")
+        _finish(ax, "episodes: turns, tools")
     elif name == "timeline":
         draw_timeline(ax, v.timeline)
     else:
@@ -215,7 +224,8 @@ def figure(source: Any, panels: Sequence[str] = PANELS, width: float = 14.0, dpi
     Figure = _figure_class()
 
     v = source if isinstance(source, View) else View.from_events(load_events(source))
-    small = [p for p in panels if p != "timeline"]
+    episodes = any("episode/turns" in h for h in v.steps)
+    small = [p for p in panels if p != "timeline" and (episodes or p not in EPISODE_PANELS)]
     cols = min(5, max(1, len(small)))
     nrows = math.ceil(len(small) / cols) if small else 0
     tl = "timeline" in panels

@@ -1,0 +1,59 @@
+"""`ServerSync`: the adapter to vLLM servers (`generators/vllm_server.py`) — written once per version, in peft
+format, to a folder every server reads at the same path, then loaded on each through `/v1/load_lora_adapter`.
+
+The folder of a version appears whole or not at all (saved under a temporary name, then renamed), so a server
+never reads a half-written adapter, on a shared mount either. A version's folder is removed once no server holds
+that version any more (the generator unloads a version when no request in flight uses it), so a server that
+evicted an adapter from its cache can still reload it while it is in use.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+from .. import lifecycle
+from . import SyncStats
+
+
+class ServerSync:
+    """`root`: the shared folder (created if missing); None: a fresh tmpfs folder (servers on this machine),
+    removed at close. `last`: the save and load milliseconds of the latest push."""
+    transport = "server-files"
+
+    def __init__(self, root: str | Path | None = None):
+        self.owned = root is None
+        self.root = Path(lifecycle.private_dir("serveradapters") if root is None else root)  # private: 0700, tidied
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.last: dict[str, float] = {}
+
+    def push(self, trainer, generator) -> SyncStats:
+        t0 = time.perf_counter()
+        version = trainer.version
+        final = self.root / f"v{version}"
+        tmp = self.root / f".v{version}.{os.getpid()}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        trainer.save_adapter(tmp)
+        if final.exists():  # the same version pushed again (a resumed run): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        t1 = time.perf_counter()
+        generator.load_adapter(str(final), version)
+        t2 = time.perf_counter()
+        self.last = {"save_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3}
+        self._prune(generator.versions_in_use())
+        nbytes = sum(f.stat().st_size for f in final.iterdir())
+        return SyncStats(version, (t2 - t0) * 1e3, nbytes, self.transport)
+
+    def _prune(self, in_use: set[int]) -> None:
+        for d in self.root.iterdir():
+            m = re.fullmatch(r"v(\d+)", d.name)
+            if m and int(m.group(1)) not in in_use:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.owned:
+            shutil.rmtree(self.root, ignore_errors=True)
+            lifecycle.tidied(self.root)

@@ -1,0 +1,202 @@
+"""No process outlives its run, however the run ends (issue 23): after a normal end, an exception, SIGINT,
+SIGTERM (mid-run and during set-up) and a SIGKILL of the trainer (what a notebook kernel's death looks like), no
+process the run started is left within 10 s and no shared-memory file of it either. For the transformers generator
+process (the K >= 1 CPU pipeline, on the tiny model) and the in-process vLLM engine (its SIGKILL: the case that
+left an orphaned engine core holding its memory).
+
+What "of the run" means is gathered while it runs: every process below the trainer (the generator process, the
+engine core, Python's resource tracker, minirl's watchdog) with its start time, and every shared-memory file that
+one of them maps or holds open, or that is named after the trainer's pid.
+"""
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from minirl import Run
+from minirl.checkpoint import latest_checkpoint
+from minirl.sync.files import tmpfs_dir
+
+from conftest import TOY_ROWS
+from test_cli import _write_run
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only (/proc, PDEATHSIG)")
+
+SHM = tmpfs_dir()
+WAIT_S = 300  # a generous bound on waits that normally take seconds (a loaded 2-core machine)
+
+
+class Watch:
+    """The processes (pid -> start time) and shared-memory files of the run under process `root` (or, with
+    `below_me`, of the run inside this process: the processes started since the watch began)."""
+
+    def __init__(self, root: int, below_me: bool = False):
+        self.root, self.below_me = root, below_me
+        self.before = {p.pid for p in psutil.Process(root).children(recursive=True)} if below_me else set()
+        self.procs: dict[int, float] = {}
+        self.cmds: dict[int, str] = {}  # pid -> command line, as seen while it ran
+        self.files: set[str] = set()
+
+    def sample(self) -> None:
+        try:
+            me = psutil.Process(self.root)
+            procs = me.children(recursive=True) + ([] if self.below_me else [me])
+        except psutil.NoSuchProcess:
+            return
+        for p in procs:
+            if p.pid in self.before:
+                continue
+            try:
+                self.procs[p.pid] = p.create_time()
+                self.cmds[p.pid] = " ".join(p.cmdline())
+                held = [m.path for m in p.memory_maps()] + [f.path for f in p.open_files()]
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            self.files.update(f for f in held if f.startswith(str(SHM) + "/"))
+        self.files.update(str(SHM / n) for n in os.listdir(SHM) if n.startswith("minirl-") and f"-{self.root}" in n)
+
+    def left(self, but: tuple[int, ...] = ()) -> list:
+        alive = []
+        for pid, t in self.procs.items():
+            try:
+                p = psutil.Process(pid)
+                if pid not in but and p.create_time() == t and p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(f"{pid} {' '.join(p.cmdline())[:120]}")
+            except psutil.NoSuchProcess:
+                pass
+        return alive + [f for f in self.files if os.path.exists(f)]
+
+    def assert_all_gone(self, within_s: float = 10.0, but: tuple[int, ...] = ()) -> float:
+        t0 = time.monotonic()
+        while (left := self.left(but)) and time.monotonic() - t0 < within_s:
+            time.sleep(0.1)
+        assert not left, f"left behind {within_s} s after the run ended: {left}"
+        return time.monotonic() - t0
+
+
+def _lines(stream) -> list[str]:
+    """The lines of `stream`, read by a thread as they come."""
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(stream), daemon=True).start()
+    return out
+
+
+def _until(child: subprocess.Popen, watch: Watch, ready, lines: list[str]) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not ready():
+        assert child.poll() is None, "".join(lines)[-3000:]
+        assert time.monotonic() < deadline, "the run never got there"
+        watch.sample()
+        time.sleep(0.1)
+    watch.sample()
+
+
+def _genproc_loading(watch: Watch) -> bool:
+    """The generator process is starting (loading its model) and its shared-memory file exists."""
+    return any(SHM.glob(f"minirl-genproc-{watch.root}-*")) and any(
+        "spawn_main" in c and psutil.pid_exists(p) for p, c in watch.cmds.items())
+
+
+# --- the transformers generator process ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("ending", ["normal", "exception"])
+def test_a_run_that_ends_or_raises_ends_its_generator_process(toy_cfg, ending):
+    """In-process (a notebook's kernel lives on after the run): the run's own end must end its children."""
+    watch = Watch(os.getpid(), below_me=True)
+    run = Run(toy_cfg.replace(max_async_steps=1, steps=3), data=TOY_ROWS)
+    run.on_step.append(lambda rec: watch.sample())
+    if ending == "exception":
+        run.on_step.append(lambda rec: rec["step"] == 1 and 1 / 0)
+    if ending == "normal":
+        assert run.run()["steps"] == 3
+    else:
+        with pytest.raises(ZeroDivisionError):
+            run.run()
+    from minirl import lifecycle
+    assert any("spawn_main" in c for c in watch.cmds.values()), f"no generator process seen: {watch.cmds}"
+    # the watchdog and Python's resource tracker belong to this (pytest) process, not to the run: they stay
+    keep = tuple(p for p, c in watch.cmds.items() if p == lifecycle.watchdog_pid() or "resource_tracker" in c)
+    took = watch.assert_all_gone(but=keep)
+    print(f"{ending}: all gone {took:.1f} s after the run returned")
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_sigint_or_sigterm_stops_the_cli_cleanly(tiny_model, tmp_path, sig):
+    """Mid-run: the step ends or is abandoned, a checkpoint is written, the children are closed, the exit code is
+    128 + the signal's number, and one line names the command that continues."""
+    _write_run(tmp_path, tiny_model, max_async_steps=1)
+    child = subprocess.Popen([sys.executable, "-m", "minirl.cli", "train", "my.yaml", "--steps", "500",
+                              "--checkpoint-every", "1"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    watch, lines = Watch(child.pid), _lines(child.stderr)
+    _until(child, watch, lambda: any(x.startswith("step 2/500") for x in lines), lines)
+    child.send_signal(getattr(signal, sig))
+    assert child.wait(WAIT_S) == 128 + getattr(signal, sig), "".join(lines)[-3000:]
+    took = watch.assert_all_gone()
+    time.sleep(0.2)  # the reader thread takes the last lines
+    last, done = lines[-1].strip(), latest_checkpoint(tmp_path / "runs/my").step
+    assert done >= 2 and last.startswith("minirl: interrupted after") and f"({sig.replace('SIGINT', 'Ctrl-C')})" in last
+    assert last.endswith(f"`minirl train my.yaml --resume` continues after step {done} (the latest checkpoint)")
+    assert not any("Traceback" in x for x in lines)
+    print(f"{sig}: all gone {took:.1f} s after the exit")
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_kill_during_set_up_leaves_nothing(tiny_model, tmp_path, sig):
+    """While the generator process loads its model (its shared-memory file not yet unlinked): SIGTERM stops the
+    set-up cleanly (exit 143, one line, nothing written); SIGKILL (a notebook kernel killed) leaves the watchdog
+    and PR_SET_PDEATHSIG to end the generator process and remove the file."""
+    _write_run(tmp_path, tiny_model, max_async_steps=1)
+    child = subprocess.Popen([sys.executable, "-m", "minirl.cli", "train", "my.yaml"], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    watch, lines = Watch(child.pid), _lines(child.stderr)
+    _until(child, watch, lambda: _genproc_loading(watch), lines)
+    assert watch.files, "the generator's shared-memory file was never seen"
+    child.send_signal(getattr(signal, sig))
+    code = child.wait(WAIT_S)
+    took = watch.assert_all_gone()
+    if sig == "SIGTERM":
+        time.sleep(0.2)
+        assert code == 143 and lines[-1].startswith("minirl: stopped during set-up (SIGTERM); nothing was written")
+        assert not (tmp_path / "runs/my").exists() or not any((tmp_path / "runs/my").iterdir())
+    else:
+        assert code == -signal.SIGKILL
+    print(f"{sig} during set-up: all gone {took:.1f} s after the exit")
+
+
+# --- the vLLM engine -----------------------------------------------------------------------------------------
+
+ENGINE = """
+import sys
+from minirl.generators.vllm import VLLMGenerator
+from minirl.types import Prompt, SamplingParams
+if __name__ == "__main__":  # the engine core is spawned
+    gen = VLLMGenerator(sys.argv[1], max_lora_rank=8, max_model_len=256, kv_cache_gb=0.25)
+    gen.generate([Prompt(0, (1, 2, 3), "")], 2, SamplingParams(max_tokens=4, seed=0))
+    print("serving", flush=True)
+    sys.stdin.read()
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_a_sigkilled_trainer_takes_its_vllm_engine_with_it(embedded_model, tmp_path):
+    """The trainer (here a script serving one engine) is SIGKILLed: its engine core and everything below it end
+    within 10 s (before the watchdog, it lived on, reparented to init, holding its memory)."""
+    (tmp_path / "engine.py").write_text(ENGINE)
+    child = subprocess.Popen([sys.executable, str(tmp_path / "engine.py"), embedded_model], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watch, lines = Watch(child.pid), _lines(child.stdout)
+    _until(child, watch, lambda: "serving\n" in lines, lines)
+    assert any("EngineCore" in c or "spawn_main" in c for c in watch.cmds.values()), watch.cmds
+    child.kill()
+    child.wait(WAIT_S)
+    took = watch.assert_all_gone()
+    print(f"vLLM, SIGKILL: all gone {took:.1f} s after the kill")
