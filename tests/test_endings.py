@@ -1,8 +1,8 @@
-"""No process outlives its run, however the run ends (issue 23): after a normal end, an exception, SIGINT and
-SIGTERM (during set-up; SIGTERM mid-run too) and a SIGKILL of the trainer (what a notebook kernel's death looks
-like), no process the run started is left within 10 s and no shared-memory file of it either. For the transformers generator
-process (the K >= 1 CPU pipeline, on the tiny model) and the in-process vLLM engine (its SIGKILL: the case that
-left an orphaned engine core holding its memory).
+"""No process outlives its run, however the run ends (issue 23): after a normal end, an exception, SIGINT and SIGTERM
+(during set-up; SIGTERM mid-run too) and a SIGKILL of the trainer (what a notebook kernel's death looks like), no
+process the run started is left within 10 s and no shared-memory file of it either. For the transformers generator
+process (the K >= 1 CPU pipeline, on the tiny model) and the in-process vLLM engine (its SIGKILL: the case that left
+an orphaned engine core holding its memory).
 
 What "of the run" means is gathered while it runs: every process below the trainer (the generator process, the
 engine core, Python's resource tracker, minirl's watchdog) with its start time, and every shared-memory file that
