@@ -27,6 +27,7 @@ out of the loss); the run goes on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import concurrent.futures as cf
 import dataclasses
 import hashlib
@@ -36,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 from .chat import ChatFormat
 from .envs import Env, EnvStep, plain_tool_prompt, tool_schema
+from .generators.engine_thread import gather_or_cancel, in_finish_order
 from .types import Completion, Episode, Group, Prompt, SamplingParams
 
 
@@ -277,21 +279,13 @@ class AsyncEpisodeRunner(EpisodeRunner):
 
     async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams):
         """Groups in the order they finish (the pipeline's producer iterates this on the engine loop)."""
-        tasks = [asyncio.ensure_future(self.group(p, i, n, params)) for i, p in enumerate(prompts)]
-        try:
-            for fut in asyncio.as_completed(tasks):
-                yield await fut
-        finally:
-            for t in tasks:
-                t.cancel()
+        groups = in_finish_order(self.group(p, i, n, params) for i, p in enumerate(prompts))
+        async with contextlib.aclosing(groups):  # the rest cancelled at once if we stop
+            async for g in groups:
+                yield g
 
     async def _gather(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
-        tasks = [asyncio.ensure_future(self.group(p, i, n, params)) for i, p in enumerate(prompts)]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
+        return await gather_or_cancel(self.group(p, i, n, params) for i, p in enumerate(prompts))
 
     def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
         return self.gen.call(self._gather(list(prompts), n, params))

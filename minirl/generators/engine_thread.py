@@ -8,6 +8,29 @@ import atexit
 import threading
 
 
+async def in_finish_order(coros):
+    """Run the coroutines concurrently and yield their results as they finish; the ones left are cancelled when
+    the consumer stops early (or fails)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        for fut in asyncio.as_completed(tasks):
+            yield await fut
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def gather_or_cancel(coros) -> list:
+    """Run the coroutines concurrently and return their results in order; on the first error (or a cancel) the
+    others are cancelled, not left running on the engine."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
 class EngineThread:
     """The thread, its loop and the engine (`llm`, set by the owner on the loop; vLLM's `AsyncLLM`). Holds no
     reference to its owner, so a weakref finalizer can shut it down at garbage collection or interpreter exit."""

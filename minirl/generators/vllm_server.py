@@ -16,6 +16,7 @@ Runs on a loop thread of its own (`EngineThread`): the async pipeline's coroutin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import atexit
 import secrets
 import weakref
@@ -23,7 +24,7 @@ from collections import Counter
 from typing import Callable, Sequence
 
 from ..types import Group, Prompt, SamplingParams
-from .engine_thread import EngineThread
+from .engine_thread import EngineThread, gather_or_cancel, in_finish_order
 from .server_api import (ServerDown, ServerRejected, adapter_name, adapter_versions, completion_body,
                          parse_completions, parse_scores, score_body)
 from .server_fleet import Fleet, Server, ServerError
@@ -156,21 +157,13 @@ class ServerGenerator:
 
     async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams):
         """Groups in the order they finish. Iterate on `loop`."""
-        tasks = [asyncio.ensure_future(self.generate_group(p, n, params)) for p in prompts]
-        try:
-            for fut in asyncio.as_completed(tasks):
-                yield await fut
-        finally:
-            for t in tasks:
-                t.cancel()
+        groups = in_finish_order(self.generate_group(p, n, params) for p in prompts)
+        async with contextlib.aclosing(groups):  # the rest cancelled at once if we stop
+            async for g in groups:
+                yield g
 
     async def _gather(self, prompts, n, params) -> list[Group]:
-        tasks = [asyncio.ensure_future(self.generate_group(p, n, params)) for p in prompts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:
-                t.cancel()
+        return await gather_or_cancel(self.generate_group(p, n, params) for p in prompts)
 
     def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
         """Blocking: one Group of n completions per prompt, in prompt order."""
