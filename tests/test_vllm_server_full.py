@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+FULL = os.environ.get("MINIRL_SERVER_TESTS") == "full" or os.environ.get("MINIRL_FULL_TESTS") == "1"
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
-              pytest.mark.skipif(os.environ.get("MINIRL_SERVER_TESTS") != "full", reason="the full server checks "
-                                 "start a pair of vLLM servers and run a demo against them: MINIRL_SERVER_TESTS=full to run them; "
+              pytest.mark.skipif(not FULL, reason="the full server checks start a pair of vLLM servers and run a demo "
+                                 "against them: MINIRL_FULL_TESTS=1 (or MINIRL_SERVER_TESTS=full) runs them; "
                                  "tests/test_vllm_server.py is the default suite's share")]
 
 ATOL = 2e-3  # float32 servers vs float32 transformers, per token (measured: ~5e-5)
