@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 
@@ -17,6 +16,33 @@ def tiny_model(tmp_path_factory):
 def embedded_model():
     from minirl.models import resolve_model
     return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def tok(embedded_model):
+    """The embedded model's tokenizer."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(embedded_model)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok, request):
+    """The test module's QUESTIONS as chat prompts of the embedded model."""
+    from minirl.types import Prompt
+    out = []
+    for i, q in enumerate(request.module.QUESTIONS):
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
+        ids = ids if isinstance(ids, list) else ids["input_ids"]
+        out.append(Prompt(i, tuple(ids), q))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(embedded_model):
+    """The embedded model in float32 (transformers), for reference logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32).eval()
 
 
 def yes_reward(prompt, completion, **_):

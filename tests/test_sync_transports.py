@@ -210,12 +210,6 @@ def test_killed_peer_gives_a_clear_error_within_the_timeout():
 # ---- with the engine -------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tok(embedded_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(embedded_model)
-
-
-@pytest.fixture(scope="module")
 def probe(tok):
     ids = tok.apply_chat_template([{"role": "user", "content": "Name one primary color."}], add_generation_prompt=True,
                                   tokenize=True)

@@ -17,30 +17,6 @@ ATOL = 2e-3  # float32 engine vs float32 transformers, per token
 QUESTIONS = ["What is 2+3? Answer with a number.", "Name one primary color.", "Say hello in French."]
 
 
-@pytest.fixture(scope="module")
-def tok(embedded_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(embedded_model)
-
-
-@pytest.fixture(scope="module")
-def prompts(tok):
-    from minirl.types import Prompt
-    out = []
-    for i, q in enumerate(QUESTIONS):
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
-        out.append(Prompt(i, tuple(ids), q))
-    return out
-
-
-@pytest.fixture(scope="module")
-def base(embedded_model):
-    import torch
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32).eval()
-
-
 def _make_adapter(base, path, seed):
     """A peft LoRA (r=8, all-linear) whose B matrices are small random values, so it changes the model."""
     import torch

@@ -34,30 +34,6 @@ QUESTIONS = ["What is 2+3? Answer with a number.", "Name one primary color.", "S
              "What is 7*6?", "Write a long story about a dragon who learns to fly."]
 
 
-@pytest.fixture(scope="module")
-def tok(embedded_model):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(embedded_model)
-
-
-@pytest.fixture(scope="module")
-def prompts(tok):
-    from minirl.types import Prompt
-    out = []
-    for i, q in enumerate(QUESTIONS):
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-        ids = ids if isinstance(ids, list) else ids["input_ids"]
-        out.append(Prompt(i, tuple(ids), q))
-    return out
-
-
-@pytest.fixture(scope="module")
-def base(embedded_model):
-    import torch
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32).eval()
-
-
 def _peft(base, seed):
     """A peft LoRA (r=8, all-linear) with small random B matrices, so it changes the model."""
     import torch
