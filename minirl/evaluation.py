@@ -18,7 +18,7 @@ def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, ma
     scores: list[float | None] = []
     for i in range(0, len(prompts), chunk):
         groups = generator.generate(prompts[i:i + chunk], 1, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-        scores += [scorer.score_group(g, names=[name]).per_reward[name][0] for g in groups]
+        scores += [sg.per_reward[name][0] for sg in scorer.score_groups(groups, names=[name])]
         if progress is not None:
             progress(len(scores), len(prompts))
     return sum(0.0 if v is None else v for v in scores) / len(scores)  # a failed score counts as wrong

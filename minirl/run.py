@@ -328,7 +328,7 @@ class Run:
             t0 = time.perf_counter()
             groups = self.rollouts.generate(self.stream.take(c.prompts_per_step), c.group_size, self._sampling(step))
             t_gen = time.perf_counter() - t0
-            scored = [self.scorer.score_group(g) for g in groups]
+            scored = self.scorer.score_groups(groups)  # every call of the step at once
             n_tok = sum(len(x.token_ids) for g in groups for x in g.completions)
             self.log.log("timeline", side="gen", start=t0 - self._t_start, end=t0 + t_gen - self._t_start)
             yield step, scored, {"time/gen_s": t_gen, "throughput/gen_tok_s": n_tok / max(t_gen, 1e-9),

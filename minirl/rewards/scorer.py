@@ -7,7 +7,7 @@ not a finite number within `reward_clip` is a *failure*: recorded with its reaso
 group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0.
 
 With `workers > 0` the calls run in reward worker processes (`workers.py`): a group's calls in parallel, each with
-its own timeout, a hung or crashed worker killed and replaced. `workers=0` runs them in this process, one after
+its own timeout, a hung or crashed worker killed and replaced (`score_groups`: several groups' calls at once). `workers=0` runs them in this process, one after
 another (the opt-in for pure, cheap rewards: a hung call is abandoned, not stopped).
 """
 from __future__ import annotations
@@ -80,18 +80,28 @@ class Scorer:
 
     def score_group(self, group: Group, names: Sequence[str] | None = None) -> ScoredGroup:
         """Every reward (or only `names`) on every completion of `group`, then the group's advantages."""
+        return self.score_groups([group], names)[0]
+
+    def score_groups(self, groups: Sequence[Group], names: Sequence[str] | None = None) -> list[ScoredGroup]:
+        """`score_group` for several groups, their calls sent to the workers together (a slow reward -- a remote
+        judge, tests to run -- waits once per batch of calls, not once per group)."""
         rewards = [(n, f) for n, f in self.rewards if names is None or n in names]
-        cols = dict(group.prompt.columns)
-        keys = [(name, i) for name, _ in rewards for i in range(len(group.completions))]
-        outcomes = self.pool.call_many([RewardCall(name, group.prompt.text, group.completions[i].text,
-                                                   _columns(cols, group.completions[i])) for name, i in keys])
-        per: dict[str, list[float | None]] = {n: [None] * len(group.completions) for n, _ in rewards}
-        failures: list[RewardFailure] = []
-        for (name, i), out in zip(keys, outcomes):
+        keys = [(k, name, i) for k, g in enumerate(groups) for name, _ in rewards for i in range(len(g.completions))]
+        outcomes = self.pool.call_many([RewardCall(name, groups[k].prompt.text, groups[k].completions[i].text,
+                                                   _columns(dict(groups[k].prompt.columns), groups[k].completions[i]))
+                                        for k, name, i in keys])
+        per: list[dict[str, list[float | None]]] = [{n: [None] * len(g.completions) for n, _ in rewards}
+                                                     for g in groups]
+        failures: list[list[RewardFailure]] = [[] for _ in groups]
+        for (k, name, i), out in zip(keys, outcomes):
             v, why = (None, out.error) if out.error is not None else self.check_value(out.value)
             if why is not None:
-                failures.append(RewardFailure(name, i, why))
-            per[name][i] = v
+                failures[k].append(RewardFailure(name, i, why))
+            per[k][name][i] = v
+        return [self._finish(g, rewards, p, f) for g, p, f in zip(groups, per, failures)]
+
+    def _finish(self, group: Group, rewards, per: dict, failures: list[RewardFailure]) -> ScoredGroup:
+        """A group's weighted totals and advantages from its per-reward values."""
         weights = dict(zip((n for n, _ in self.rewards), self.weights))
         totals: list[float | None] = []
         for i in range(len(group.completions)):

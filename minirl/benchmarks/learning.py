@@ -1,0 +1,89 @@
+"""`minirl bench learning`: does asynchrony cost learning, and how long does each setting take to learn?"""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..config import DEMO, Config
+from . import _write
+
+
+def _eval_curve(metrics_jsonl: Path) -> list[list[float]]:
+    """[[step, held-out accuracy], ...] from a run's metrics log."""
+    recs = (json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip())
+    return [[r["step"], r["accuracy"]] for r in recs if r.get("event") == "eval"]
+
+
+def _time_to(curve: list[list[float]], step_s: list[float], target: float) -> float | None:
+    """Training seconds (the steps' wall clock, evaluations excluded) until the first held-out evaluation at or
+    above `target`; None if no evaluation reached it."""
+    for step, acc in curve:
+        if acc >= target:
+            return sum(step_s[:int(step)])
+    return None
+
+
+def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_every: int = 5, ks=(0, 1, 2),
+                   target: float = 0.7, **overrides: Any) -> dict:
+    """Does asynchrony cost learning? For each seed, the demo (its config and number of steps) with K = 0, 1 and 2;
+    held-out greedy accuracy on the same `eval_size` problems for every K of a seed, before, every `eval_every`
+    steps and after. K = 0 runs the synchronous loop on every core (the pipeline with K = 0 reproduces it exactly,
+    only slower on the 1 + 1 split); K >= 1 runs the pipeline on the split (generator on core 0, trainer on core 1).
+    Writes learning.json: per seed and K the gain and the accuracy curve; per K the mean gain and its standard
+    error over seeds; and the paired differences K - K0 (same seed, same problems) with their standard errors, of
+    the final accuracy and of the curve's mean after step 0 (less noisy than one endpoint); and time to accuracy:
+    per run the training seconds until held-out accuracy first reached `target` (`train_s_to_target`, None when
+    it did not), per K its mean over the seeds that reached it and how many did. Runs already in
+    DIR/learning.json with the same config are kept, so an interrupted benchmark resumes, and more seeds add on;
+    `ks` runs only some K (the summaries cover the seeds that have the runs they need)."""
+    from ..run import Run
+    base = Config(**{**DEMO, "eval_size": eval_size, "eval_every": eval_every, **overrides})
+    res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "target": target, "runs": {}}
+    done = Path(out) / "learning.json"
+    if done.exists():
+        prev = json.loads(done.read_text())
+        if prev.get("config") == res["config"]:
+            res["runs"] = prev.get("runs", {})
+    for seed in seeds:
+        for K in ks:
+            if f"s{seed}_k{K}" in res["runs"]:
+                continue
+            split = dict(gen_devices="0", train_devices="1") if K else {}
+            run = Run(base.replace(seed=seed, max_async_steps=K, out_dir=str(Path(out) / f"s{seed}_k{K}"), **split),
+                      overwrite=True)  # a run not in learning.json was interrupted: start it again
+            s = run.run()
+            curve = _eval_curve(Path(out) / f"s{seed}_k{K}" / "metrics.jsonl")
+            step_s = [x["time/step_s"] for x in run.history]
+            res["runs"][f"s{seed}_k{K}"] = {
+                "before": s["eval_accuracy_before"], "after": s["eval_accuracy_after"],
+                "gain": s["eval_accuracy_after"] - s["eval_accuracy_before"],
+                "max_staleness": max((x.get("staleness/max") or 0) for x in run.history),
+                "curve": curve, "step_s": step_s, "train_s": sum(step_s),
+                "train_s_to_target": _time_to(curve, step_s, target)}
+            _write(out, "learning.json", res)  # partial results survive an interrupted run
+
+    def mean_se(xs):
+        m = statistics.mean(xs)
+        return {"mean": m, "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None, "n": len(xs)}
+
+    def curve_mean(r):
+        return statistics.mean(a for step, a in r["curve"] if step > 0)
+    runs = res["runs"]
+    for K in (0, 1, 2):
+        have = [s for s in seeds if f"s{s}_k{K}" in runs]
+        if have:
+            res[f"gain_k{K}"] = mean_se([runs[f"s{s}_k{K}"]["gain"] for s in have])
+            res[f"curve_mean_k{K}"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) for s in have])
+            reached = [runs[f"s{s}_k{K}"]["train_s_to_target"] for s in have]
+            hit = [t for t in reached if t is not None]
+            res[f"time_to_target_k{K}"] = {"mean_s": statistics.mean(hit) if hit else None, "reached": len(hit),
+                                           "n": len(have)}
+        paired = [s for s in have if f"s{s}_k0" in runs]
+        if K and paired:
+            res[f"gain_k{K}_minus_k0"] = mean_se([runs[f"s{s}_k{K}"]["after"] - runs[f"s{s}_k0"]["after"]
+                                                  for s in paired])
+            res[f"curve_mean_k{K}_minus_k0"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) - curve_mean(runs[f"s{s}_k0"])
+                                                        for s in paired])
+    return _write(out, "learning.json", res)

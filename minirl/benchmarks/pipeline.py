@@ -1,0 +1,117 @@
+"""`minirl bench pipeline`: the asynchronous pipeline against the best synchronous loop, interleaved.
+
+The synchronous side is what a user gets by default: K = 0, every core to each phase in turn (generate, score,
+train). The asynchronous sides run generation ahead of training (K = 1, 2): on CPU either on the default split
+(generator pinned to the first half of the cores, trainer to the rest) or sharing every core (both sides may use
+all cores; the OS gives a core to whichever side has work). Each workload runs every variant once per round, the
+order rotated between rounds (ABC, then BCA, ...), same seed and prompts, so the machine's drift falls on every
+variant alike.
+
+Workloads (each a set of Config overrides on the demo's):
+- demo:      8 prompts x 8 samples x 24 tokens, the arithmetic reward.
+- long-tail: 4 prompts x 8 samples x up to 160 tokens at temperature 1.0: most answers end early, a few run on,
+             and a synchronous batch waits for its longest completion.
+- judge:     the demo with a reward that waits `JUDGE_LATENCY_S` per call before answering (what a remote judge
+             model or a test runner behind an API costs), 8 reward workers: the synchronous loop waits for the
+             judge with every core idle; the pipeline generates and trains meanwhile.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import DEMO, Config
+from ..rewards.builtin import arithmetic_correct
+
+JUDGE_LATENCY_S = 0.5
+
+
+def judged_correct(prompt: str, completion: str, answer: int, **cols) -> float:
+    """The arithmetic reward behind a remote judge's latency (`JUDGE_LATENCY_S` of waiting, no CPU)."""
+    time.sleep(JUDGE_LATENCY_S)  # stands for the network round trip of a judge call
+    return arithmetic_correct(prompt, completion, answer, **cols)
+
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "demo": {},
+    "long-tail": dict(prompts_per_step=4, max_tokens=160),
+    "judge": dict(rewards=[f"{__name__}:judged_correct"], reward_workers=8),
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "sync": dict(max_async_steps=0),                                         # the default loop, every core
+    "k1": dict(max_async_steps=1),                                           # the default split
+    "k1_shared": dict(max_async_steps=1, gen_devices="all", train_devices="all"),
+    "k2": dict(max_async_steps=2),
+}
+
+
+def _devices(overrides: dict[str, Any]) -> dict[str, Any]:
+    """'all' = every core of this machine, on both sides."""
+    import os
+    every = f"0-{(os.cpu_count() or 1) - 1}"
+    return {k: (every if v == "all" else v) for k, v in overrides.items()}
+
+
+def _one(cfg: Config, warmup: int) -> dict[str, Any]:
+    from ..run import Run
+    t0 = time.perf_counter()
+    run = Run(cfg, overwrite=True)
+    s = run.run()
+    h = run.history[warmup:]
+    lens = [x["length/mean"] for x in h]
+    return {"step_s": statistics.median(x["time/step_s"] for x in h),
+            "gen_busy": statistics.mean(x["busy/gen"] for x in h),
+            "train_busy": statistics.mean(x["busy/train"] for x in h),
+            "train_samples": statistics.mean(x["train/samples"] for x in h),
+            "length_mean": statistics.mean(lens), "length_max": max(x["length/max"] for x in h),
+            "max_staleness": max((x["staleness/max"] or 0) for x in h),
+            "reward_first": s["reward_first"], "reward_last": s["reward_last"],
+            "wall_s": time.perf_counter() - t0, "backend": s["backend"]}
+
+
+def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
+                   variants=("sync", "k1", "k1_shared"), rounds: int = 2, steps: int = 6, warmup: int = 1,
+                   seed: int = 0, **overrides: Any) -> dict:
+    """Every variant on every workload, `rounds` times interleaved. Per workload: each variant's median step
+    seconds over rounds (each round's figure is the median of its steps after `warmup`), `best_sync_step_s`,
+    `async_step_s` (the best asynchronous variant's) and `speedup` = best_sync_step_s / async_step_s (> 1: async is
+    faster). The top level repeats the first workload's figures (`speedup`, `gen_busy`, `train_busy`,
+    `best_sync_step_s`, `async_step_s`) and lists every workload under `workloads`. No held-out evaluation: learning
+    is `bench learning`'s measurement; `reward_first` / `reward_last` show each run trained."""
+    from . import _write
+    base = {**DEMO, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "seed": seed, **overrides}
+    res: dict[str, Any] = {"settings": {"rounds": rounds, "steps": steps, "warmup": warmup, "seed": seed,
+                                        "variants": {v: VARIANTS[v] for v in variants},
+                                        "judge_latency_s": JUDGE_LATENCY_S},
+                           "order": [], "runs": {}, "workloads": []}
+    for w in workloads:
+        for r in range(rounds):
+            order = list(variants[r % len(variants):]) + list(variants[:r % len(variants)])
+            for v in order:
+                cfg = Config(**{**base, **WORKLOADS[w], **_devices(VARIANTS[v]),
+                                "out_dir": str(Path(out) / f"pipeline_{w}_{v}_r{r}")})
+                res["order"].append(f"{w}/{v}/r{r}")
+                res["runs"][f"{w}/{v}/r{r}"] = {"config": cfg.to_dict(), **_one(cfg, warmup)}
+                _write(out, "pipeline.json", res)  # partial results survive an interrupted benchmark
+        res["workloads"].append(_summary(w, variants, rounds, res["runs"]))
+        _write(out, "pipeline.json", res)
+    first = res["workloads"][0]
+    res.update({k: first[k] for k in ("speedup", "best_sync_step_s", "async_step_s", "best_async", "gen_busy",
+                                      "train_busy")})
+    return _write(out, "pipeline.json", res)
+
+
+def _summary(w: str, variants, rounds: int, runs: dict) -> dict[str, Any]:
+    per = {v: [runs[f"{w}/{v}/r{r}"] for r in range(rounds)] for v in variants}
+    med = {v: statistics.median(x["step_s"] for x in xs) for v, xs in per.items()}
+    asyncs = [v for v in variants if VARIANTS[v]["max_async_steps"] > 0]
+    best = min(asyncs, key=med.__getitem__)
+    return {"workload": w, "overrides": WORKLOADS[w], "step_s": med,
+            "step_s_by_round": {v: [x["step_s"] for x in xs] for v, xs in per.items()},
+            "best_sync_step_s": med["sync"], "async_step_s": med[best], "best_async": best,
+            "speedup": med["sync"] / med[best],
+            "gen_busy": statistics.mean(x["gen_busy"] for x in per[best]),
+            "train_busy": statistics.mean(x["train_busy"] for x in per[best]),
+            "length_mean": {v: statistics.mean(x["length_mean"] for x in xs) for v, xs in per.items()}}

@@ -1,0 +1,49 @@
+"""`bench pipeline` on a tiny model: interleaved rounds, the best synchronous loop as the baseline, the JSON's
+fields; and `bench learning`'s time to accuracy."""
+import json
+
+from conftest import TOY_ROWS
+
+
+def test_pipeline_bench_interleaves_and_compares_with_the_synchronous_loop(tmp_path, monkeypatch):
+    """The orchestration (rounds, order, summary) with each run's figures faked: sync 10 s a step, K=1 8 s."""
+    from minirl.benchmarks import pipeline as P
+    seen = []
+
+    def fake_one(cfg, warmup):
+        seen.append(cfg)
+        step = 10.0 if cfg.max_async_steps == 0 else 8.0
+        return {"step_s": step + len(seen) * 0.01, "gen_busy": 0.5, "train_busy": 0.5, "length_mean": 5.0}
+    monkeypatch.setattr(P, "_one", fake_one)
+    res = P.bench_pipeline(tmp_path / "b", workloads=("demo", "judge"), variants=("sync", "k1"), rounds=2, steps=3)
+    assert res["order"] == ["demo/sync/r0", "demo/k1/r0", "demo/k1/r1", "demo/sync/r1",
+                            "judge/sync/r0", "judge/k1/r0", "judge/k1/r1", "judge/sync/r1"]  # rotated per round
+    assert [c.max_async_steps for c in seen[:4]] == [0, 1, 1, 0] and all(c.seed == 0 for c in seen)
+    assert seen[4].rewards == ["minirl.benchmarks.pipeline:judged_correct"]
+    w = res["workloads"][0]
+    assert w["best_async"] == "k1" and w["step_s_by_round"]["sync"] == [10.01, 10.04]
+    assert res["speedup"] == w["best_sync_step_s"] / w["async_step_s"] > 1
+    on_disk = json.loads((tmp_path / "b" / "pipeline.json").read_text())
+    assert on_disk["settings"]["rounds"] == 2 and on_disk["speedup"] == res["speedup"]
+
+
+def test_one_pipeline_run_reports_its_figures(tiny_model, tmp_path):
+    """A real (tiny) synchronous run through the benchmark's measurement."""
+    from minirl import Config
+    from minirl.benchmarks.pipeline import _one
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in TOY_ROWS))
+    cfg = Config(model=tiny_model, backend="hf", data=str(data), rewards=["yes_reward"], steps=3, prompts_per_step=2,
+                 group_size=4, max_tokens=6, lora_rank=8, eval_size=0, out_dir=str(tmp_path / "run"))
+    r = _one(cfg, warmup=1)
+    assert r["step_s"] > 0 and 0 < r["gen_busy"] < 1 and 0 < r["train_busy"] < 1
+    assert 0 < r["length_mean"] <= 6 and r["max_staleness"] == 0 and r["backend"] == "hf"
+
+
+def test_time_to_target_counts_training_seconds_until_the_first_evaluation_at_target():
+    from minirl.benchmarks.learning import _time_to
+    curve = [[0, 0.4], [5, 0.6], [10, 0.72], [15, 0.69], [20, 0.8]]
+    step_s = [2.0] * 20
+    assert _time_to(curve, step_s, 0.7) == 20.0   # the 10 steps before the eval at step 10
+    assert _time_to(curve, step_s, 0.9) is None
+    assert _time_to(curve, step_s, 0.3) == 0.0
