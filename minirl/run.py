@@ -27,7 +27,7 @@ from .episodes import make_runner
 from .evaluation import evaluate
 from .generators import Generator, make_generator, pick_backend
 from .metrics import MetricsLog, rollout_metrics, sample_rows, step_summary
-from .models import resolve_model
+from .models import cpu_dtype_warning, resolve_model
 from .rewards import Scorer, check_columns
 from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
@@ -148,6 +148,8 @@ class Run:
             raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                              "backend finishes in-flight sequences on their adapter (inflight='continue')")
         resolve_model(c.model)  # a model that cannot be found fails here, within seconds
+        if not torch.cuda.is_available() and (note := cpu_dtype_warning(c.dtype)):
+            print(note, flush=True)
         if torch.cuda.is_available():
             gen_devices = None if c.gen_devices == "auto" else c.gen_devices.replace("cuda:", "")
             train_device = "cuda" if c.train_devices == "auto" else c.train_devices

@@ -61,3 +61,20 @@ def test_run_set_validates_first_and_keeps_the_config_on_a_rejected_change():
     assert run.cfg.temperature == 1.0
     run.set(temperature=0.7, lr=1e-3)  # a later valid change still works
     assert (run.cfg.temperature, run.cfg.lr) == (0.7, 1e-3)
+
+
+def test_a_16_bit_dtype_on_a_cpu_that_emulates_bf16_is_warned_about(tmp_path):
+    """The CPU's bf16 support read from cpuinfo (faked here: an AVX2-only machine and an AMX one)."""
+    import torch
+    from minirl.models import cpu_bf16_flags, cpu_dtype_warning, train_dtype
+    avx2, amx = tmp_path / "avx2", tmp_path / "amx"
+    avx2.write_text("processor : 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
+    amx.write_text("processor : 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
+    assert cpu_bf16_flags(str(avx2)) == [] and cpu_bf16_flags(str(amx)) == ["avx512_bf16", "amx_bf16"]
+    assert cpu_bf16_flags(str(tmp_path / "missing")) == []
+    msg = cpu_dtype_warning("bfloat16", str(avx2))
+    assert msg.count("\n") == 0 and "emulated" in msg and "dtype: auto" in msg
+    assert cpu_dtype_warning("bfloat16", str(amx)) is None
+    assert cpu_dtype_warning("float32", str(avx2)) is None and cpu_dtype_warning("auto", str(avx2)) is None
+    if not torch.cuda.is_available():
+        assert train_dtype(Config(dtype="auto")) == torch.float32  # on either kind of CPU (measured: no gain)
