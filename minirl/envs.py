@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import importlib
 import inspect
 import json
 import re
@@ -234,9 +233,6 @@ def resolve_env(ref: str | Callable) -> tuple[str, Callable[[], Env]]:
     if ref in TASKS:
         return ref, TASKS[ref].env
     if ":" in ref:
-        mod, _, attr = ref.partition(":")
-        try:
-            return attr, getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"env {ref!r} cannot be imported ({e}); check the 'module:Class' path") from None
+        from .rewards.registry import import_ref
+        return import_ref(ref, "env", "module:Class")
     raise ValueError(f"unknown env {ref!r}: built-in tasks are {sorted(TASKS)}; or give 'module:Class'")

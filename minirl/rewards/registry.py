@@ -23,17 +23,22 @@ def reward(fn: Callable | None = None, *, name: str | None = None):
     return wrap(fn) if fn is not None else wrap
 
 
+def import_ref(ref: str, what: str, form: str) -> tuple[str, Any]:
+    """(attr, object) for 'module:attr' (a reward, an env), or one line naming what could not be imported."""
+    mod, _, attr = ref.partition(":")
+    try:
+        return attr, getattr(importlib.import_module(mod), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{what} {ref!r} cannot be imported ({e}); check the {form!r} path") from None
+
+
 def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:
     if callable(ref):
         return getattr(ref, "__name__", repr(ref)), ref
     if ref in REGISTRY:
         return ref, REGISTRY[ref]
     if ":" in ref:
-        mod, _, attr = ref.partition(":")
-        try:
-            return attr, getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward {ref!r} cannot be imported ({e}); check the 'module:function' path") from None
+        return import_ref(ref, "reward", "module:function")
     raise ValueError(f"unknown reward {ref!r}: registered rewards are {sorted(REGISTRY)}; "
                      "register one with @minirl.reward or pass 'module:function'")
 
