@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
     demo.add_argument("--task", default="arithmetic", help="the built-in task: single-turn 'arithmetic' (default), "
-                      "or a multi-turn env task of minirl/tasks.py ('sums')")
+                      "or a multi-turn env task of minirl/tasks.py ('sums', 'retry')")
     _add_run_flags(demo)
     add_cli_args(demo, Config(**DEMO))
     train = sub.add_parser("train", help="run a YAML config (flags override its fields)")

@@ -6,6 +6,9 @@ sums: "What is 23 + 48 + 17?" with an `add(a, b)` tool. The model calls the tool
       untrained model otherwise stops after one call), and answers with the total; the episode
       ends at the first reply that calls no tool, with reward 1 if its last number is the sum. A worked example
       opens every episode (few-shot), which is what a 135M model needs to call a tool at all.
+retry: the demo's arithmetic with a second chance: a wrong (or missing) answer hears "That is not right. Try
+      again." and the model answers once more; reward 1 for a right answer in either turn. The arithmetic demo's
+      rows and held-out split (by unordered pair), two turns per episode.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .data import arithmetic_splits
 from .envs import Env, EnvStep, tool
 from .rewards.builtin import last_integer
 
@@ -49,6 +53,22 @@ class Sums(Env):
         return EnvStep(reward=float(last_integer(reply) == self.answer), done=True)
 
 
+class Retry(Env):
+    """An addition problem; a wrong first answer is told so and gets one more try."""
+
+    def reset(self, row: dict) -> list[dict]:
+        self.answer, self.tries = int(row["answer"]), 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, reply: str) -> EnvStep:
+        self.tries += 1
+        if last_integer(reply) == self.answer:
+            return EnvStep(reward=1.0, done=True)
+        if self.tries >= 2:
+            return EnvStep(reward=0.0, done=True)
+        return EnvStep(messages=[{"role": "user", "content": "That is not right. Try again."}])
+
+
 def sums_rows(n: int, seed: int, exclude: set | None = None) -> list[dict]:
     """`n` distinct problems: three or four numbers in 10..99."""
     rng = random.Random(seed)
@@ -79,4 +99,5 @@ class Task:
 
 TASKS: dict[str, Task] = {
     "sums": Task(Sums, sums_splits, dict(max_tokens=16, max_turns=5, max_episode_tokens=96, out_dir="runs/demo-sums")),
+    "retry": Task(Retry, arithmetic_splits, dict(max_turns=2, max_episode_tokens=128, out_dir="runs/demo-retry")),
 }

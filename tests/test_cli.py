@@ -59,7 +59,7 @@ BAD = [  # (what, files, argv, the line's content)
     ("run exists", {"runs/demo/metrics.jsonl": "{}\n"}, ["demo"], "'runs/demo' already holds a run; continue it with --resume"),
     ("nothing to resume", {}, ["demo", "--resume"], "nothing to resume in 'runs/demo'"),
     ("tracker", {}, ["demo", "--report-to", "wandb"], "report_to='wandb': use 'trackio', 'tensorboard' or none"),
-    ("unknown task", {}, ["demo", "--task", "chess"], "unknown task 'chess': choose 'arithmetic' or one of ['sums']"),
+    ("unknown task", {}, ["demo", "--task", "chess"], "unknown task 'chess': choose 'arithmetic' or one of ['retry', 'sums']"),
     ("env module", {"c.yaml": "env: nomod:Game\n"}, ["train", "c.yaml"], "env 'nomod:Game' cannot be imported"),
 ]
 

@@ -143,3 +143,22 @@ def test_sums_task_answers_each_call_with_what_is_left_and_rewards_the_total():
     assert env.step("The answer is 137").reward == 1.0 and (env.tool_calls, env.tool_errors) == (3, 1)
     env.reset({"prompt": "What is 1 + 2 + 3?", "answer": 6, "numbers": [1, 2, 3]})
     assert env.step("3").reward == 0.0
+
+
+def test_retry_task_gives_a_wrong_answer_one_more_try():
+    from minirl.tasks import TASKS, Retry
+    row = {"prompt": "What is 12 + 30? Answer with the number.", "answer": 42}
+    env = Retry()
+    assert env.reset(row) == [{"role": "user", "content": row["prompt"]}]
+    first = env.step("It is 41.")
+    assert not first.done and first.reward is None and first.messages[0]["content"] == "That is not right. Try again."
+    assert env.step("42").reward == 1.0  # right on the second try
+    env.reset(row)
+    assert env.step("42").reward == 1.0
+    env.reset(row)
+    env.step("no idea")
+    last = env.step("40")
+    assert last.done and last.reward == 0.0
+    train, held = TASKS["retry"].splits(16, 0)
+    pairs = [{(min(r["a"], r["b"]), max(r["a"], r["b"])) for r in rows} for rows in (train, held)]
+    assert pairs[0].isdisjoint(pairs[1])
