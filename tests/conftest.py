@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -43,6 +44,39 @@ def base(embedded_model):
     import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32).eval()
+
+
+_SHARED_VLLM: dict = {}
+
+
+@pytest.fixture(scope="session")
+def _shared_vllm_store():
+    yield _SHARED_VLLM
+    if _SHARED_VLLM.get("gen") is not None:
+        _SHARED_VLLM.pop("gen").close()
+
+
+@pytest.fixture(scope="module")
+def shared_vllm(embedded_model, _shared_vllm_store):
+    """One float32 vLLM engine (embedded model, LoRA rank 8, max_model_len 512, the in-memory sync receiver) for
+    the modules whose tests leave it as a run would (test_vllm, test_sync_verify's float32 half): an engine start
+    is ~25 s unloaded and ~75 s under load here. A module gets it serving the base model (version 0); tests that
+    kill an engine or put odd state into it keep their own. Closed (test_vllm's close test): the next module gets
+    a new one."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    from minirl.generators.vllm import VLLMGenerator
+    from minirl.sync.wire import engine_kwargs
+    g = _shared_vllm_store.get("gen")
+    if g is None or g.closed:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        g = _shared_vllm_store["gen"] = VLLMGenerator(embedded_model, max_lora_rank=8, max_model_len=512,
+                                                      dtype="float32", kv_cache_gb=1, engine_kwargs=engine_kwargs())
+    g.load_adapter(None, 0)
+    assert g.version == 0 and g.loaded_adapters() == set() and not g.abort_on_swap
+    yield g
+    if not g.closed:
+        g.load_adapter(None, 0)
 
 
 def yes_reward(prompt, completion, **_):

@@ -1,7 +1,7 @@
 """In-memory adapter sync (minirl.sync senders + the engine-side receiver minirl.sync.receiver) with real vLLM on CPU.
 
 One float32 engine (worker extension installed) for the module. Each transport: after a push the engine's probe
-logprobs equal the trainer's and differ from the previous version's; 100 rapid in-place syncs during continuous
+logprobs equal the trainer's and differ from the previous version's; 50 rapid in-place syncs during continuous
 generation fail no request and every token's version tag (from the worker's swap reports) is the adapter that
 produced it; an absent or killed peer gives a clear error within the timeout.
 """
@@ -349,10 +349,10 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer, tok, monkeypatch):
-    """100 in-place syncs while requests stream through the generator: no request fails; every token's version
+    """50 in-place syncs while requests stream through the generator: no request fails; every token's version
     tag (`Completion.versions`, from the worker's swap reports) is the adapter that produced it (its sampled
     logprob equals the one recomputed under that version). The first push installs the id by engine call, the
-    other 100 ring the worker's doorbell (the swap lands between two engine steps; the report comes back outside
+    other 50 ring the worker's doorbell (the swap lands between two engine steps; the report comes back outside
     the engine's output stream, so finishing requests must wait for it)."""
     from minirl.types import SamplingParams
     from minirl.sync.tensor import TensorSync
@@ -395,7 +395,7 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
     peak = 0  # records in the generator's swap log for our id
     try:
         time.sleep(0.3)
-        for _ in range(100):
+        for _ in range(50):
             set_version(trainer, trainer.version + 1)
             sync.push(trainer, gen)
             assert sync.last["path"] == "fast" and sync.last["via"] == "doorbell", sync.last
@@ -427,7 +427,7 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
     wrong = _replay_logprobs(trainer, prompt_ids, list(comp.token_ids), [comp.versions[0]] * len(comp.versions))
     assert _max_diff(wrong, list(comp.logprobs)) > 10 * ATOL
     set_version(trainer, last)
-    print(f"100 in-place syncs in {sync_s:.1f} s during generation; {len(groups)} groups, "
+    print(f"50 in-place syncs in {sync_s:.1f} s during generation; {len(groups)} groups, "
           f"{len(spanning)} sequences spanned >= 2 versions (max {len(set(spanning[0][1].versions))}); swap log "
           f"peak {peak} records")
 

