@@ -189,27 +189,30 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
                            "engine_dtype": gen.dtype, "torch_threads": torch.get_num_threads(),
                            "prefix_caching": bool(gen.engine_args.enable_prefix_caching),
                            "engine_startup_s": round(startup_s, 1)}}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def done(name: str, figures: dict) -> None:  # written as each comparison ends: an interrupted run keeps them
+        result[name] = figures
+        (out / "generation.json").write_text(json.dumps(result, indent=2))
     try:
         params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
         mixed = bench_prompts(tok, num_prompts)
         _minirl_generate(gen, mixed[:2], 2, replace(params, max_tokens=4))  # warm-up (either path would do)
-        result["raw_vs_minirl"] = bench_raw_vs_minirl(gen, mixed, n, params, rounds)
+        done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
         if servers:
             from .servers import bench_server
-            result["server_vs_inproc"] = bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
-                                                      log_dir=str(Path(out_dir) / "server_logs"))
+            done("server_vs_inproc", bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
+                                                  log_dir=str(out / "server_logs")))
         count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
                                              trainer.cfg.max_tokens)
         demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
-        result["vllm_vs_hf"] = bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds)
-        result["hf_merge"] = bench_hf_merge(trainer, demo, group, step, demo_rounds)
+        done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
+        done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
     finally:
         if own:
             sync.close()
             gen.close()
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "generation.json").write_text(json.dumps(result, indent=2))
     return result
 
 

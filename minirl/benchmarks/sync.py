@@ -260,7 +260,23 @@ def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, g
     results, blocks, orders = [], {}, []
     gen_cores, train_cores = (None, None) if generator is not None else split_cores()
     all_cores, threads = os.sched_getaffinity(0), torch.get_num_threads()
-    gen = generator
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+    def write(dtype: str) -> dict:  # after every rank: an interrupted run keeps the ranks it measured
+        by = {(r["transport"], r["inflight"], r["check"], r["rank"]): r["p50_ms"] for r in results}
+        files = by.get(("files", "continue", False, gen_rank))
+        out = {"results": results,
+               "speedup_vs_files": {f"{t}/{pol}": round(files / by[(t, pol, False, gen_rank)], 1)
+                                    for t, pol in paths if t != "files" and files and (t, pol, False, gen_rank) in by},
+               **blocks, "latency_rounds": orders,
+               "settings": {"engine_dtype": dtype, "trainer_dtype": "float32", "prefix_caching": True,
+                            "max_lora_rank": "= rank (one engine per rank)" if generator is None else "the given engine's",
+                            "cores": {"engine": gen_cores, "trainer": sorted(train_cores or [])},
+                            "cpu_count": os.cpu_count(), "check": "the run's verify_sync: 32-token probe",
+                            "adapter": "all-linear LoRA, lora_alpha = 2 x rank, fresh random lora_B every push"}}
+        (Path(out_dir) / "sync.json").write_text(json.dumps(out, indent=2))
+        return out
+    gen, out = generator, {}
     try:
         for rank in ranks:
             if generator is None:  # one engine per rank, sized to the adapter as a run sizes it
@@ -280,25 +296,13 @@ def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, g
                     blocks = generation_blocks(tr, gen, check, tok, steps, pairs, max_tokens, per_step)
                 gen.load_adapter(None, 0)
                 tr.model.unload()
+                out = write(gen.dtype)
             finally:
                 if generator is None:
                     gen.close()
     finally:
         os.sched_setaffinity(0, all_cores)
         torch.set_num_threads(threads)
-    by = {(r["transport"], r["inflight"], r["check"], r["rank"]): r["p50_ms"] for r in results}
-    files16 = by.get(("files", "continue", False, gen_rank))
-    out = {"results": results,
-           "speedup_vs_files": {f"{t}/{pol}": round(files16 / by[(t, pol, False, gen_rank)], 1)
-                                for t, pol in paths if t != "files" and files16 and (t, pol, False, gen_rank) in by},
-           **blocks, "latency_rounds": orders,
-           "settings": {"engine_dtype": gen.dtype, "trainer_dtype": "float32", "prefix_caching": True,
-                        "max_lora_rank": "= rank (one engine per rank)" if generator is None else "the given engine's",
-                        "cores": {"engine": gen_cores, "trainer": sorted(train_cores or [])},
-                        "cpu_count": os.cpu_count(), "check": "the run's verify_sync: 32-token probe",
-                        "adapter": "all-linear LoRA, lora_alpha = 2 x rank, fresh random lora_B every push"}}
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "sync.json").write_text(json.dumps(out, indent=2))
     return out
 
 
