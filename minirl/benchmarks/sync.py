@@ -6,8 +6,9 @@ The engine is a run's on CPU: float32 (the trainer's dtype there), prefix cachin
 Paths (`PATHS`): `files` (save to tmpfs + vLLM's LoRA load under a new id); `ipc` and `collective` with a run's
 default policy `inflight="continue"` (a new LoRA id per push, installed by vLLM's engine call) and with
 `inflight="inflight"` (the served id's weights replaced in place, rung on the channel's doorbell). Each with and
-without the check a run makes after every push (`verify_sync`, on by default): the trainer's logprobs of the
-32-token probe, then `minirl.sync.verify` (the engine's version and its logprobs), as `Run._push` calls it.
+without the check a run makes after every push (`verify_sync`, on by default: the trainer's logprobs of the
+32-token probe, then `minirl.sync.verify`, the engine's version and its logprobs, as `Run._push` calls it); the
+check, whose cost does not depend on the path, is timed on the default and the in-place ipc paths at `gen_rank`.
 
 Latency: from the trainer handing over until the engine serves the new weights (and, checked, until the check
 passed). The paths are interleaved: each of `rounds` rounds gives every path (x check) a turn of `per_round` timed
@@ -34,6 +35,7 @@ from pathlib import Path
 RANKS = (8, 16, 64)
 PATHS = (("files", "continue"), ("ipc", "continue"), ("ipc", "inflight"), ("collective", "continue"),
          ("collective", "inflight"))
+CHECKED = (("ipc", "continue"), ("ipc", "inflight"))  # the check's cost is the same on every path: timed on these
 BLOCKS = ("none", "continue", "continue+check", "inflight")
 
 
@@ -149,10 +151,11 @@ def pin_trainer(cores: set[int] | None) -> None:
         torch.set_num_threads(len(cores))
 
 
-def latencies(tr, gen, check: Check, rank: int, rounds: int, per_round: int, paths=PATHS) -> list[dict]:
-    """Every path with and without the check, interleaved (see the module's docstring): p50/p95 per path."""
+def latencies(tr, gen, check: Check, rank: int, rounds: int, per_round: int, paths=PATHS,
+              checked_paths=CHECKED) -> list[dict]:
+    """Every path, and `checked_paths` with the check, interleaved (see the module's docstring): p50/p95 each."""
     syncs = {p: make_path_sync(*p) for p in paths}
-    turns = [(p, checked) for p in paths for checked in (False, True)]
+    turns = [(p, False) for p in paths] + [(p, True) for p in paths if p in checked_paths]
     times = {t: {"total": [], "push": [], "check": []} for t in turns}
     nbytes, order = {}, []
     try:
@@ -287,7 +290,8 @@ def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, g
             try:
                 tr = fake_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank)
                 check = Check(tr, gen, tok)
-                *rows, how = latencies(tr, gen, check, rank, rounds, per_round, paths)
+                checked = CHECKED if rank == gen_rank else ()  # ~1 s or more a check: at one rank only
+                *rows, how = latencies(tr, gen, check, rank, rounds, per_round, paths, checked)
                 results += rows
                 orders.append(how)
                 for row in rows:
