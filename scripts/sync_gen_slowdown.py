@@ -62,8 +62,8 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
         blocks = {k: [] for k in variants}
         for _ in range(args.reps):
             for k, fn in variants.items():
-                rate, n_tok = throughput(gen, rounds, fn)
-                blocks[k].append({"tok_s": round(rate, 1), "tokens": n_tok})
+                rate, seqs = throughput(gen, rounds, fn)
+                blocks[k].append({"tok_s": round(rate, 1), "tokens": sum(map(len, seqs))})
                 print(k, blocks[k][-1], flush=True)
         out.update({k: {"median_tok_s": statistics.median(b["tok_s"] for b in v), "blocks": v}
                     for k, v in blocks.items()})

@@ -1,37 +1,36 @@
-"""`minirl bench generation`: minirl's vLLM generation thread against raw vLLM `AsyncLLM`, and adapter sync latency.
+"""`minirl bench generation`: generation speed, side by side (`compare.interleaved`: rounds A B, B A, ...; both
+sides from the same seeds, prompts and caches; tokens compared token by token). Writes `out_dir/generation.json`:
+one entry per comparison, each with its figures, `seeds`, `rounds`, `order` and `settings`.
 
-Both paths run on the same engine instance (so the same weights, KV cache and cores), alternating rounds, on the
-same prompts (arithmetic questions through the chat template) and the same sampling params: one request per
-prompt with n samples, per-token logprobs, per-request seeds. Raw = `AsyncLLM.generate` driven directly on the
-engine loop; minirl = `VLLMGenerator.generate` from the caller thread (Completion objects, versions, ...).
+All of it runs on the run's own parts: a `Trainer` of the demo's config (the embedded model, rank-16 all-linear
+LoRA, float32 on CPU) and the vLLM engine and sync `make_generator` gives a run with backend='vllm'.
 
-transformers generation (the HF backend), merged vs unmerged LoRA: the same peft model (rank 16, all linear
-layers, random lora_B) through `HFGenerator` with `merge=True` and `merge=False`, alternating rounds, the same
-seeds (so the same tokens: checked).
-
-Sync latency (file transport): a rank-16 all-linear peft LoRA of the model is saved to tmpfs (/dev/shm) and
-loaded with `load_adapter`; measured from the start of `save_pretrained` until `add_lora` has returned (new
-requests are served with it).
-
-vLLM server (backend 'vllm-server', `servers.py`): the same prompts and params through a vLLM OpenAI-compatible
-server on the same cores, alternating rounds with the in-process engine (`server_vs_inproc`), and the adapter
-push to it. Writes `out_dir/generation.json`.
+  raw_vs_minirl    minirl's `VLLMGenerator.generate` against raw `AsyncLLM.generate` on the same engine, the base
+                   model served. The same per-request seeds, so the same tokens; the prefix cache emptied before
+                   each side, so both pay their prefills.
+  vllm_vs_hf       what backend='auto' decides on CPU: the demo's step (8 prompts x 8 samples x 24 tokens) through
+                   vLLM with the LoRA served (pushed as a run pushes it: a new LoRA id per version) against
+                   transformers `generate` on the trainer's own model with the adapter (`HFGenerator`, LoRA merged
+                   on CPU, as the synchronous loop runs it). Before each round one fake optimizer step changes the
+                   adapter and it is pushed (push time reported apart), so vLLM's prefix cache cannot hit and the
+                   merge is recomputed inside the timed transformers side, as in a run. The two draw from different
+                   random streams, so their tokens differ (`identical_fraction` ~ 0 by construction): tokens/s is
+                   the figure.
+  hf_merge         `HFGenerator` merged (the CPU default) vs unmerged on the trainer's model, the demo's step, a
+                   fake optimizer step before each round so that the merge cost is inside the timed merged side
+                   (`merge_ms`: the merge alone); the same seed, so the same tokens up to merge rounding.
+  server_vs_inproc the same work through a vLLM server (`servers.py`), and its adapter push.
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import shutil
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from .. import lifecycle
-from ..generators.vllm import VLLMGenerator, request_seed
-from ..models import resolve_model
-from .servers import bench_server
 from ..types import Prompt, SamplingParams
+from .compare import interleaved, sequences
 
 
 def bench_prompts(tokenizer, count: int) -> list[Prompt]:
@@ -47,164 +46,186 @@ def bench_prompts(tokenizer, count: int) -> list[Prompt]:
     return out
 
 
-def _raw_round(gen: VLLMGenerator, prompts, n: int, params: SamplingParams, visit: int) -> int:
-    """Raw vLLM: one `AsyncLLM.generate` per prompt, gathered on the engine loop. Returns tokens generated."""
+def demo_prompts(tokenizer, count: int = 8) -> list[Prompt]:
+    """The first `count` training prompts of the demo (the built-in arithmetic task, seed 0)."""
+    from .. import data as D
+    return D.to_prompts(D.arithmetic_splits(64, 0)[0][:count], tokenizer)
+
+
+def fake_step(trainer, scale: float = 1e-3) -> None:
+    """Stand-in for an optimizer step: every lora_B moves by seeded noise, in place; the version goes up."""
+    import torch
+    g = torch.Generator().manual_seed(trainer.version + 1)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn(p.shape, generator=g).to(p) * scale)
+    trainer.version += 1
+
+
+def empty_prefix_cache(gen) -> None:
+    """Drop the engine's cached KV blocks: the next requests pay their prefills."""
+    gen.call(gen.engine.reset_prefix_cache())
+
+
+def raw_generate(gen, prompts, n: int, params: SamplingParams, seed: int) -> list[tuple[int, ...]]:
+    """Raw vLLM: one `AsyncLLM.generate` per prompt, gathered on the engine loop, with the per-request seed
+    minirl gives a prompt's first visit (`request_seed(seed, index, 0)`) and the adapter it serves."""
+    import asyncio
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
-    llm = gen.engine
+    from ..generators.vllm import request_seed
+    llm, tag = gen.engine, time.monotonic_ns()
 
-    async def one(p: Prompt) -> int:
+    async def one(p: Prompt):
         sp = VSP(n=n, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                 seed=request_seed(params.seed, p.index, visit), logprobs=0, flat_logprobs=True,
+                 seed=request_seed(seed, p.index, 0), logprobs=0, flat_logprobs=True,
                  output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for out in llm.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), sp,
-                                      f"raw-{visit}-{p.index}", lora_request=gen.serving):
+        async for out in llm.generate(TokensPrompt(prompt_token_ids=list(p.token_ids)), sp, f"raw-{tag}-{p.index}",
+                                      lora_request=gen.serving):
             final = out
-        return sum(len(c.token_ids) for c in final.outputs)
+        return [tuple(c.token_ids) for c in sorted(final.outputs, key=lambda c: c.index)]
 
     async def run():
-        return sum(await asyncio.gather(*(one(p) for p in prompts)))
+        return [s for seqs in await asyncio.gather(*(one(p) for p in prompts)) for s in seqs]
     return gen.call(run())
 
 
-def _lora_model(model_path: str, rank: int):
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    return get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear"))
+def _minirl_generate(gen, prompts, n, params):
+    gen.restart_seeds()  # each prompt's first visit: the seeds raw_generate uses
+    return sequences(gen.generate(prompts, n, params))
 
 
-def bench_hf_merge(model_path: str, prompts, n: int = 8, max_tokens: int = 24, rounds: int = 2) -> dict:
-    """transformers tokens/s with the LoRA merged for generation (the default) vs unmerged, side by side."""
+def _settings(prompts, n: int, params: SamplingParams, **more) -> dict:
+    return {"prompts": len(prompts), "n": n, "max_tokens": params.max_tokens, "temperature": params.temperature,
+            **more}
+
+
+def bench_raw_vs_minirl(gen, prompts, n: int, params: SamplingParams, rounds: int = 4, seeds=(0, 0)) -> dict:
+    """minirl vs raw AsyncLLM tokens/s on `gen`; `seeds` = (raw's, minirl's) (equal: the same tokens)."""
+    seed = dict(zip(("raw", "minirl"), seeds))
+    sides = {"raw": lambda: raw_generate(gen, prompts, n, params, seed["raw"]),
+             "minirl": lambda: _minirl_generate(gen, prompts, n, replace(params, seed=seed["minirl"]))}
+    res = interleaved(sides, rounds, each_side=lambda _: empty_prefix_cache(gen))
+    return {**res, "seeds": seed, "settings": _settings(
+        prompts, n, params, prefix_cache="emptied before each side", adapter=gen.serving and gen.serving.lora_name)}
+
+
+def bench_vllm_vs_hf(trainer, gen, sync, prompts, n: int, params: SamplingParams, rounds: int = 4,
+                     seeds=(0, 0)) -> dict:
+    """vLLM (the LoRA served, pushed by `sync`) vs transformers `generate` on the trainer's model (merged LoRA on
+    CPU, as the synchronous loop runs it); `seeds` = (transformers', vLLM's). A fake step and a push before each
+    round."""
     import torch
-    from transformers import AutoTokenizer
     from ..generators.hf import HFGenerator
-    model = _lora_model(model_path, 16).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.01)
-    tok = AutoTokenizer.from_pretrained(model_path)
-    gens = {"merged": HFGenerator(model, tok), "unmerged": HFGenerator(model, tok, merge=False)}
-    params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0)
-    gens["merged"].generate(prompts[:2], 2, params)  # warm-up
-    secs, toks = {k: 0.0 for k in gens}, {k: 0 for k in gens}
-    for r in range(rounds):
-        for k in (("merged", "unmerged") if r % 2 == 0 else ("unmerged", "merged")):
-            t = time.perf_counter()
-            groups = gens[k].generate(prompts, n, params)
-            secs[k] += time.perf_counter() - t
-            toks[k] += sum(len(c.token_ids) for g in groups for c in g.completions)
-    rate = {k: toks[k] / secs[k] for k in gens}
-    return {"hf_merged_tok_s": round(rate["merged"], 2), "hf_unmerged_tok_s": round(rate["unmerged"], 2),
-            "hf_merge_speedup": round(rate["merged"] / rate["unmerged"], 3),
-            "hf_same_tokens": toks["merged"] == toks["unmerged"],
-            "hf_workload": {"prompts": len(prompts), "n": n, "max_tokens": max_tokens, "rounds": rounds,
-                            "torch_threads": torch.get_num_threads()}}
+    hf = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
+    seed, push_ms = dict(zip(("hf", "vllm"), seeds)), []
+
+    def step(_):
+        fake_step(trainer)
+        push_ms.append(round(sync.push(trainer, gen).ms, 1))
+    sides = {"hf": lambda: sequences(hf.generate(prompts, n, replace(params, seed=seed["hf"]))),
+             "vllm": lambda: _minirl_generate(gen, prompts, n, replace(params, seed=seed["vllm"]))}
+    res = interleaved(sides, rounds, each_round=step)
+    return {**res, "push_ms": push_ms, "seeds": seed, "settings": _settings(
+        prompts, n, params, trainer_dtype=str(next(trainer.model.parameters()).dtype), engine_dtype=gen.dtype,
+        lora_rank=trainer.cfg.lora_rank, transport=sync.transport, hf_merge=hf.merge,
+        torch_threads=torch.get_num_threads(), prefix_cache="on (a run's engine); a new adapter every round",
+        note="vLLM and transformers sample from different random streams: tokens differ, compare tokens/s")}
 
 
-def bench_files_sync(gen: VLLMGenerator, model_path: str, reps: int = 10, rank: int = 16,
-               root: str | None = None) -> dict:
-    """File-transport sync latency: save_pretrained to tmpfs + load_adapter, `reps` times (a new version and a
-    new folder each time, like the trainer). Leaves the engine on the base model."""
+def bench_hf_merge(trainer, prompts, n: int, params: SamplingParams, rounds: int = 4, seeds=(0, 0),
+                   merge_reps: int = 5) -> dict:
+    """transformers tokens/s with the LoRA merged for generation (the CPU default) vs unmerged, on the trainer's
+    model; `seeds` = (unmerged's, merged's). A fake step before each round: the merged side re-merges, timed."""
+    import statistics
     import torch
-    peft_model = _lora_model(model_path, rank)
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    root = Path(root or tempfile.mkdtemp(prefix="minirl-sync-", dir=shm))
-    lifecycle.keep_tidy(root)  # removed by the watchdog if the benchmark is killed
-    times, nbytes = [], 0
-    try:
-        for v in range(1, reps + 1):
-            with torch.no_grad():  # a fake optimizer step, so every version differs
-                for name, p in peft_model.named_parameters():
-                    if "lora_B" in name:
-                        p.add_(torch.randn_like(p) * 1e-3)
-            path = root / f"v{v}"
-            t0 = time.perf_counter()
-            peft_model.save_pretrained(path)
-            gen.load_adapter(str(path), v)
-            times.append((time.perf_counter() - t0) * 1000)
-            nbytes = sum(f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".json"))
-            old = root / f"v{v - 2}"
-            if old.exists():
-                shutil.rmtree(old)
-        gen.load_adapter(None, 0)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        lifecycle.tidied(root)
-    times.sort()
-    pct = lambda q: times[min(len(times) - 1, round(q * (len(times) - 1)))]  # noqa: E731
-    return {"sync_files_p50_ms": round(pct(0.5), 2), "sync_files_p95_ms": round(pct(0.95), 2),
-            "sync_files_ms": [round(t, 2) for t in times], "adapter_bytes": nbytes, "adapter_rank": rank,
-            "loaded_adapters_after": len(gen.loaded_adapters())}
+    from ..generators.hf import HFGenerator, merged_lora
+    tok = trainer.tokenizer
+    gens = {"unmerged": HFGenerator(trainer.model, tok, lambda: trainer.version, merge=False),
+            "merged": HFGenerator(trainer.model, tok, lambda: trainer.version, merge=True)}
+    seed = dict(zip(gens, seeds))
+    sides = {k: (lambda k=k: sequences(gens[k].generate(prompts, n, replace(params, seed=seed[k])))) for k in gens}
+    res = interleaved(sides, rounds, each_round=lambda _: fake_step(trainer))
+    merge_ms, cache = [], {}
+    for _ in range(merge_reps):  # the merge alone: what a new adapter costs the merged side once per step
+        fake_step(trainer)
+        t = time.perf_counter()
+        with merged_lora(trainer.model, cache, trainer.version):
+            pass
+        merge_ms.append((time.perf_counter() - t) * 1e3)
+    return {**res, "merge_ms": round(statistics.median(merge_ms), 2), "seeds": seed, "settings": _settings(
+        prompts, n, params, dtype=str(next(trainer.model.parameters()).dtype), lora_rank=trainer.cfg.lora_rank,
+        torch_threads=torch.get_num_threads(), merge_in_timing="a new adapter every round: merged once per round")}
 
 
-def bench_generation(out_dir: str, model: str = "smollm2-135m-instruct", num_prompts: int = 32, n: int = 8,
-                     max_tokens: int = 48, temperature: float = 1.0, rounds: int = 2, sync_reps: int = 10,
-                     dtype: str = "auto", cpu_cores: str | None = None, kv_cache_gb: float = 1.0,
-                     gpu_memory_utilization: float = 0.3, max_model_len: int = 1024, generator=None) -> dict:
-    """Measure raw AsyncLLM vs minirl tokens/s (alternating rounds on one engine) and file sync latency; write
-    and return `out_dir/generation.json`. Pass a running `VLLMGenerator` as `generator` to reuse it."""
-    from transformers import AutoTokenizer
-    model_path = resolve_model(model)
-    prompts = bench_prompts(AutoTokenizer.from_pretrained(model_path), num_prompts)
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
-    own = generator is None
+def run_parts(lora_rank: int = 16):
+    """(trainer, generator, sync) as a demo run with backend='vllm' builds them on this machine."""
+    from ..config import DEMO, Config
+    from ..generators import make_generator
+    from ..trainer import Trainer
+    cfg = Config(**{**DEMO, "backend": "vllm", "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
+                    "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
+    trainer = Trainer(cfg, device="cpu")
+    gen, sync, _ = make_generator(cfg, trainer, "vllm", False, None)
+    return trainer, gen, sync
+
+
+def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens: int = 32, rounds: int = 4,
+                     demo_rounds: int = 4, servers: bool = True, parts=None, demo_size=None) -> dict:
+    """Every comparison above; write and return `out_dir/generation.json`. `parts`: a running (trainer, generator,
+    sync) from `run_parts` to reuse (not closed here). `demo_size`: (prompts, samples, tokens) of the demo's step
+    for `vllm_vs_hf` and `hf_merge` (default: the demo's, 8 x 8 x 24)."""
+    import torch
+    own = parts is None
     t0 = time.perf_counter()
-    gen = generator or VLLMGenerator(model_path, max_lora_rank=16, max_model_len=max_model_len, dtype=dtype,
-                                     cpu_cores=cpu_cores, kv_cache_gb=kv_cache_gb,
-                                     gpu_memory_utilization=gpu_memory_utilization)
+    trainer, gen, sync = parts or run_parts()
     startup_s = time.perf_counter() - t0
-    try:
-        gen.generate(prompts[:4], 2, SamplingParams(max_tokens=8, seed=0))  # warm-up
-        raw_tok = mini_tok = 0
-        raw_s = mini_s = 0.0
-        rounds_log = []
-        for r in range(rounds):  # alternate which path goes first, to cancel drift in machine load
-            for path in (("raw", "minirl") if r % 2 == 0 else ("minirl", "raw")):
-                t = time.perf_counter()
-                if path == "raw":
-                    tok = _raw_round(gen, prompts, n, params, visit=1000 + r)
-                    dt_raw = time.perf_counter() - t
-                else:
-                    groups = gen.generate(prompts, n, params)
-                    dt_mini = time.perf_counter() - t
-                    mtok = sum(len(c.token_ids) for g in groups for c in g.completions)
-            raw_tok, raw_s, mini_tok, mini_s = raw_tok + tok, raw_s + dt_raw, mini_tok + mtok, mini_s + dt_mini
-            rounds_log.append({"raw_tok_s": round(tok / dt_raw, 1), "minirl_tok_s": round(mtok / dt_mini, 1)})
-        result = {"raw_tok_s": round(raw_tok / raw_s, 2), "minirl_tok_s": round(mini_tok / mini_s, 2)}
-        result["ratio"] = round(result["minirl_tok_s"] / result["raw_tok_s"], 4)
-        result.update(rounds=rounds_log, raw_tokens=raw_tok, minirl_tokens=mini_tok)
-        result.update(bench_files_sync(gen, model_path, reps=sync_reps))
-        result.update(bench_server(gen, model_path, prompts, n, params, rounds=rounds, sync_reps=sync_reps,
-                                   log_dir=str(Path(out_dir) / "server_logs")))
-        result.update(bench_hf_merge(model_path, prompts[:8]))
-        result.update(model=model, num_prompts=num_prompts, n=n, max_tokens=max_tokens, temperature=temperature,
-                      dtype=str(gen.engine_args.dtype), device="cpu" if gen.on_cpu else "gpu",
-                      engine_startup_s=round(startup_s, 1))
-    finally:
-        if own:
-            gen.close()
+    tok = trainer.tokenizer
+    temp = trainer.cfg.temperature
+    result = {"settings": {"model": trainer.cfg.model, "device": "cpu" if gen.on_cpu else "gpu",
+                           "engine_dtype": gen.dtype, "torch_threads": torch.get_num_threads(),
+                           "prefix_caching": bool(gen.engine_args.enable_prefix_caching),
+                           "engine_startup_s": round(startup_s, 1)}}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "generation.json").write_text(json.dumps(result, indent=2))
+
+    def done(name: str, figures: dict) -> None:  # written as each comparison ends: an interrupted run keeps them
+        result[name] = figures
+        (out / "generation.json").write_text(json.dumps(result, indent=2))
+    try:
+        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
+        mixed = bench_prompts(tok, num_prompts)
+        _minirl_generate(gen, mixed[:2], 2, replace(params, max_tokens=4))  # warm-up (either path would do)
+        done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
+        if servers:
+            from .servers import bench_server
+            done("server_vs_inproc", bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
+                                                  log_dir=str(out / "server_logs")))
+        count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
+                                             trainer.cfg.max_tokens)
+        demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
+        done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
+        done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
+    finally:
+        if own:
+            sync.close()
+            gen.close()
     return result
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the vLLM engine core is spawned
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--num-prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--cpu-cores", default=None)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--demo-rounds", type=int, default=4)
+    ap.add_argument("--no-servers", action="store_true")
     a = ap.parse_args()
-    print(json.dumps(bench_generation(a.out, a.model, a.num_prompts, a.n, a.max_tokens, rounds=a.rounds,
-                                      dtype=a.dtype, cpu_cores=a.cpu_cores), indent=2))
+    print(json.dumps(bench_generation(a.out, a.num_prompts, a.n, a.max_tokens, a.rounds, a.demo_rounds,
+                                      servers=not a.no_servers), indent=2))

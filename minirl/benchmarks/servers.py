@@ -5,25 +5,30 @@ adapter push to the servers.
 The servers get the in-process engine's model, dtype, context length, KV cache and cores (the cores split
 between them when there are several); the in-process engine stays up, idle while the servers run and the other
 way round. Both start every round from the same per-request seeds, so with one server they sample the same
-tokens (`server_same_tokens`): the comparison is of the same work, and the HTTP path changes nothing.
+tokens (`identical_fraction`, token by token): the comparison is of the same work, and the HTTP path changes
+nothing. Rounds interleaved, the side going first alternating (`compare.interleaved`).
 
 The push (`server_sync_*`): a rank-16 all-linear LoRA saved to tmpfs and loaded on every server through
 `/v1/load_lora_adapter` (`ServerSync`, what a run does), from the start of the save until every server serves it.
 The in-memory transports (`ipc`, `collective`) are not offered for servers: they need a call into the engine's
 worker, which vLLM's server only exposes as the development-mode `/collective_rpc` endpoint, outside its API key
-check (any local user could call it); `sync_files_p50_ms` (the in-process engine's file push) is the same file
-path without HTTP.
+check (any local user could call it); the `files` rows of `minirl bench sync` (the in-process engine's file push) are the same
+file path without HTTP.
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
+from dataclasses import replace
+
+from .compare import interleaved, sequences
 
 
-def bench_server(inproc, model_path: str, prompts, n: int, params, rounds: int = 2, sync_reps: int = 10,
-                 num_servers: int = 1, log_dir: str | None = None) -> dict:
-    """Server vs in-process tokens/s on `prompts` (n samples each, `params`), and the server push latency."""
+def bench_server(inproc, model_path: str, prompts, n: int, params, rounds: int = 4, sync_reps: int = 10,
+                 num_servers: int = 1, log_dir: str | None = None, seeds=(0, 0)) -> dict:
+    """Server vs in-process tokens/s on `prompts` (n samples each, `params`; `seeds` = (in-process's, the
+    server's)), and the server push latency."""
     import tempfile
     from ..generators import split_devices
     from ..generators.server_proc import ServerOptions
@@ -40,25 +45,21 @@ def bench_server(inproc, model_path: str, prompts, n: int, params, rounds: int =
     srv = ServerGenerator(launch=opts, log_dir=log_dir or tempfile.mkdtemp(prefix="minirl-bench-servers-"))
     startup_s = time.perf_counter() - t0
     try:
-        srv.generate(prompts[:4], 2, type(params)(max_tokens=8, seed=0))  # warm-up
-        toks, secs, same, per_round = {"server": 0, "inproc": 0}, {"server": 0.0, "inproc": 0.0}, True, []
-        for r in range(rounds):
-            got = {}
-            for name in (("server", "inproc") if r % 2 == 0 else ("inproc", "server")):
-                g = srv if name == "server" else inproc
-                g.restart_seeds()
-                t = time.perf_counter()
-                got[name] = g.generate(prompts, n, params)
-                secs[name] += time.perf_counter() - t
-                toks[name] += sum(len(c.token_ids) for x in got[name] for c in x.completions)
-            same = same and [[c.token_ids for c in x.completions] for x in got["server"]] == \
-                [[c.token_ids for c in x.completions] for x in got["inproc"]]
-            per_round.append({k: sum(len(c.token_ids) for x in got[k] for c in x.completions) for k in got})
-        rate = {k: toks[k] / secs[k] for k in toks}
-        result = {"server_tok_s": round(rate["server"], 2), "inproc_tok_s": round(rate["inproc"], 2),
-                  "server_vs_inproc": round(rate["server"] / rate["inproc"], 4), "server_same_tokens": same,
-                  "servers": num_servers, "server_cores": places if inproc.on_cpu else None,
-                  "server_startup_s": round(startup_s, 1), "server_round_tokens": per_round}
+        seed = dict(zip(("inproc", "server"), seeds))
+
+        def side(g, name):
+            def go():
+                g.restart_seeds()  # every round from the same per-request seeds
+                return sequences(g.generate(prompts, n, replace(params, seed=seed[name])))
+            return go
+        for name, g in (("inproc", inproc), ("server", srv)):  # the server's prefix cache cannot be emptied (its
+            side(g, name)()  # endpoint is development-mode only): both sides' caches warmed by the same work instead
+        result = interleaved({"inproc": side(inproc, "inproc"), "server": side(srv, "server")}, rounds)
+        result.update(seeds=seed, servers=num_servers, server_cores=places if inproc.on_cpu else None,
+                      server_startup_s=round(startup_s, 1), settings={
+                          "prompts": len(prompts), "n": n, "max_tokens": params.max_tokens,
+                          "temperature": params.temperature, "dtype": inproc.dtype,
+                          "prefix_cache": "on, warmed on both sides by one untimed pass of the same work"})
         result.update(bench_server_sync(srv, model_path, sync_reps))
     finally:
         srv.close()

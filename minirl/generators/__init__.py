@@ -45,9 +45,12 @@ class Generator(Protocol):
 
 
 def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
-    """(backend, why). 'auto' is vLLM on GPUs. On CPU it is transformers: measured here (SmolLM2-135M, 2 cores),
-    vLLM-CPU with a LoRA adapter served generates ~4x slower than transformers `generate`, because its CPU
-    LoRA kernels copy the adapter weights for every token. backend='vllm' forces it."""
+    """(backend, why). 'auto' is vLLM on GPUs. On CPU it is transformers, on the ground that vLLM-CPU serving a
+    LoRA adapter is slower than transformers `generate` (its CPU LoRA kernels copy the adapter weights for every
+    token). The measurement behind it, side by side on the demo's step (8 prompts x 8 samples x 24 tokens, the
+    embedded model, float32; vLLM with the adapter pushed as a run pushes it, transformers on the trainer's own
+    model as the synchronous loop runs it): `minirl bench generation --out DIR`, `vllm_vs_hf` in
+    DIR/generation.json (`vllm_vs_hf.vllm_vs_hf`: vLLM's tokens/s over transformers'). backend='vllm' forces it."""
     if backend != "auto":
         if backend == "vllm" and not vllm_available():
             raise RuntimeError("backend='vllm' but vllm is not installed: `bash install.sh cpu` (CPU) or "

@@ -32,8 +32,8 @@ def _mergeable_lora_layers(model) -> list | None:
 def merged_lora(model, cache: dict, version: int = 0):
     """Run `model` (a peft LoRA model) with each LoRA folded into its base weight: `W + scaling * B @ A` computed
     into a buffer of its own (one fused `addmm`) and swapped in for the frozen `W`, adapters disabled. One matmul
-    per layer instead of three: 1.11x the tokens/s on CPU here, the same tokens (`scripts/hf_merge_check.py`,
-    `hf_merge_speedup`). The base weights are swapped back untouched afterwards, so training never sees
+    per layer instead of three: 1.11x the tokens/s on CPU here, the same tokens (`scripts/hf_merge_check.py`;
+    `hf_merge` in `minirl bench generation`, merge cost included). The base weights are swapped back untouched afterwards, so training never sees
     merge/unmerge rounding. `cache` keeps the merged buffers for the next call; they are recomputed when `version`
     or any LoRA tensor's in-place version counter or scaling changed. A model that cannot be merged exactly
     (quantized base, DoRA, several adapters) runs unmerged."""
