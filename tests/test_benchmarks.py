@@ -11,6 +11,10 @@ from minirl.benchmarks.compare import identical_fraction, interleaved
 from minirl.generators import vllm_available
 
 HAS_VLLM = vllm_available()
+ENGINE_RUNS = pytest.mark.skipif(
+    os.environ.get("MINIRL_FULL_TESTS") != "1",
+    reason="the benchmarks on a real engine take minutes (an engine start, verification checks): "
+           "MINIRL_FULL_TESTS=1 runs them; the default suite checks the comparisons' logic above")
 
 
 def test_identical_fraction_compares_tokens_not_counts():
@@ -51,6 +55,7 @@ def _carries_the_record(c: dict, sides: set, rounds: int):
 
 
 @pytest.mark.vllm
+@ENGINE_RUNS
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_generation_benchmark_writes_every_comparison_with_its_record(parts, tmp_path):
     from minirl.benchmarks.generation import bench_generation
@@ -66,6 +71,7 @@ def test_generation_benchmark_writes_every_comparison_with_its_record(parts, tmp
 
 
 @pytest.mark.vllm
+@ENGINE_RUNS
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_a_different_seed_on_one_side_shows_as_different_tokens(parts):
     from minirl.benchmarks.generation import bench_hf_merge, bench_prompts, bench_raw_vs_minirl, demo_prompts
@@ -82,6 +88,7 @@ def test_a_different_seed_on_one_side_shows_as_different_tokens(parts):
 
 
 @pytest.mark.vllm
+@ENGINE_RUNS
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_sync_benchmark_times_every_path_with_and_without_the_check(parts, tmp_path):
     from minirl.benchmarks.sync import BLOCKS, CHECKED, bench_sync
