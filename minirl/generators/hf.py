@@ -71,8 +71,9 @@ class HFGenerator:
     """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
     synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
     asynchronous pipeline runs one in a process of its own: `hf_process.py`). On CPU, generation runs with the LoRA
-    merged into a copy of the base weights (`merged_lora`: faster, and RAM is plentiful); on a GPU it runs unmerged
-    by default, since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
+    merged into a copy of the base weights (`merged_lora`: faster; on the trainer's own model the copy is dropped
+    after each call, so it never sits beside a training step's activations); on a GPU it runs unmerged by default,
+    since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
     runs unmerged, as the trainer does.
     Slower than vLLM; the fallback and the reference."""
 
@@ -125,8 +126,7 @@ class HFGenerator:
         finally:
             self.model.train(was_training)
             if self._get_version is not None:  # the trainer's model: its next step changes the LoRA weights
-                self._merge_cache.clear()      # anyway, and the merged copy (~the model's size) must not sit
-                                               # beside the training step's activations
+                self._merge_cache.clear()      # anyway; the merged copy (~the model's size) goes now
         seqs = out.sequences[:, width:].cpu()
         # out.scores are the processed logits (temperature / top-k / top-p applied) that were sampled from; one
         # (rows, vocab) step at a time, each freed once its tokens' logprobs are taken (the stacked log-softmax of
