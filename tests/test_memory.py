@@ -91,7 +91,10 @@ def test_qlora_trains_syncs_to_the_generator_process_and_saves_an_adapter_the_pl
     q = run.trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
     assert type(q).__name__ == "Linear4bit"
     assert [h["step"] for h in run.history] == [0, 1, 2]
-    assert all(h["sync/verified"] == 1.0 for h in run.history), [h.get("sync/verified") for h in run.history]
+    # every push was checked (a generator serving another adapter raises SyncVerificationError and stops the run);
+    # a push that moved the probe too little to tell the adapters apart logs verified 0, not an error
+    assert all("sync/verify_new_diff" in h for h in run.history)
+    assert any(h["sync/verified"] == 1.0 for h in run.history), [h.get("sync/verified") for h in run.history]
     assert run.trainer.adapter_is_finite()
     saved = load_file(str(Path(cfg.out_dir) / "adapter" / "adapter_model.safetensors"))
     assert any(float(t.abs().max()) > 0 for k, t in saved.items() if "lora_B" in k)  # lora_B starts at 0: it moved
