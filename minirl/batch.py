@@ -106,30 +106,51 @@ def make_batch(samples: Sequence[Sample], pad_id: int, agg: str, max_tokens: int
     return Batch(ids, attn, tgt, behav, ver, adv, token_weights(tgt, agg, max_tokens), temp)
 
 
-def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool = False):
+def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool = False,
+                        recompute: bool = True):
     """Per-token logprobs (B, L) of the completion tokens under `model` (a peft or plain causal LM), with
     temperature applied — each row's own (`batch.temp_B`), or `temperature` for all — plus the summed entropy of
-    those positions when asked (no grad)."""
+    those positions when asked (no grad). With grad enabled each chunk's logits are recomputed in backward
+    (`_chunk_logp` under activation checkpointing) rather than kept: autograd holds (N, vocab) float32 logits for
+    every completion token of the micro-batch until backward otherwise (`recompute=False`: one lm_head matmul
+    per chunk less)."""
     inner, head = _decoder_and_head(model)
     hidden = inner(input_ids=batch.input_ids_B_L, attention_mask=batch.attn_B_L).last_hidden_state
     pick = batch.tgt_mask_B_L[:, 1:]
     h_N_H = hidden[:, :-1][pick]
     targets_N = batch.input_ids_B_L[:, 1:][pick]
     if temperature is None:
-        temp_N = batch.temp_B[:, None].expand(pick.shape)[pick].to(h_N_H.device)[:, None]
+        temp_N = batch.temp_B[:, None].expand(pick.shape)[pick].to(h_N_H.device)
+    else:
+        temp_N = torch.full(targets_N.shape, float(temperature), device=h_N_H.device)
+    recompute = recompute and torch.is_grad_enabled() and h_N_H.requires_grad
     logps, ent = [], 0.0
     for s in range(0, h_N_H.shape[0], LOGIT_CHUNK):
-        t = temperature if temperature is not None else temp_N[s: s + LOGIT_CHUNK]
-        logits = head(h_N_H[s: s + LOGIT_CHUNK]).float() / t
-        lse = torch.logsumexp(logits, -1)
-        logps.append(logits.gather(-1, targets_N[s: s + LOGIT_CHUNK, None]).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.no_grad():
-                ent += float((lse - (torch.softmax(logits, -1) * logits).sum(-1)).sum())
+        args = (h_N_H[s: s + LOGIT_CHUNK], targets_N[s: s + LOGIT_CHUNK], temp_N[s: s + LOGIT_CHUNK], head)
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+            lp, e = checkpoint(_chunk_logp, *args, with_entropy, use_reentrant=False)
+        else:
+            lp, e = _chunk_logp(*args, with_entropy)
+        logps.append(lp)
+        ent += e
     logp_N = torch.cat(logps) if logps else h_N_H.new_zeros(0)
     out = torch.zeros(batch.tgt_mask_B_L.shape, dtype=logp_N.dtype, device=logp_N.device)
     out = out.masked_scatter(batch.tgt_mask_B_L.to(out.device), logp_N)
     return out, ent
+
+
+def _chunk_logp(h_N_H, targets_N, temp_N, head, with_entropy: bool):
+    """Logprobs of `targets_N` from hidden states `h_N_H` (float32 logits / temperature) and their summed
+    entropy (a float, no grad; 0.0 unless asked)."""
+    logits = head(h_N_H).float() / temp_N[:, None]
+    lse = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, targets_N[:, None]).squeeze(-1) - lse
+    ent = 0.0
+    if with_entropy:  # after logp: a recompute in backward stops once logp's saved tensors are back
+        with torch.no_grad():
+            ent = float((lse - (torch.softmax(logits, -1) * logits).sum(-1)).sum())
+    return logp, ent
 
 
 def _decoder_and_head(model):

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--adapter", default=None, help="peft adapter folder to evaluate")
     add_cli_args(ev)
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
-    bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning"])
+    bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning", "memory"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
     bench.add_argument("--seed", type=int, default=0, help="seed of the pipeline benchmark's runs")
     bench.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="comma-separated seeds of the learning benchmark")

@@ -329,8 +329,10 @@ class Config:
 
 # The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
 # 2 CPU cores. `minirl bench learning` runs this same config.
+# token_budget=1024: training activations are ~1.4 MB per padded token for this model in float32 (LoRA on every
+# linear layer), so the default 4096 put ~6 GB of them on top of the model (`minirl bench memory`).
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
-            checkpoint_every=2, out_dir="runs/demo")
+            checkpoint_every=2, token_budget=1024, out_dir="runs/demo")
 
 
 def parse_cores(spec: str) -> list[int]:

@@ -55,6 +55,9 @@ METRICS: dict[str, str] = {
     "time/gen_s": "generation seconds in this step",
     "time/train_s": "training seconds in this step",
     "train/skipped_nonfinite": "optimizer updates skipped because the loss or gradients were not finite",
+    "mem/rss_mb": "peak resident memory (MB) of the trainer's process since the previous step: this step's "
+                  "generation and training (reward workers and a generator process of its own not included)",
+    "mem/cuda_mb": "peak CUDA memory (MB) allocated by torch since the previous step (GPU runs only)",
     "prompt_ids": "indices of the prompts trained on at this step (their rows in the training data)",
     # environment runs (multi-turn episodes, minirl/episodes.py); absent from single-turn runs
     "episode/turns": "mean model replies per episode",
@@ -65,6 +68,26 @@ METRICS: dict[str, str] = {
     "episode/env_errors": "episodes whose env raised (recorded failures, left out of the loss)",
     "episode/sampled_frac": "fraction of episode tokens the model sampled (the rest is env context, not trained)",
 }
+
+
+def memory_metrics() -> dict[str, float]:
+    """`mem/rss_mb` (and `mem/cuda_mb` on a GPU): this process's peak memory since the last call, whose end starts
+    the next window. Linux: the kernel's high-water mark VmHWM, reset through /proc/self/clear_refs (elsewhere the
+    process's lifetime peak)."""
+    import torch
+    m = {}
+    try:
+        with open("/proc/self/status") as f:
+            m["mem/rss_mb"] = next(int(ln.split()[1]) / 1024 for ln in f if ln.startswith("VmHWM:"))
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except (OSError, StopIteration):
+        import resource
+        m.setdefault("mem/rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if torch.cuda.is_available():
+        m["mem/cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    return m
 
 
 def rollout_metrics(groups: Sequence[ScoredGroup], max_tokens: int) -> dict[str, float]:

@@ -180,6 +180,9 @@ def build_model(cfg, device: str):
     from .adapter import make_contiguous
     kw = {}
     if cfg.load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise RuntimeError("load_in_4bit needs bitsandbytes (its 4-bit path runs on CPU too): pip install "
+                               "'bitsandbytes>=0.50' (or `bash install.sh cpu` / `bash install.sh gpu`)")
         from transformers import BitsAndBytesConfig
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg))

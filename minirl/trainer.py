@@ -12,6 +12,7 @@ import torch
 from .config import Config
 from .batch import completion_logprobs, make_batch, samples_from_groups, sequence_logprobs
 from .loss import policy_loss
+from .metrics import memory_metrics
 from .models import build_model, load_tokenizer, resolve_model
 from .types import ScoredGroup
 
@@ -29,6 +30,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.version = 0
+        memory_metrics()  # the first step's memory window starts here, after the model loaded
 
     def _lr_factor(self, step: int) -> float:
         c = self.cfg
@@ -57,7 +59,7 @@ class Trainer:
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1
             m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version,
-                      "train/skipped_nonfinite": 0})
+                      "train/skipped_nonfinite": 0, **memory_metrics()})
             return m
         batch = make_batch(samples, self.tokenizer.pad_token_id, c.loss_agg, c.max_tokens)
         micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
@@ -110,6 +112,7 @@ class Trainer:
             "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0],
             "train/tokens": batch.n_tokens, "train/micro_batches": len(micro),
             "time/train_s": time.perf_counter() - t0, "version": self.version, "train/skipped_nonfinite": skipped,
+            **memory_metrics(),
         })
         return m
 

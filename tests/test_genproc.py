@@ -60,8 +60,18 @@ def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
     assert not gen.proc.is_alive()
 
 
-def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_untouched(trainer):
+def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_untouched(trainer, monkeypatch):
+    from contextlib import contextmanager
+    import minirl.generators.hf as H
     from minirl.generators.hf import _mergeable_lora_layers
+    merges, real = [], H.merged_lora
+
+    @contextmanager
+    def counting(model, cache, version=0):  # how many layers each call ran merged
+        with real(model, cache, version):
+            merges.append(len(cache.get("bufs", {})))
+            yield
+    monkeypatch.setattr(H, "merged_lora", counting)
     _bump(trainer, 3)
     assert _mergeable_lora_layers(trainer.model) is not None
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
@@ -70,7 +80,8 @@ def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_un
     merged = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
     plain = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, merge=False)
     got = merged.generate(prompts, 2, params)
-    assert len(merged._merge_cache["bufs"]) == len(_mergeable_lora_layers(trainer.model))  # it did run merged
+    assert merges == [len(_mergeable_lora_layers(trainer.model))]  # it did run merged
+    assert not merged._merge_cache  # on the trainer's model the merged copy is not kept beside training
     for g in got:
         for c in g.completions:  # the behaviour logprobs are the trainer's (unmerged) policy's
             assert c.logprobs == pytest.approx(trainer.logprobs(list(g.prompt.token_ids), list(c.token_ids), 1.0),

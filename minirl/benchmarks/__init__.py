@@ -24,4 +24,7 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
     if what == "learning":
         from .learning import bench_learning
         return bench_learning(out, seeds=seeds, ks=ks)
-    raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync or learning")
+    if what == "memory":
+        from .memory import bench_memory
+        return bench_memory(out)
+    raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync, learning or memory")

@@ -71,8 +71,9 @@ class HFGenerator:
     """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
     synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
     asynchronous pipeline runs one in a process of its own: `hf_process.py`). On CPU, generation runs with the LoRA
-    merged into a copy of the base weights (`merged_lora`: faster, and RAM is plentiful); on a GPU it runs unmerged
-    by default, since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
+    merged into a copy of the base weights (`merged_lora`: faster; on the trainer's own model the copy is dropped
+    after each call, so it never sits beside a training step's activations); on a GPU it runs unmerged by default,
+    since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
     runs unmerged, as the trainer does.
     Slower than vLLM; the fallback and the reference."""
 
@@ -124,10 +125,19 @@ class HFGenerator:
                     tokenizer=self.tok if params.stop else None, **kw)
         finally:
             self.model.train(was_training)
+            if self._get_version is not None:  # the trainer's model: its next step changes the LoRA weights
+                self._merge_cache.clear()      # anyway; the merged copy (~the model's size) goes now
         seqs = out.sequences[:, width:].cpu()
-        # out.scores are the processed logits (temperature / top-k / top-p applied) that were sampled from.
-        logp = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1).cpu()
-        tok_logp = logp.gather(-1, seqs[:, : logp.shape[1], None]).squeeze(-1)
+        # out.scores are the processed logits (temperature / top-k / top-p applied) that were sampled from; one
+        # (rows, vocab) step at a time, each freed once its tokens' logprobs are taken (the stacked log-softmax of
+        # every step was 2x the scores' own memory: 0.6 GB at the demo's 64 rows x 24 tokens).
+        scores = list(out.scores)
+        del out
+        tok_logp = torch.zeros(seqs.shape[0], len(scores))
+        for k in range(len(scores)):
+            s, scores[k] = scores[k], None
+            tok_logp[:, k] = torch.log_softmax(s.float(), -1).gather(-1, seqs[:, k, None].to(s.device)).squeeze(-1).cpu()
+            del s
         eos = self.tok.eos_token_id
         groups = []
         for pi, p in enumerate(prompts):

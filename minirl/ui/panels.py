@@ -49,7 +49,7 @@ class View:
 
 
 PANELS = ("reward", "reward_hist", "length", "loss", "policy", "is_weight", "staleness", "throughput",
-          "groups", "sync", "episodes", "timeline")
+          "groups", "sync", "memory", "episodes", "timeline")
 EPISODE_PANELS = ("episodes",)  # drawn only for environment runs (their steps carry `episode/*` metrics)
 
 
@@ -96,6 +96,8 @@ LINE_PANELS = {
     "throughput": ("tokens / s", [("throughput/gen_tok_s", "generate", {"color": GEN_COLOR}),
                                   ("throughput/train_tok_s", "train", {"color": TRAIN_COLOR})]),
     "sync": ("adapter sync (ms)", [("sync/ms", "sync ms", {"color": "purple"})]),
+    "memory": ("peak memory per step (MB)", [("mem/rss_mb", "resident (RSS)", {"color": "k"}),
+                                             ("mem/cuda_mb", "CUDA", {"color": "green"})]),
 }
 
 
