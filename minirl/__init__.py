@@ -1,4 +1,10 @@
 """minirl: asynchronous RL fine-tuning of small LLMs with LoRA on one machine."""
+import logging
+
+# bitsandbytes (QLoRA), imported by transformers wherever it is installed, warns on every AVX512-bf16 CPU that its
+# optional 4-bit kernel (a Hugging Face Hub download, out of reach offline) is missing; its built-in path runs.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
 from .config import Config, ConfigError
 from .envs import Env, EnvStep, tool, tools
 from .rewards import REGISTRY, Scorer, reward, sandbox
