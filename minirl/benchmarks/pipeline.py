@@ -80,7 +80,10 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
     faster). The top level repeats the first workload's figures (`speedup`, `gen_busy`, `train_busy`,
     `best_sync_step_s`, `async_step_s`) and lists every workload under `workloads`. No held-out evaluation: learning
     is `bench learning`'s measurement; `reward_first` / `reward_last` show each run trained."""
+    import torch
     from . import _write
+    if torch.cuda.is_available():  # sharing every core is a CPU variant; on GPU the split is the devices'
+        variants = tuple(v for v in variants if v != "k1_shared")
     base = {**DEMO, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "seed": seed, **overrides}
     res: dict[str, Any] = {"settings": {"rounds": rounds, "steps": steps, "warmup": warmup, "seed": seed,
                                         "variants": {v: VARIANTS[v] for v in variants},
