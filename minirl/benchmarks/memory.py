@@ -21,6 +21,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..metrics import memory_metrics
+from . import _write
+
 ROWS = {"lora": {}, "qlora": {"load_in_4bit": True}}
 
 
@@ -41,29 +44,20 @@ class PhasePeaks:
 
     @contextmanager
     def phase(self, name: str):
-        """Measure the block as phase `name`. A block whose code reads (and so resets) the peak itself, as
-        `Trainer.step` does for `mem/*`, puts its readings in the yielded dict ("rss_mb", "cuda_mb")."""
-        import torch
-        cuda = torch.cuda.is_available()
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-        except OSError:
-            pass
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
+        """Measure the block as phase `name` (a window of `metrics.memory_metrics`). A block whose code reads (and
+        so resets) the peak itself, as `Trainer.step` does for `mem/*`, puts its readings in the yielded dict
+        ("rss_mb", "cuda_mb")."""
+        memory_metrics()  # a new window starts here
         got: dict = {}
         try:
             yield got
         finally:
-            hwm = got.get("rss_mb") or _status_mb("VmHWM")
-            if hwm is None:  # no procfs: the process's lifetime peak (an upper bound)
-                import resource
-                hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-            self.rss_mb[name] = max(self.rss_mb.get(name, 0.0), hwm)
-            if cuda:
-                peak = got.get("cuda_mb") or torch.cuda.max_memory_allocated() / 2**20
-                self.cuda_mb[name] = max(self.cuda_mb.get(name, 0.0), peak)
+            m = memory_metrics()
+            rss = got.get("rss_mb") or m["mem/rss_mb"]
+            self.rss_mb[name] = max(self.rss_mb.get(name, 0.0), rss)
+            cuda = got.get("cuda_mb") or m.get("mem/cuda_mb")
+            if cuda is not None:
+                self.cuda_mb[name] = max(self.cuda_mb.get(name, 0.0), cuda)
 
 
 def children_rss_mb() -> float:
@@ -153,9 +147,7 @@ def bench_memory(out: str | Path, steps: int = 2, rows=tuple(ROWS)) -> dict:
             "peak_rss": q["peak_rss_mb"] / lo["peak_rss_mb"], "model": q["model_mb"] / lo["model_mb"],
             "train_s": statistics.median(q["train_s"]) / statistics.median(lo["train_s"]),
             "step_s": statistics.median(q["step_s"]) / statistics.median(lo["step_s"])}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "memory.json").write_text(json.dumps(res, indent=2))
-    return res
+    return _write(out, "memory.json", res)
 
 
 if __name__ == "__main__":
