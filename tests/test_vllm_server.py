@@ -19,6 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from minirl.generators.server_proc import group_members
+
 ATOL = 2e-3  # float32 servers vs the float32 trainer, per token (measured: ~5e-5)
 
 
@@ -28,21 +30,6 @@ def _wait_for(cond, what, timeout, run=None):
         assert run is None or run.running, f"the run ended while waiting for {what}: {run.error!r}"
         assert time.monotonic() - t0 < timeout, f"no {what} within {timeout} s"
         time.sleep(0.1)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live processes of process group `pgid` (a server and its engine core)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat", "rb") as f:
-                    rest = f.read().rsplit(b")", 1)[1].split()
-            except OSError:
-                continue
-            if int(rest[2]) == pgid and rest[0] != b"Z":
-                out.append(int(d))
-    return out
 
 
 def _spoil(folder, out):
@@ -153,7 +140,7 @@ def test_run_on_two_servers_survives_a_killed_server(tmp_path):
     assert kinds == ["server_down", "server_restarted"], kinds
     assert [e for e in events if e["event"] == "start"][0]["servers"][1]["pid"] == first_pid
     for pid in (first_pid, second_pid, run.generator.servers()[0]["pid"]):  # closed with the run
-        assert _group_members(pid) == [], pid
+        assert group_members(pid) == [], pid
 
 
 class _FakeServer(BaseHTTPRequestHandler):

@@ -167,3 +167,21 @@ class ServerProcess:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
+        deadline = time.monotonic() + 30  # SIGKILLed members (the engine core) take a moment to exit: wait, so that
+        while group_members(self.proc.pid) and time.monotonic() < deadline:  # `close` returns with them gone
+            time.sleep(0.05)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes of process group `pgid`, read from /proc."""
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", "rb") as f:
+                    rest = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(rest[2]) == pgid and rest[0] != b"Z":
+                out.append(int(d))
+    return out
