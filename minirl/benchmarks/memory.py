@@ -7,7 +7,8 @@ held-out evaluation: its 16 greedy rows weigh less than a step's 64), `train` (e
 (VmHWM), reset at the phase's start (/proc/self/clear_refs), so nothing between two samples is missed; on a GPU the
 phase's `torch.cuda.max_memory_allocated` is added. The reward worker processes are counted apart (their largest
 total RSS), as is the model's own bytes (parameters + buffers: a 4-bit base counts its packed bytes).
-Writes DIR/memory.json: {"rows": {"lora": {...}, "qlora": {...}}, "qlora_vs_lora": {peak and step-time ratios}}.
+Rows: `lora` (the demo: token_budget 1024), `qlora`, and the demo at token_budget 4096 (Config's default) and 512.
+Writes DIR/memory.json: {"rows": {name: {...}}, "vs_lora": {name: {peak and step-time ratios to lora}}, "order"}.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from pathlib import Path
 from ..metrics import memory_metrics
 from . import _write
 
-ROWS = {"lora": {}, "qlora": {"load_in_4bit": True}}
+ROWS = {"lora": {}, "qlora": {"load_in_4bit": True}, "lora_token_budget_4096": {"token_budget": 4096},
+        "lora_token_budget_512": {"token_budget": 512}}
 
 
 def _status_mb(field: str, pid: str = "self") -> float | None:
@@ -132,21 +134,45 @@ def _result(p: subprocess.Popen, overrides: dict) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def bench_memory(out: str | Path, steps: int = 2, rows=tuple(ROWS)) -> dict:
-    """Each row of ROWS (demo config + its overrides) in a process of its own, all at the same time, so that they
-    share the machine's load (each peak is its own process's); ratios QLoRA / LoRA of peaks and median step times."""
-    res: dict = {"steps": steps, "load_avg_start": os.getloadavg()[0], "rows": {}}
+def bench_memory(out: str | Path, steps: int = 3, rounds: int = 2, rows=tuple(ROWS)) -> dict:
+    """Each row of ROWS (demo config + its overrides) in a fresh process of its own, one at a time (each has every
+    core), `rounds` times in rotated order (A B C, B C A, ...) so that drift in the machine's speed falls on every
+    row alike. A row's peak is the max over its rounds; its step times are all its rounds' steps, the first step of
+    each (warm-up: allocator growth, first-call costs) left out of the medians. Ratios to the `lora` row: peaks and
+    median train / step times."""
+    res: dict = {"steps": steps, "rounds": rounds, "load_avg_start": os.getloadavg()[0], "order": [], "rows": {}}
     t0 = time.time()
-    procs = {name: _start(ROWS[name], steps) for name in rows}
-    for name, p in procs.items():
-        res["rows"][name] = _result(p, ROWS[name])
+    runs: dict[str, list[dict]] = {name: [] for name in rows}
+    for r in range(rounds):
+        order = list(rows[r % len(rows):]) + list(rows[:r % len(rows)])
+        res["order"].append(order)
+        for name in order:
+            runs[name].append(_result(_start(ROWS[name], steps), ROWS[name]))
+            _write(out, "memory.json", {**res, "partial": True, "runs": runs})  # an interrupted run keeps these
+    for name, rs in runs.items():
+        ok = [x for x in rs if "peak_rss_mb" in x]
+        if not ok:
+            res["rows"][name] = rs[-1]
+            continue
+        row = {**ok[0], "peak_rss_mb": max(x["peak_rss_mb"] for x in ok),
+               "phase_rss_mb": {k: max(x["phase_rss_mb"].get(k, 0.0) for x in ok) for k in ok[0]["phase_rss_mb"]},
+               "step_s": [x["step_s"] for x in ok], "train_s": [x["train_s"] for x in ok],
+               "gen_s": [x["gen_s"] for x in ok], "errors": len(rs) - len(ok)}
+        for k in ("step_s", "train_s", "gen_s"):
+            row[f"median_{k}"] = round(statistics.median(v for one in row[k] for v in one[1:] or one), 3)
+        # the rows sample different tokens (QLoRA's weights differ), so train time is compared per trained token
+        row["train_tokens_per_s"] = round(statistics.median(
+            t / s for x in ok for t, s in list(zip(x["train_tokens"], x["train_s"]))[1:] if s > 0), 1)
+        res["rows"][name] = row
     res["load_avg_end"], res["wall_s"] = os.getloadavg()[0], round(time.time() - t0, 1)
-    lo, q = res["rows"].get("lora", {}), res["rows"].get("qlora", {})
-    if "peak_rss_mb" in lo and "peak_rss_mb" in q:
-        res["qlora_vs_lora"] = {
-            "peak_rss": q["peak_rss_mb"] / lo["peak_rss_mb"], "model": q["model_mb"] / lo["model_mb"],
-            "train_s": statistics.median(q["train_s"]) / statistics.median(lo["train_s"]),
-            "step_s": statistics.median(q["step_s"]) / statistics.median(lo["step_s"])}
+    base = res["rows"].get("lora", {})
+    if "peak_rss_mb" in base:
+        res["vs_lora"] = {name: {"peak_rss": round(r["peak_rss_mb"] / base["peak_rss_mb"], 3),
+                                 "model": round(r["model_mb"] / base["model_mb"], 3),
+                                 "train_s": round(r["median_train_s"] / base["median_train_s"], 3),
+                                 "train_tokens_per_s": round(r["train_tokens_per_s"] / base["train_tokens_per_s"], 3),
+                                 "step_s": round(r["median_step_s"] / base["median_step_s"], 3)}
+                          for name, r in res["rows"].items() if name != "lora" and "peak_rss_mb" in r}
     return _write(out, "memory.json", res)
 
 
