@@ -164,6 +164,13 @@ def _seeds(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers (e.g. 0,1,2)") from None
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names nothing: give comma-separated names (e.g. demo,judge)")
+    return names
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue the run in out_dir from its latest checkpoint")
@@ -195,6 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="comma-separated seeds of the learning benchmark")
     bench.add_argument("--ks", type=_seeds, default=(0, 1, 2), help="comma-separated K (max_async_steps) of the "
                        "learning benchmark")
+    bench.add_argument("--workloads", type=_names, default=None, help="comma-separated workloads of the pipeline "
+                       "benchmark (default: demo,long-tail,judge)")
+    bench.add_argument("--steps", type=int, default=None, help="steps per run (pipeline, memory)")
+    bench.add_argument("--rounds", type=int, default=None, help="interleaved rounds (pipeline, memory)")
     parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench}
     args, extra = p.parse_known_args(argv)
     if extra:  # named by the subcommand's parser, so the hint points at its --help
@@ -230,7 +241,8 @@ def _command(args: argparse.Namespace) -> int:
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
     elif args.cmd == "bench":
         from .benchmarks import run as bench
-        print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks), indent=2))
+        sizes = {k: v for k in ("workloads", "steps", "rounds") if (v := getattr(args, k)) is not None}
+        print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks, **sizes), indent=2))
     return 0
 
 

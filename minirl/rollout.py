@@ -159,27 +159,36 @@ class Pipeline:
         slots: dict[int, list[int]] = defaultdict(list)
         for i, p in enumerate(prompts):
             slots[p.index].append(i)
-        loop = asyncio.get_running_loop()
-        # a generator without `stream` serves one request at a time: a step's generation starts at its turn
-        async with contextlib.nullcontext() if hasattr(self.gen, "stream") else self._serial:
-            self.timeline.gen_begin()
-            t0 = self.timeline.now()
-            try:
-                async for g in self._stream(prompts, params):
-                    slot = slots[g.prompt.index].pop(0)
-                    self.gen_tokens[step] += sum(len(c.token_ids) for c in g.completions)
-                    self.accounting["generated"] += 1
-                    scored = await loop.run_in_executor(self._score_pool, self.scorer.score_group, g)
-                    await self.buffer.put(step, slot, scored)
-            except asyncio.CancelledError:
-                raise
-            except BaseException as e:  # reaches the trainer thread through take()
-                self.error = e
-                await self.buffer.close()
-                raise
-            finally:
-                self.gen_seconds[step] = self.timeline.now() - t0
-                self.timeline.gen_end()
+        scoring: list[asyncio.Future] = []
+        try:
+            # a generator without `stream` serves one request at a time: a step's generation starts at its turn
+            async with contextlib.nullcontext() if hasattr(self.gen, "stream") else self._serial:
+                self.timeline.gen_begin()
+                t0 = self.timeline.now()
+                try:
+                    async for g in self._stream(prompts, params):
+                        self.gen_tokens[step] += sum(len(c.token_ids) for c in g.completions)
+                        self.accounting["generated"] += 1
+                        # each group is scored by its own task, outside the generator's turn: a slow reward
+                        # does not hold the next step's generation
+                        scoring.append(asyncio.ensure_future(self._score_put(step, slots[g.prompt.index].pop(0), g)))
+                finally:
+                    self.gen_seconds[step] = self.timeline.now() - t0  # generation only, not scoring
+                    self.timeline.gen_end()
+            await asyncio.gather(*scoring)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # reaches the trainer thread through take()
+            self.error = e
+            await self.buffer.close()
+            raise
+        finally:
+            for t in scoring:
+                t.cancel()
+
+    async def _score_put(self, step: int, slot: int, g) -> None:
+        scored = await asyncio.get_running_loop().run_in_executor(self._score_pool, self.scorer.score_group, g)
+        await self.buffer.put(step, slot, scored)
 
     async def _stream(self, prompts: list[Prompt], params):
         if hasattr(self.gen, "stream"):

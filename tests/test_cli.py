@@ -61,6 +61,9 @@ BAD = [  # (what, files, argv, the line's content)
     ("tracker", {}, ["demo", "--report-to", "wandb"], "report_to='wandb': use 'trackio', 'tensorboard' or none"),
     ("unknown task", {}, ["demo", "--task", "chess"], "unknown task 'chess': choose 'arithmetic' or one of ['retry', 'sums']"),
     ("env module", {"c.yaml": "env: nomod:Game\n"}, ["train", "c.yaml"], "env 'nomod:Game' cannot be imported"),
+    ("bench workload", {}, ["bench", "pipeline", "--workloads", "demo,chess"],
+     "unknown workload 'chess': choose from demo, long-tail, judge"),
+    ("bench size", {}, ["bench", "sync", "--steps", "2"], "bench sync does not take --steps (it takes none of them)"),
 ]
 
 

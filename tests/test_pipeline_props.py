@@ -91,3 +91,37 @@ def test_generation_error_reaches_the_trainer_with_its_traceback():
             raise AssertionError("the error did not reach the trainer")
     finally:
         pipe.close()
+
+
+def test_a_slow_reward_does_not_hold_the_next_steps_generation():
+    """K = 1 on a one-request-at-a-time generator: step 1's generation starts while step 0 is still being scored.
+    The reward of step 0 waits (up to 20 s) for step 1's generation to begin; on code that scores inside the
+    generator's turn it never begins, so the wait runs out and the reward records it."""
+    import threading
+
+    started = {s: threading.Event() for s in range(2)}
+
+    class Serial:
+        name, loop, version = "serial", None, 0
+
+        def generate(self, prompts, n, params):
+            step = prompts[0].index // 10
+            started[step].set()
+            return [Group(p, tuple(Completion((1,), (-0.5,), (self.version,), f"{p.index}-{j}", "stop")
+                                   for j in range(n))) for p in prompts]
+
+    overlapped = []
+
+    def slow_reward(prompt, completion, **_):
+        if completion.startswith("0-"):  # a completion of step 0
+            overlapped.append(started[1].wait(20.0))
+        return 1.0
+
+    prompts = [[Prompt(s * 10, (1,), f"p{s}")] for s in range(2)]
+    pipe = Pipeline(Serial(), Scorer([("r", slow_reward)], [1.0], 60.0), lambda s: prompts[s],
+                    lambda s: SamplingParams(), 2, 1, 2, 1)
+    try:
+        assert pipe.take(0) is not None and pipe.take(1) is not None
+    finally:
+        pipe.close()
+    assert overlapped and all(overlapped), "step 1's generation waited for step 0's reward"

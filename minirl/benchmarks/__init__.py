@@ -11,20 +11,35 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
     return result
 
 
-def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)) -> dict:
+# the sizing flags (`minirl bench WHAT --workloads/--steps/--rounds`) each benchmark takes
+SIZES = {"pipeline": ("workloads", "steps", "rounds"), "memory": ("steps", "rounds")}
+
+
+def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2), **sizes) -> dict:
+    """Run benchmark `what`; `sizes` (workloads, steps, rounds) go to the benchmarks that take them."""
+    if what not in ("generation", "pipeline", "sync", "learning", "memory"):
+        raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync, learning or memory")
+    wrong = sorted(set(sizes) - set(SIZES.get(what, ())))
+    if wrong:
+        takes = ", ".join("--" + k for k in SIZES.get(what, ())) or "none of them"
+        raise ValueError(f"bench {what} does not take --{', --'.join(wrong)} (it takes {takes})")
+    for k in ("steps", "rounds"):
+        if k in sizes and sizes[k] < 1:
+            raise ValueError(f"--{k} must be at least 1, got {sizes[k]}")
     if what == "generation":
         from .generation import bench_generation
         return bench_generation(str(out))
     if what == "pipeline":
-        from .pipeline import bench_pipeline
-        return bench_pipeline(out, seed=seed)
+        from .pipeline import WORKLOADS, bench_pipeline
+        unknown = [w for w in sizes.get("workloads", ()) if w not in WORKLOADS]
+        if unknown:
+            raise ValueError(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
+        return bench_pipeline(out, seed=seed, **sizes)
     if what == "sync":
         from .sync import bench_sync
         return bench_sync(str(out))
     if what == "learning":
         from .learning import bench_learning
         return bench_learning(out, seeds=seeds, ks=ks)
-    if what == "memory":
-        from .memory import bench_memory
-        return bench_memory(out)
-    raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync, learning or memory")
+    from .memory import bench_memory
+    return bench_memory(out, **sizes)
