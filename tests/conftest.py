@@ -1,9 +1,21 @@
 import importlib.util
 import os
+import signal
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _ctrl_c_reaches_cli_children():
+    """Tests send SIGINT to CLI children as a terminal's Ctrl-C would. Started as a background job of a
+    non-interactive shell (`pytest &`), this process inherits SIGINT ignored, and an ignored signal stays ignored
+    across exec: the children would never see it (seen here: a set-up Ctrl-C test ran its whole run and exited 0).
+    A handled signal is reset to the default across exec, which Python turns into KeyboardInterrupt."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 
 @pytest.fixture(scope="session")

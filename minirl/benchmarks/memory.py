@@ -7,7 +7,7 @@ held-out evaluation: its 16 greedy rows weigh less than a step's 64), `train` (e
 (VmHWM), reset at the phase's start (/proc/self/clear_refs), so nothing between two samples is missed; on a GPU the
 phase's `torch.cuda.max_memory_allocated` is added. The reward worker processes are counted apart (their largest
 total RSS), as is the model's own bytes (parameters + buffers: a 4-bit base counts its packed bytes).
-Rows: `lora` (the demo: token_budget 1024), `qlora`, and the demo at token_budget 4096 (Config's default) and 512.
+Rows: `lora` (the demo: token_budget 512), `qlora`, and the demo at token_budget 4096 (Config's default) and 1024.
 Writes DIR/memory.json: {"rows": {name: {...}}, "vs_lora": {name: {peak and step-time ratios to lora}}, "order"}.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from ..metrics import memory_metrics
 from . import _write
 
 ROWS = {"lora": {}, "qlora": {"load_in_4bit": True}, "lora_token_budget_4096": {"token_budget": 4096},
-        "lora_token_budget_512": {"token_budget": 512}}
+        "lora_token_budget_1024": {"token_budget": 1024}}
 
 
 def _status_mb(field: str, pid: str = "self") -> float | None:
