@@ -155,6 +155,15 @@ def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
     assert max(abs(a - b) for a, b in zip(before, gen.score(*probe, 1.0))) < 1e-5
 
 
+def test_the_engine_runs_minirls_cpu_lora_ops(gen):
+    """The worker runs `minirl.generators.cpu_lora`'s ops (installed on import of the worker extension), so the
+    adapter logprobs compared with transformers above are theirs (tests/test_cpu_lora.py: the ops themselves)."""
+    from minirl.sync.senders import call_on_loop, rpc
+    if not gen.on_cpu:
+        pytest.skip("the CPU ops only")
+    assert call_on_loop(gen, rpc(gen, "minirl_info", timeout_s=30.0), 30.0)["cpu_lora"] is True
+
+
 def test_engine_errors_reach_the_caller(gen, prompts):
     from minirl.types import Prompt
     too_long = Prompt(99, tuple(prompts[0].token_ids) * 40, "long")  # > max_model_len

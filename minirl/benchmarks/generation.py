@@ -16,6 +16,9 @@ LoRA, float32 on CPU) and the vLLM engine and sync `make_generator` gives a run 
                    merge is recomputed inside the timed transformers side, as in a run. The two draw from different
                    random streams, so their tokens differ (`identical_fraction` ~ 0 by construction): tokens/s is
                    the figure.
+  cpu_lora         vLLM's CPU LoRA ops (a copy of the adapter per token) vs minirl's (`generators.cpu_lora`, the
+                   default in minirl's engines), swapped on the same engine: the demo's step with the adapter, the
+                   same seed, the prefix cache emptied before each side; and the sync check's `score` of the probe.
   hf_merge         `HFGenerator` merged (the CPU default) vs unmerged on the trainer's model, the demo's step, a
                    fake optimizer step before each round so that the merge cost is inside the timed merged side
                    (`merge_ms`: the merge alone); the same seed, so the same tokens up to merge rounding.
@@ -136,6 +139,43 @@ def bench_vllm_vs_hf(trainer, gen, sync, prompts, n: int, params: SamplingParams
         note="vLLM and transformers sample from different random streams: tokens differ, compare tokens/s")}
 
 
+def bench_cpu_lora(trainer, gen, sync, prompts, n: int, params: SamplingParams, rounds: int = 4,
+                   seed: int = 0) -> dict:
+    """vLLM's own CPU LoRA ops vs minirl's (`generators.cpu_lora`), swapped in and out of the same engine between
+    sides (`minirl_cpu_lora`): the demo's step with the adapter served, pushed as a run pushes it (a fake step and
+    a push before each round), the same seed and the prefix cache emptied before each side; then, interleaved the
+    same way, the engine's part of the sync check (`score` of the run's 32-token probe, `make_probe`)."""
+    from ..sync import make_probe
+    from ..sync.senders import call_on_loop, rpc
+    tok = trainer.tokenizer
+
+    def use(name):
+        want = name == "minirl_ops"
+        if call_on_loop(gen, rpc(gen, "minirl_cpu_lora", want), 30.0) != want:
+            raise RuntimeError(f"the engine's worker could not switch to {name}")
+        empty_prefix_cache(gen)
+    start = call_on_loop(gen, rpc(gen, "minirl_info"), 30.0)["cpu_lora"]
+    sides = {k: (lambda: _minirl_generate(gen, prompts, n, replace(params, seed=seed)))
+             for k in ("vllm_ops", "minirl_ops")}
+    res = interleaved(sides, rounds, each_round=lambda _: (fake_step(trainer), sync.push(trainer, gen)),
+                      each_side=use)
+    probe = make_probe(trainer.model, prompts[0].token_ids, 32, 0, tok.all_special_ids, len(tok))
+    score_s = {k: [] for k in sides}
+    for r in range(rounds):
+        fake_step(trainer)
+        sync.push(trainer, gen)
+        for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            use(name)
+            t = time.perf_counter()
+            gen.score(*probe, params.temperature)
+            score_s[name].append(round(time.perf_counter() - t, 3))
+    call_on_loop(gen, rpc(gen, "minirl_cpu_lora", start), 30.0)  # the engine's ops as found
+    return {**res, "check_score_s": score_s, "seeds": {k: seed for k in sides}, "settings": _settings(
+        prompts, n, params, engine_dtype=gen.dtype, lora_rank=trainer.cfg.lora_rank, transport=sync.transport,
+        prefix_cache="emptied before each side", probe_tokens=len(probe[1]),
+        note="the same engine and seed: tokens differ only where the two ops' float rounding flips a sample")}
+
+
 def bench_hf_merge(trainer, prompts, n: int, params: SamplingParams, rounds: int = 4, seeds=(0, 0),
                    merge_reps: int = 5) -> dict:
     """transformers tokens/s with the LoRA merged for generation (the CPU default) vs unmerged, on the trainer's
@@ -207,6 +247,8 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
         count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
                                              trainer.cfg.max_tokens)
         demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
+        if gen.on_cpu:
+            done("cpu_lora", bench_cpu_lora(trainer, gen, sync, demo, group, step, demo_rounds))
         done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
         done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
     finally:
