@@ -108,3 +108,10 @@ def test_sync_benchmark_times_every_path_with_and_without_the_check(parts, tmp_p
     assert order["rounds"] == 2 and order["order"][0] == order["order"][1][::-1]
     assert res["gen_order"] == [list(BLOCKS), list(BLOCKS)[::-1]] and set(res["gen_identical_fraction"]) == set(BLOCKS)
     assert res["gen_identical_fraction"]["none"] == 1.0 and res["settings"]["engine_dtype"] == "float32"
+
+
+def test_an_unknown_comparison_is_named_before_anything_loads(tmp_path):
+    from minirl.benchmarks.generation import bench_generation
+    with pytest.raises(ValueError, match=r"unknown comparisons \['cpu_lra'\]; choose from raw_vs_minirl"):
+        bench_generation(str(tmp_path), only=["cpu_lra", "vllm_vs_hf"])
+    assert not any(tmp_path.iterdir())

@@ -213,11 +213,17 @@ def run_parts(lora_rank: int = 16):
     return trainer, gen, sync
 
 
+COMPARISONS = ("raw_vs_minirl", "server_vs_inproc", "cpu_lora", "vllm_vs_hf", "hf_merge")
+
+
 def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens: int = 32, rounds: int = 4,
-                     demo_rounds: int = 4, servers: bool = True, parts=None, demo_size=None) -> dict:
-    """Every comparison above; write and return `out_dir/generation.json`. `parts`: a running (trainer, generator,
-    sync) from `run_parts` to reuse (not closed here). `demo_size`: (prompts, samples, tokens) of the demo's step
-    for `vllm_vs_hf` and `hf_merge` (default: the demo's, 8 x 8 x 24)."""
+                     demo_rounds: int = 4, servers: bool = True, parts=None, demo_size=None, only=None) -> dict:
+    """Every comparison above (or those named in `only`); write and return `out_dir/generation.json`. `parts`: a
+    running (trainer, generator, sync) from `run_parts` to reuse (not closed here). `demo_size`: (prompts, samples,
+    tokens) of the demo's step for `cpu_lora`, `vllm_vs_hf` and `hf_merge` (default: the demo's, 8 x 8 x 24)."""
+    want = set(COMPARISONS if only is None else only)
+    if want - set(COMPARISONS):
+        raise ValueError(f"unknown comparisons {sorted(want - set(COMPARISONS))}; choose from {', '.join(COMPARISONS)}")
     import torch
     own = parts is None
     t0 = time.perf_counter()
@@ -239,18 +245,21 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
         params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
         mixed = bench_prompts(tok, num_prompts)
         _minirl_generate(gen, mixed[:2], 2, replace(params, max_tokens=4))  # warm-up (either path would do)
-        done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
-        if servers:
+        if "raw_vs_minirl" in want:
+            done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
+        if servers and "server_vs_inproc" in want:
             from .servers import bench_server
             done("server_vs_inproc", bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
                                                   log_dir=str(out / "server_logs")))
         count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
                                              trainer.cfg.max_tokens)
         demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
-        if gen.on_cpu:
+        if gen.on_cpu and "cpu_lora" in want:
             done("cpu_lora", bench_cpu_lora(trainer, gen, sync, demo, group, step, demo_rounds))
-        done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
-        done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
+        if "vllm_vs_hf" in want:
+            done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
+        if "hf_merge" in want:
+            done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
     finally:
         if own:
             sync.close()
@@ -268,6 +277,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--demo-rounds", type=int, default=4)
     ap.add_argument("--no-servers", action="store_true")
+    ap.add_argument("--only", default=None, help=f"comma-separated comparisons (default all: {','.join(COMPARISONS)})")
     a = ap.parse_args()
     print(json.dumps(bench_generation(a.out, a.num_prompts, a.n, a.max_tokens, a.rounds, a.demo_rounds,
-                                      servers=not a.no_servers), indent=2))
+                                      servers=not a.no_servers, only=a.only and a.only.split(",")), indent=2))
