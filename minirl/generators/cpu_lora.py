@@ -16,6 +16,7 @@ import of its worker extension, `minirl.sync.receiver`), unless MINIRL_VLLM_CPU_
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -80,8 +81,7 @@ def _ops(orig: dict):
 def install(on: bool = True) -> bool:
     """Put the ops above in place of vLLM's CPU LoRA ops in this process (the sgmv ops, for prefills, call the
     bgmv ones), or with `on=False` put vLLM's back (`minirl bench generation` swaps them on one engine);
-    idempotent. Returns whether minirl's ops are in place: False when vLLM's modules are not there, or when
-    MINIRL_VLLM_CPU_LORA=0 and `install()` was not asked otherwise."""
+    idempotent. Returns whether minirl's ops are in place (False also when vLLM's modules are not there)."""
     try:
         from vllm.lora.ops.torch_ops import lora_ops
         from vllm.lora.punica_wrapper import punica_cpu
@@ -97,6 +97,11 @@ def install(on: bool = True) -> bool:
             setattr(module, name, ops[name])
     lora_ops._minirl_cpu_lora = on
     return on
+
+
+def installed() -> bool:
+    """Whether minirl's ops are in place in this process."""
+    return getattr(sys.modules.get("vllm.lora.ops.torch_ops.lora_ops"), "_minirl_cpu_lora", False)
 
 
 def install_default() -> bool:

