@@ -279,5 +279,9 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     ap.add_argument("--no-servers", action="store_true")
     ap.add_argument("--only", default=None, help=f"comma-separated comparisons (default all: {','.join(COMPARISONS)})")
     a = ap.parse_args()
+    only = a.only and a.only.split(",")
+    if only and set(only) - set(COMPARISONS):
+        ap.error(f"--only: unknown comparisons {sorted(set(only) - set(COMPARISONS))}; choose from "
+                 f"{','.join(COMPARISONS)}")
     print(json.dumps(bench_generation(a.out, a.num_prompts, a.n, a.max_tokens, a.rounds, a.demo_rounds,
-                                      servers=not a.no_servers, only=a.only and a.only.split(",")), indent=2))
+                                      servers=not a.no_servers, only=only), indent=2))
