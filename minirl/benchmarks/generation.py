@@ -216,14 +216,20 @@ def run_parts(lora_rank: int = 16):
 COMPARISONS = ("raw_vs_minirl", "server_vs_inproc", "cpu_lora", "vllm_vs_hf", "hf_merge")
 
 
+def unknown_comparisons(only) -> str | None:
+    """The one-line error for names in `only` that are not comparisons (None: all known, or `only` is None)."""
+    bad = sorted(set(only or ()) - set(COMPARISONS))
+    return f"unknown comparisons {bad}; choose from {', '.join(COMPARISONS)}" if bad else None
+
+
 def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens: int = 32, rounds: int = 4,
                      demo_rounds: int = 4, servers: bool = True, parts=None, demo_size=None, only=None) -> dict:
     """Every comparison above (or those named in `only`); write and return `out_dir/generation.json`. `parts`: a
     running (trainer, generator, sync) from `run_parts` to reuse (not closed here). `demo_size`: (prompts, samples,
     tokens) of the demo's step for `cpu_lora`, `vllm_vs_hf` and `hf_merge` (default: the demo's, 8 x 8 x 24)."""
+    if unknown_comparisons(only):
+        raise ValueError(unknown_comparisons(only))
     want = set(COMPARISONS if only is None else only)
-    if want - set(COMPARISONS):
-        raise ValueError(f"unknown comparisons {sorted(want - set(COMPARISONS))}; choose from {', '.join(COMPARISONS)}")
     import torch
     own = parts is None
     t0 = time.perf_counter()
@@ -280,8 +286,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     ap.add_argument("--only", default=None, help=f"comma-separated comparisons (default all: {','.join(COMPARISONS)})")
     a = ap.parse_args()
     only = a.only and a.only.split(",")
-    if only and set(only) - set(COMPARISONS):
-        ap.error(f"--only: unknown comparisons {sorted(set(only) - set(COMPARISONS))}; choose from "
-                 f"{','.join(COMPARISONS)}")
+    if unknown_comparisons(only):
+        ap.error(f"--only: {unknown_comparisons(only)}")
     print(json.dumps(bench_generation(a.out, a.num_prompts, a.n, a.max_tokens, a.rounds, a.demo_rounds,
                                       servers=not a.no_servers, only=only), indent=2))
