@@ -22,6 +22,12 @@ LoRA, float32 on CPU) and the vLLM engine and sync `make_generator` gives a run 
   hf_merge         `HFGenerator` merged (the CPU default) vs unmerged on the trainer's model, the demo's step, a
                    fake optimizer step before each round so that the merge cost is inside the timed merged side
                    (`merge_ms`: the merge alone); the same seed, so the same tokens up to merge rounding.
+  hf_decode        `HFGenerator`'s own decoding loop (`hf.decode`: a row that ends leaves the batch and its KV cache;
+                   the CPU default) vs transformers `generate` (which decodes every row until the last one ends) on
+                   the trainer's model with the adapter merged, on the demo's step and on the long-tail step of
+                   `bench pipeline` (4 prompts x 8 samples x up to 160 tokens). The same seed, but the two draw
+                   differently once a row has ended, so tokens differ: tokens/s and seconds per step are the
+                   figures. Needs no vLLM engine.
   server_vs_inproc the same work through a vLLM server (`servers.py`), and its adapter push.
 """
 from __future__ import annotations
@@ -201,6 +207,31 @@ def bench_hf_merge(trainer, prompts, n: int, params: SamplingParams, rounds: int
         torch_threads=torch.get_num_threads(), merge_in_timing="a new adapter every round: merged once per round")}
 
 
+def bench_hf_decode(trainer, prompts, n: int, params: SamplingParams, rounds: int = 4) -> dict:
+    """transformers `generate` vs minirl's `decode` on the trainer's model (LoRA merged, as the synchronous loop
+    generates), the same seed on both sides."""
+    import torch
+    from ..generators.hf import HFGenerator
+    tok = trainer.tokenizer
+    gens = {"generate": HFGenerator(trainer.model, tok, lambda: trainer.version, compact=False),
+            "decode": HFGenerator(trainer.model, tok, lambda: trainer.version, compact=True)}
+    sides = {k: (lambda k=k: sequences(gens[k].generate(prompts, n, params))) for k in gens}
+    res = interleaved(sides, rounds)
+    return {**res, "step_s_speedup": round(res["generate_s_per_round"] / res["decode_s_per_round"], 4),
+            "settings": _settings(prompts, n, params, dtype=str(next(trainer.model.parameters()).dtype),
+                                  lora_rank=trainer.cfg.lora_rank, torch_threads=torch.get_num_threads(),
+                                  note="the same seed; tokens differ once a row ends (the random draws shift)")}
+
+
+def hf_parts(lora_rank: int = 16):
+    """The demo's trainer alone (the comparisons that need no vLLM engine)."""
+    from ..config import DEMO, Config
+    from ..trainer import Trainer
+    cfg = Config(**{**DEMO, "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
+                    "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
+    return Trainer(cfg, device="cpu")
+
+
 def run_parts(lora_rank: int = 16):
     """(trainer, generator, sync) as a demo run with backend='vllm' builds them on this machine."""
     from ..config import DEMO, Config
@@ -213,7 +244,9 @@ def run_parts(lora_rank: int = 16):
     return trainer, gen, sync
 
 
-COMPARISONS = ("raw_vs_minirl", "server_vs_inproc", "cpu_lora", "vllm_vs_hf", "hf_merge")
+COMPARISONS = ("raw_vs_minirl", "server_vs_inproc", "cpu_lora", "vllm_vs_hf", "hf_merge", "hf_decode")
+HF_ONLY = {"hf_merge", "hf_decode"}  # comparisons that need no vLLM engine
+LONG_TAIL = (4, 8, 160)  # prompts, samples, tokens: `bench pipeline`'s long-tail workload
 
 
 def unknown_comparisons(only) -> str | None:
@@ -233,14 +266,18 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
     import torch
     own = parts is None
     t0 = time.perf_counter()
-    trainer, gen, sync = parts or run_parts()
+    if parts is None and want <= HF_ONLY:  # no engine to start
+        trainer, gen, sync = hf_parts(), None, None
+    else:
+        trainer, gen, sync = parts or run_parts()
     startup_s = time.perf_counter() - t0
     tok = trainer.tokenizer
     temp = trainer.cfg.temperature
-    result = {"settings": {"model": trainer.cfg.model, "device": "cpu" if gen.on_cpu else "gpu",
-                           "engine_dtype": gen.dtype, "torch_threads": torch.get_num_threads(),
-                           "prefix_caching": bool(gen.engine_args.enable_prefix_caching),
-                           "engine_startup_s": round(startup_s, 1)}}
+    result = {"settings": {"model": trainer.cfg.model, "torch_threads": torch.get_num_threads(),
+                           **({"device": "cpu" if gen.on_cpu else "gpu", "engine_dtype": gen.dtype,
+                               "prefix_caching": bool(gen.engine_args.enable_prefix_caching),
+                               "engine_startup_s": round(startup_s, 1)} if gen is not None else
+                              {"device": str(trainer.device), "engine": "none (transformers only)"})}}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -250,7 +287,8 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
     try:
         params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
         mixed = bench_prompts(tok, num_prompts)
-        _minirl_generate(gen, mixed[:2], 2, replace(params, max_tokens=4))  # warm-up (either path would do)
+        if gen is not None:
+            _minirl_generate(gen, mixed[:2], 2, replace(params, max_tokens=4))  # warm-up (either path would do)
         if "raw_vs_minirl" in want:
             done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
         if servers and "server_vs_inproc" in want:
@@ -260,14 +298,21 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
         count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
                                              trainer.cfg.max_tokens)
         demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
-        if gen.on_cpu and "cpu_lora" in want:
+        if gen is not None and gen.on_cpu and "cpu_lora" in want:
             done("cpu_lora", bench_cpu_lora(trainer, gen, sync, demo, group, step, demo_rounds))
         if "vllm_vs_hf" in want:
             done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
         if "hf_merge" in want:
             done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
+        if "hf_decode" in want:
+            fake_step(trainer)  # an adapter that is not zero, as in a run
+            lt_count, lt_group, lt_tokens = LONG_TAIL
+            done("hf_decode", {
+                "demo": bench_hf_decode(trainer, demo, group, step, demo_rounds),
+                "long_tail": bench_hf_decode(trainer, demo_prompts(tok, lt_count), lt_group,
+                                             replace(step, max_tokens=lt_tokens), demo_rounds)})
     finally:
-        if own:
+        if own and gen is not None:
             sync.close()
             gen.close()
     return result

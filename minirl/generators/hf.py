@@ -67,6 +67,57 @@ def merged_lora(model, cache: dict, version: int = 0):
             w.data = original
 
 
+@torch.no_grad()
+def decode(model, input_ids, attn, params: SamplingParams, eos: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample up to `params.max_tokens` tokens per row of the left-padded `input_ids`, each row ending at `eos`,
+    with every finished row dropped from the batch and its KV cache at once. transformers' `generate` keeps a
+    finished row in the batch (it emits padding) until the last row ends, so on a long tail (most answers short, a
+    few running to `max_tokens`) most of its work is padding; here the work is what the live rows need. The same
+    warpers in `generate`'s order (temperature, top-k, top-p); the logprob of each token is taken from the
+    distribution it was sampled from (processed logprobs). temperature 0 = greedy. Returns each row's tokens (`eos`
+    included when it ended there) and their logprobs. Same distribution as `generate`; the same tokens for greedy,
+    but not the same sampled tokens for a seed once a row has been dropped (the random draws shift)."""
+    from transformers import DynamicCache
+    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
+                                                        TopKLogitsWarper, TopPLogitsWarper)
+    greedy = params.temperature == 0
+    warp = LogitsProcessorList()
+    if not greedy and params.temperature != 1.0:
+        warp.append(TemperatureLogitsWarper(params.temperature))
+    if not greedy and params.top_k:
+        warp.append(TopKLogitsWarper(params.top_k))
+    if not greedy and params.top_p < 1.0:
+        warp.append(TopPLogitsWarper(params.top_p))
+    dev = model.device
+    rows, attn = torch.arange(input_ids.shape[0]), attn.to(dev)
+    toks: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    logps: list[list[float]] = [[] for _ in range(input_ids.shape[0])]
+    cache = DynamicCache()
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    step_ids = input_ids.to(dev)
+    for t in range(params.max_tokens):
+        out = model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        scores = warp(step_ids, out.logits[:, -1].float())
+        del out
+        nxt = scores.argmax(-1) if greedy else torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
+        lp = torch.log_softmax(scores, -1).gather(-1, nxt[:, None]).squeeze(1)
+        for r, tk, l in zip(rows.tolist(), nxt.tolist(), lp.tolist()):
+            toks[r].append(tk)
+            logps[r].append(l)
+        live = nxt != eos
+        if t + 1 == params.max_tokens or not live.any():
+            break
+        if not live.all():  # drop the rows that ended, from the batch and from the cache
+            keep = live.nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, attn, nxt, pos = rows[keep.cpu()], attn[keep], nxt[keep], pos[keep]
+        attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], 1)
+        pos = pos[:, -1:] + 1
+        step_ids = nxt[:, None]
+    return toks, logps
+
+
 class HFGenerator:
     """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
     synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
@@ -79,8 +130,9 @@ class HFGenerator:
 
     name = "hf"
 
-    def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None):
+    def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None, compact: bool = True):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
+        self.compact = compact  # `decode` (finished rows leave the batch); False: transformers' `generate`
         self._version = 0
         self.merge = model.device.type == "cpu" if merge is None else merge
         self._merge_cache: dict = {}
@@ -116,17 +168,41 @@ class HFGenerator:
         self.model.eval()
         kw = dict(do_sample=False) if greedy else dict(
             do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+        eos = self.tok.eos_token_id
         try:
             with merged_lora(self.model, self._merge_cache, version) if self.merge else nullcontext():
-                out = self.model.generate(
-                    input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
-                    max_new_tokens=params.max_tokens, output_scores=True, return_dict_in_generate=True,
-                    pad_token_id=pad, eos_token_id=self.tok.eos_token_id, stop_strings=list(params.stop) or None,
-                    tokenizer=self.tok if params.stop else None, **kw)
+                if self.compact and not params.stop:
+                    rows, row_lp = decode(self.model, input_ids, attn, params, eos)
+                else:
+                    rows, row_lp = self._generate(input_ids, attn, params, kw)
         finally:
             self.model.train(was_training)
             if self._get_version is not None:  # the trainer's model: its next step changes the LoRA weights
                 self._merge_cache.clear()      # anyway; the merged copy (~the model's size) goes now
+        groups = []
+        for pi, p in enumerate(prompts):
+            comps = []
+            for j in range(n):
+                toks, lp = rows[pi * n + j], row_lp[pi * n + j]
+                end = next((k + 1 for k, t in enumerate(toks) if t == eos), None)
+                finish = "stop" if end is not None else "length"
+                toks = toks[:end] if end is not None else toks
+                if end is None and len(toks) < params.max_tokens:  # stopped by a stop string
+                    finish = "stop"
+                lp = [0.0] * len(toks) if greedy else lp[: len(toks)]
+                comps.append(Completion(tuple(toks), tuple(lp), (version,) * len(toks),
+                                        self.tok.decode(toks, skip_special_tokens=True), finish))
+            groups.append(Group(p, tuple(comps), params.temperature))
+        return groups
+
+    def _generate(self, input_ids, attn, params: SamplingParams, kw: dict) -> tuple[list[list[int]], list[list[float]]]:
+        """transformers' `generate` (stop strings need it): every row's tokens and their processed logprobs."""
+        width = input_ids.shape[1]
+        out = self.model.generate(
+            input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
+            max_new_tokens=params.max_tokens, output_scores=True, return_dict_in_generate=True,
+            pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+            stop_strings=list(params.stop) or None, tokenizer=self.tok if params.stop else None, **kw)
         seqs = out.sequences[:, width:].cpu()
         # out.scores are the processed logits (temperature / top-k / top-p applied) that were sampled from; one
         # (rows, vocab) step at a time, each freed once its tokens' logprobs are taken (the stacked log-softmax of
@@ -138,25 +214,7 @@ class HFGenerator:
             s, scores[k] = scores[k], None
             tok_logp[:, k] = torch.log_softmax(s.float(), -1).gather(-1, seqs[:, k, None].to(s.device)).squeeze(-1).cpu()
             del s
-        eos = self.tok.eos_token_id
-        groups = []
-        for pi, p in enumerate(prompts):
-            comps = []
-            for j in range(n):
-                row = pi * n + j
-                toks = seqs[row].tolist()
-                end = next((k + 1 for k, t in enumerate(toks) if t == eos), None)
-                finish = "stop" if end is not None else "length"
-                toks = toks[:end] if end is not None else toks
-                if end is None and len(toks) < params.max_tokens:  # stopped by a stop string
-                    finish = "stop"
-                lp = tok_logp[row, : len(toks)].tolist()
-                if greedy:
-                    lp = [0.0] * len(toks)
-                comps.append(Completion(tuple(toks), tuple(lp), (version,) * len(toks),
-                                        self.tok.decode(toks, skip_special_tokens=True), finish))
-            groups.append(Group(p, tuple(comps), params.temperature))
-        return groups
+        return seqs.tolist(), tok_logp.tolist()
 
     @torch.no_grad()
     def score(self, prompt_ids, completion_ids, temperature: float) -> list[float]:
