@@ -27,6 +27,28 @@ def test_pipeline_bench_interleaves_and_compares_with_the_synchronous_loop(tmp_p
     assert on_disk["settings"]["rounds"] == 2 and on_disk["speedup"] == res["speedup"]
 
 
+def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tmp_path, monkeypatch):
+    """The baseline is the best synchronous setup, whichever generator gives it: here vLLM's (faked: transformers
+    sync 30 s a step, vLLM sync 20 s, K=1 transformers 25 s, K=1 vLLM 16 s) -> speedup 20 / 16, not 30 / 16."""
+    from minirl.benchmarks import pipeline as P
+    seen = []
+    times = {("hf", 0): 30.0, ("vllm", 0): 20.0, ("hf", 1): 25.0, ("vllm", 1): 16.0}
+
+    def fake_one(cfg, warmup):
+        seen.append(cfg)
+        backend = "vllm" if cfg.backend == "vllm" else "hf"
+        return {"step_s": times[backend, cfg.max_async_steps], "gen_busy": 0.9, "train_busy": 0.4,
+                "length_mean": 40.0}
+    monkeypatch.setattr(P, "_one", fake_one)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    res = P.bench_pipeline(tmp_path / "b", workloads=("long-tail",), rounds=2, steps=3)
+    assert {(c.backend, c.max_async_steps) for c in seen} == {("auto", 0), ("auto", 1), ("vllm", 0), ("vllm", 1)}
+    assert all(c.max_tokens == 160 and c.prompts_per_step == 4 for c in seen)
+    w = res["workloads"][0]
+    assert (w["best_sync"], w["best_async"]) == ("sync_vllm", "k1_vllm")
+    assert w["best_sync_step_s"] == 20.0 and w["speedup"] == res["speedup"] == 20.0 / 16.0
+
+
 def test_one_pipeline_run_reports_its_figures(tiny_model, tmp_path):
     """A real (tiny) synchronous run through the benchmark's measurement."""
     from minirl import Config

@@ -10,7 +10,9 @@ variant alike.
 Workloads (each a set of Config overrides on the demo's):
 - demo:      8 prompts x 8 samples x 24 tokens, the arithmetic reward.
 - long-tail: 4 prompts x 8 samples x up to 160 tokens at temperature 1.0: most answers end early, a few run on,
-             and a synchronous batch waits for its longest completion.
+             and a synchronous batch waits for its longest completion. Run on both generators (on CPU the
+             default is transformers; vLLM's continuous batching lets the next step's requests start beside the
+             stragglers once generation runs ahead), so the best synchronous setup is the faster of the two.
 - judge:     the demo with a reward that waits `JUDGE_LATENCY_S` per call before answering (what a remote judge
              model or a test runner behind an API costs), 8 reward workers: the synchronous loop waits for the
              judge with every core idle; the pipeline generates and trains meanwhile.
@@ -44,6 +46,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "k1": dict(max_async_steps=1),                                           # the default split
     "k1_shared": dict(max_async_steps=1, gen_devices="all", train_devices="all"),
     "k2": dict(max_async_steps=2),
+    "sync_vllm": dict(max_async_steps=0, backend="vllm"),                    # CPU: vLLM instead of transformers
+    "k1_vllm": dict(max_async_steps=1, backend="vllm"),
+}
+WORKLOAD_VARIANTS: dict[str, tuple[str, ...]] = {  # what each workload runs by default
+    "demo": ("sync", "k1", "k1_shared"),
+    "long-tail": ("sync", "k1", "sync_vllm", "k1_vllm"),
+    "judge": ("sync", "k1", "k1_shared"),
 }
 
 
@@ -72,37 +81,43 @@ def _one(cfg: Config, warmup: int) -> dict[str, Any]:
 
 
 def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
-                   variants=("sync", "k1", "k1_shared"), rounds: int = 2, steps: int = 6, warmup: int = 1,
+                   variants: tuple[str, ...] | None = None, rounds: int = 2, steps: int = 6, warmup: int = 1,
                    seed: int = 0, **overrides: Any) -> dict:
-    """Every variant on every workload, `rounds` times interleaved. Per workload: each variant's median step
-    seconds over rounds (each round's figure is the median of its steps after `warmup`), `best_sync_step_s`,
-    `async_step_s` (the best asynchronous variant's) and `speedup` = best_sync_step_s / async_step_s (> 1: async is
-    faster). The top level repeats the first workload's figures (`speedup`, `gen_busy`, `train_busy`,
+    """Every variant on every workload (`variants`, default each workload's `WORKLOAD_VARIANTS`), `rounds` times
+    interleaved. Per workload: each variant's median step seconds over rounds (each round's figure is the median
+    of its steps after `warmup`), `best_sync_step_s` (the fastest synchronous variant's), `async_step_s` (the
+    fastest asynchronous variant's) and `speedup` = best_sync_step_s / async_step_s (> 1: async is faster). The top level repeats the first workload's figures (`speedup`, `gen_busy`, `train_busy`,
     `best_sync_step_s`, `async_step_s`) and lists every workload under `workloads`. No held-out evaluation: learning
     is `bench learning`'s measurement; `reward_first` / `reward_last` show each run trained."""
     import torch
     from . import _write
-    if torch.cuda.is_available():  # sharing every core is a CPU variant; on GPU the split is the devices'
-        variants = tuple(v for v in variants if v != "k1_shared")
+
+    def variants_of(w: str) -> tuple[str, ...]:
+        vs = variants or WORKLOAD_VARIANTS.get(w, ("sync", "k1", "k1_shared"))
+        if torch.cuda.is_available():  # CPU variants: sharing every core; vLLM instead of transformers (GPU default)
+            vs = tuple(v for v in vs if v not in ("k1_shared", "sync_vllm", "k1_vllm"))
+        return vs
     base = {**DEMO, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "seed": seed, **overrides}
     res: dict[str, Any] = {"settings": {"rounds": rounds, "steps": steps, "warmup": warmup, "seed": seed,
-                                        "variants": {v: VARIANTS[v] for v in variants},
+                                        "variants": {w: {v: VARIANTS[v] for v in variants_of(w)}
+                                                     for w in workloads},
                                         "judge_latency_s": JUDGE_LATENCY_S},
                            "order": [], "runs": {}, "workloads": []}
     for w in workloads:
+        wv = variants_of(w)
         for r in range(rounds):
-            order = list(variants[r % len(variants):]) + list(variants[:r % len(variants)])
+            order = list(wv[r % len(wv):]) + list(wv[:r % len(wv)])
             for v in order:
                 cfg = Config(**{**base, **WORKLOADS[w], **_devices(VARIANTS[v]),
                                 "out_dir": str(Path(out) / f"pipeline_{w}_{v}_r{r}")})
                 res["order"].append(f"{w}/{v}/r{r}")
                 res["runs"][f"{w}/{v}/r{r}"] = {"config": cfg.to_dict(), **_one(cfg, warmup)}
                 _write(out, "pipeline.json", res)  # partial results survive an interrupted benchmark
-        res["workloads"].append(_summary(w, variants, rounds, res["runs"]))
+        res["workloads"].append(_summary(w, wv, rounds, res["runs"]))
         _write(out, "pipeline.json", res)
     first = res["workloads"][0]
-    res.update({k: first[k] for k in ("speedup", "best_sync_step_s", "async_step_s", "best_async", "gen_busy",
-                                      "train_busy")})
+    res.update({k: first[k] for k in ("speedup", "best_sync_step_s", "async_step_s", "best_sync", "best_async",
+                                      "gen_busy", "train_busy")})
     return _write(out, "pipeline.json", res)
 
 
@@ -110,11 +125,12 @@ def _summary(w: str, variants, rounds: int, runs: dict) -> dict[str, Any]:
     per = {v: [runs[f"{w}/{v}/r{r}"] for r in range(rounds)] for v in variants}
     med = {v: statistics.median(x["step_s"] for x in xs) for v, xs in per.items()}
     asyncs = [v for v in variants if VARIANTS[v]["max_async_steps"] > 0]
-    best = min(asyncs, key=med.__getitem__)
+    syncs = [v for v in variants if VARIANTS[v]["max_async_steps"] == 0]
+    best, best_sync = min(asyncs, key=med.__getitem__), min(syncs, key=med.__getitem__)
     return {"workload": w, "overrides": WORKLOADS[w], "step_s": med,
             "step_s_by_round": {v: [x["step_s"] for x in xs] for v, xs in per.items()},
-            "best_sync_step_s": med["sync"], "async_step_s": med[best], "best_async": best,
-            "speedup": med["sync"] / med[best],
+            "best_sync_step_s": med[best_sync], "best_sync": best_sync, "async_step_s": med[best],
+            "best_async": best, "speedup": med[best_sync] / med[best],
             "gen_busy": statistics.mean(x["gen_busy"] for x in per[best]),
             "train_busy": statistics.mean(x["train_busy"] for x in per[best]),
             "length_mean": {v: statistics.mean(x["length_mean"] for x in xs) for v, xs in per.items()}}
