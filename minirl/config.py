@@ -143,8 +143,10 @@ class Config:
     """Coefficient of the k3 KL to the reference (the base model, adapter disabled). 0 = off."""
 
     # --- async pipeline ------------------------------------------------------------------------------------
-    max_async_steps: int = 0
-    """K: generation may run at most K versions ahead of the trainer. 0 = synchronous (on-policy)."""
+    max_async_steps: int | str = "auto"
+    """K: generation may run at most K versions ahead of the trainer. 0 = synchronous (on-policy). 'auto': the
+    rule measured in `run.pick_async_steps` (1 where generation and training have devices of their own or vLLM
+    decodes long completions; else 0); the run logs the K it chose and why."""
     max_staleness: int | None = None
     """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
     inflight: str = "continue"
@@ -218,6 +220,9 @@ class Config:
         hints = _hints()
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
+        k = self.max_async_steps  # int | 'auto': a number written as a string ('1', from a quoted YAML value) is K
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            object.__setattr__(self, "max_async_steps", int(k))
         self.validate()
 
     def loss_settings(self):
@@ -255,7 +260,8 @@ class Config:
              f"inflight={self.inflight!r}: use 'continue', 'abort' or 'inflight'")
         need(self.sync_transport in ("auto", "ipc", "collective", "files"),
              f"sync_transport={self.sync_transport!r}: use 'auto', 'ipc', 'collective' or 'files'")
-        need(self.max_async_steps >= 0, "max_async_steps must be >= 0")
+        need(self.max_async_steps == "auto" or (isinstance(self.max_async_steps, int) and self.max_async_steps >= 0),
+             f"max_async_steps={self.max_async_steps!r}: use 'auto' or an integer >= 0")
         need(self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None")
         need(self.token_budget >= self.max_tokens, "token_budget must be at least max_tokens")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={self.dtype!r}: use auto/float32/bfloat16")

@@ -52,6 +52,34 @@ def cpu_split(cfg: Config) -> tuple[str | None, int]:
     return gen, train
 
 
+LONG_COMPLETIONS = 128  # max_tokens from which 'auto' runs vLLM's generation ahead on CPU (pick_async_steps)
+
+
+def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int, str]:
+    """(K, why) for `max_async_steps`; 'auto' by the rule measured with `minirl bench pipeline` and `minirl bench
+    learning` (README, "Measured here"):
+    - generation and training on GPUs of their own (vLLM, 2+ GPUs): 1. Each device would idle while the other
+      works; ahead by one step, both stay busy (not measured here: no GPU run yet).
+    - CPU, vLLM, long completions (max_tokens >= LONG_COMPLETIONS): 1. A synchronous batch waits on its longest
+      completion; running ahead, vLLM's continuous batching starts the next step's requests beside the stragglers
+      (the long-tail workload of `bench pipeline`).
+    - otherwise (one device shared by both phases, e.g. this 2-core CPU with transformers): 0. Split, each phase
+      gets half the cores; on the demo the split tied on step time and reached 0.70 held-out accuracy later
+      (stale batches learn later). A reward that waits (a judge behind an API) is where K = 1 pays there: set it.
+    """
+    k = cfg.max_async_steps
+    if k != "auto":
+        return int(k), f"max_async_steps={k}"
+    vllm = backend in ("vllm", "vllm-server")
+    if vllm and cuda_devices >= 2:
+        return 1, f"auto: vLLM with {cuda_devices} GPUs, generation and training on devices of their own"
+    if vllm and cuda_devices == 0 and cfg.max_tokens >= LONG_COMPLETIONS:
+        return 1, (f"auto: vLLM on CPU with max_tokens {cfg.max_tokens} >= {LONG_COMPLETIONS}: the next step's "
+                   "requests run beside the last one's long completions")
+    return 0, ("auto: generation and training share " + ("one GPU" if cuda_devices else "the CPU cores")
+               + ": synchronous (set max_async_steps=1 when rewards wait, e.g. a remote judge)")
+
+
 class Run:
     """`resume=True` continues the run in out_dir from its latest checkpoint (the log is appended to);
     `overwrite=True` replaces the run in out_dir. Without either, a run refuses an out_dir that holds one."""
@@ -91,7 +119,11 @@ class Run:
         self.tracker = None
         self.on_step: list[Callable[[dict], None]] = []
         self.on_eval: list[Callable[[dict], None]] = []  # {"step", "done", "total"} as it goes, then the eval event
-        self._use_pipeline = self.cfg.max_async_steps > 0
+        k, self.async_why = pick_async_steps(self.cfg, pick_backend(self.cfg.backend, torch.cuda.is_available())[0]
+                                             if self.cfg.backend == "auto" else self.cfg.backend,
+                                             torch.cuda.device_count() if torch.cuda.is_available() else 0)
+        self.cfg = self.cfg.replace(max_async_steps=k)
+        self._use_pipeline = k > 0
         self.checkpoint: Checkpoint | None = None  # the one this run resumed from
         self.start_step = self.next_step = 0  # first step this process trains; steps done so far
         self._between_steps = True  # the trainer's state is a whole number of steps (a checkpoint may be taken)
@@ -200,7 +232,7 @@ class Run:
         if self.overwrite:
             clear_run(self.out)
         self.tracker = make_tracker(c.report_to, self.out, c.to_dict(), self.resuming)
-        info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why,
+        info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why, async_why=self.async_why,
                     transport=self.sync.transport, transport_why=self._sync_why, reward_versions=self.scorer.versions,
                     train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
                     **({"servers": self.generator.servers()} if hasattr(self.generator, "servers") else {}))
@@ -284,7 +316,7 @@ class Run:
         acc1 = self._evaluate(self.next_step)
         self.summary.update({
             **step_summary(self.history), "backend": self.backend, "backend_why": self.backend_why,
-            "transport": self.sync.transport, "max_async_steps": c.max_async_steps,
+            "transport": self.sync.transport, "max_async_steps": c.max_async_steps, "async_why": self.async_why,
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts), "eval": self.splits.note,
             **({"resumed_from_step": self.start_step} if self.resuming else {}),
             **(self.generator.stats() if hasattr(self.generator, "stats") else {}),  # vLLM servers: count, restarts

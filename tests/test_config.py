@@ -78,3 +78,33 @@ def test_a_16_bit_dtype_on_a_cpu_that_emulates_bf16_is_warned_about(tmp_path):
     assert cpu_dtype_warning("float32", str(avx2)) is None and cpu_dtype_warning("auto", str(avx2)) is None
     if not torch.cuda.is_available():
         assert train_dtype(Config(dtype="auto")) == torch.float32  # on either kind of CPU (measured: no gain)
+
+
+def test_max_async_steps_auto_follows_the_measured_rule():
+    """'auto' (the default): K = 1 only where generation can run beside training without taking its cores, or
+    where vLLM's continuous batching overlaps long completions with the next step; else the synchronous loop."""
+    import pytest
+    from minirl.config import ConfigError
+    from minirl.run import LONG_COMPLETIONS, pick_async_steps
+    auto = Config()
+    assert auto.max_async_steps == "auto"
+    assert pick_async_steps(auto, "hf", 0)[0] == 0                                      # this machine's default
+    assert pick_async_steps(auto.replace(max_tokens=LONG_COMPLETIONS), "hf", 0)[0] == 0  # transformers: no overlap
+    assert pick_async_steps(auto.replace(max_tokens=LONG_COMPLETIONS), "vllm", 0)[0] == 1
+    assert pick_async_steps(auto.replace(max_tokens=LONG_COMPLETIONS - 1), "vllm", 0)[0] == 0
+    assert pick_async_steps(auto, "vllm", 1)[0] == 0 and pick_async_steps(auto, "vllm", 2)[0] == 1
+    assert pick_async_steps(auto, "vllm-server", 2)[0] == 1
+    assert pick_async_steps(auto.replace(max_async_steps=2), "hf", 0) == (2, "max_async_steps=2")
+    assert pick_async_steps(auto.replace(max_async_steps=0), "vllm", 4)[0] == 0
+    assert Config.from_dict({"max_async_steps": "1"}).max_async_steps == 1
+    for bad in ("two", -1, 1.5):
+        with pytest.raises(ConfigError, match="max_async_steps"):
+            Config(max_async_steps=bad)
+
+
+def test_a_run_resolves_auto_k_before_loading_and_records_why(toy_cfg):
+    from minirl.run import Run
+    run = Run(toy_cfg.replace(max_async_steps="auto", backend="hf"))
+    assert run.cfg.max_async_steps == 0 and not run._use_pipeline and run.async_why.startswith("auto:")
+    run = Run(toy_cfg.replace(max_async_steps=1, backend="hf"))
+    assert run.cfg.max_async_steps == 1 and run._use_pipeline and run.async_why == "max_async_steps=1"
