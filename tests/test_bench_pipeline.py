@@ -13,7 +13,8 @@ def test_pipeline_bench_interleaves_and_compares_with_the_synchronous_loop(tmp_p
     def fake_one(cfg, warmup):
         seen.append(cfg)
         step = 10.0 if cfg.max_async_steps == 0 else 8.0
-        return {"step_s": step + len(seen) * 0.01, "gen_busy": 0.5, "train_busy": 0.5, "length_mean": 5.0}
+        return {"step_s": step + len(seen) * 0.01, "step_s_mean": step + len(seen) * 0.01, "gen_busy": 0.5,
+                "train_busy": 0.5, "length_mean": 5.0}
     monkeypatch.setattr(P, "_one", fake_one)
     res = P.bench_pipeline(tmp_path / "b", workloads=("demo", "judge"), variants=("sync", "k1"), rounds=2, steps=3)
     assert res["order"] == ["demo/sync/r0", "demo/k1/r0", "demo/k1/r1", "demo/sync/r1",
@@ -37,8 +38,8 @@ def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tm
     def fake_one(cfg, warmup):
         seen.append(cfg)
         backend = "vllm" if cfg.backend == "vllm" else "hf"
-        return {"step_s": times[backend, cfg.max_async_steps], "gen_busy": 0.9, "train_busy": 0.4,
-                "length_mean": 40.0}
+        t = times[backend, cfg.max_async_steps]
+        return {"step_s": t + 100, "step_s_mean": t, "gen_busy": 0.9, "train_busy": 0.4, "length_mean": 40.0}
     monkeypatch.setattr(P, "_one", fake_one)
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     res = P.bench_pipeline(tmp_path / "b", workloads=("long-tail",), rounds=2, steps=3)
@@ -46,7 +47,22 @@ def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tm
     assert all(c.max_tokens == 160 and c.prompts_per_step == 4 for c in seen)
     w = res["workloads"][0]
     assert (w["best_sync"], w["best_async"]) == ("sync_vllm", "k1_vllm")
-    assert w["best_sync_step_s"] == 20.0 and w["speedup"] == res["speedup"] == 20.0 / 16.0
+    assert w["best_sync_step_s"] == 20.0 and w["speedup"] == res["speedup"] == 20.0 / 16.0  # means, not medians
+
+    # a run recorded before step_s_mean existed: summarize() takes it from the run's own log, after warm-up
+    import json as J
+    res = J.loads((tmp_path / "b" / "pipeline.json").read_text())
+    run = res["runs"]["long-tail/sync_vllm/r0"]
+    del run["step_s_mean"]
+    log = tmp_path / "log"
+    log.mkdir()
+    (log / "metrics.jsonl").write_text("".join(J.dumps({"event": "step", "time/step_s": x}) + "\n"
+                                               for x in (99.0, 4.0, 0.5, 9.5)))
+    run["config"]["out_dir"] = str(log)
+    (tmp_path / "b" / "pipeline.json").write_text(J.dumps(res))
+    again = P.summarize(tmp_path / "b")  # that round: mean(4.0, 0.5, 9.5) = 4.67; the other round's 20
+    assert again["workloads"][0]["step_s_by_round"]["sync_vllm"] == [14 / 3, 20.0]
+    assert again["best_sync_step_s"] == (14 / 3 + 20.0) / 2 and again["best_sync"] == "sync_vllm"
 
 
 def test_one_pipeline_run_reports_its_figures(tiny_model, tmp_path):

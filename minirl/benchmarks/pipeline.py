@@ -70,7 +70,8 @@ def _one(cfg: Config, warmup: int) -> dict[str, Any]:
     s = run.run()
     h = run.history[warmup:]
     lens = [x["length/mean"] for x in h]
-    return {"step_s": statistics.median(x["time/step_s"] for x in h),
+    return {"step_s_mean": statistics.mean(x["time/step_s"] for x in h),
+            "step_s": statistics.median(x["time/step_s"] for x in h),
             "gen_busy": statistics.mean(x["busy/gen"] for x in h),
             "train_busy": statistics.mean(x["busy/train"] for x in h),
             "train_samples": statistics.mean(x["train/samples"] for x in h),
@@ -84,8 +85,8 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
                    variants: tuple[str, ...] | None = None, rounds: int = 2, steps: int = 6, warmup: int = 1,
                    seed: int = 0, **overrides: Any) -> dict:
     """Every variant on every workload (`variants`, default each workload's `WORKLOAD_VARIANTS`), `rounds` times
-    interleaved. Per workload: each variant's median step seconds over rounds (each round's figure is the median
-    of its steps after `warmup`), `best_sync_step_s` (the fastest synchronous variant's), `async_step_s` (the
+    interleaved. Per workload: each variant's step seconds (the mean over rounds of each run's mean step after
+    `warmup`: the run's throughput), `best_sync_step_s` (the fastest synchronous variant's), `async_step_s` (the
     fastest asynchronous variant's) and `speedup` = best_sync_step_s / async_step_s (> 1: async is faster). The top level repeats the first workload's figures (`speedup`, `gen_busy`, `train_busy`,
     `best_sync_step_s`, `async_step_s`) and lists every workload under `workloads`. No held-out evaluation: learning
     is `bench learning`'s measurement; `reward_first` / `reward_last` show each run trained."""
@@ -115,20 +116,46 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
                 _write(out, "pipeline.json", res)  # partial results survive an interrupted benchmark
         res["workloads"].append(_summary(w, wv, rounds, res["runs"]))
         _write(out, "pipeline.json", res)
+    return _top(out, res)
+
+
+def _top(out, res: dict) -> dict:
+    from . import _write
     first = res["workloads"][0]
     res.update({k: first[k] for k in ("speedup", "best_sync_step_s", "async_step_s", "best_sync", "best_async",
                                       "gen_busy", "train_busy")})
     return _write(out, "pipeline.json", res)
 
 
+def summarize(out: str | Path) -> dict:
+    """Recompute `out`/pipeline.json's summaries from its runs; a run recorded without `step_s_mean` (written
+    before it was measured) gets it from its own metrics log, over the same steps after `warmup`."""
+    import json
+    res = json.loads((Path(out) / "pipeline.json").read_text())
+    warmup = res["settings"]["warmup"]
+    for run in res["runs"].values():
+        if "step_s_mean" not in run:
+            log = Path(run["config"]["out_dir"]) / "metrics.jsonl"
+            steps = [r["time/step_s"] for r in map(json.loads, log.read_text().splitlines())
+                     if r.get("event") == "step"][warmup:]
+            run["step_s_mean"] = statistics.mean(steps)
+    variants = res["settings"]["variants"]
+    res["workloads"] = [_summary(w, tuple(variants[w]), res["settings"]["rounds"], res["runs"])
+                        for w in dict.fromkeys(k.split("/")[0] for k in res["order"])]
+    return _top(out, res)
+
+
 def _summary(w: str, variants, rounds: int, runs: dict) -> dict[str, Any]:
+    """Per variant: the mean over rounds of each round's mean step seconds after warm-up (a run's mean step is its
+    throughput; an asynchronous run's steps alternate between waiting and not, so their median says little)."""
     per = {v: [runs[f"{w}/{v}/r{r}"] for r in range(rounds)] for v in variants}
-    med = {v: statistics.median(x["step_s"] for x in xs) for v, xs in per.items()}
+    med = {v: statistics.mean(x["step_s_mean"] for x in xs) for v, xs in per.items()}
     asyncs = [v for v in variants if VARIANTS[v]["max_async_steps"] > 0]
     syncs = [v for v in variants if VARIANTS[v]["max_async_steps"] == 0]
     best, best_sync = min(asyncs, key=med.__getitem__), min(syncs, key=med.__getitem__)
     return {"workload": w, "overrides": WORKLOADS[w], "step_s": med,
-            "step_s_by_round": {v: [x["step_s"] for x in xs] for v, xs in per.items()},
+            "step_s_by_round": {v: [x["step_s_mean"] for x in xs] for v, xs in per.items()},
+            "median_step_s_by_round": {v: [x["step_s"] for x in xs] for v, xs in per.items()},
             "best_sync_step_s": med[best_sync], "best_sync": best_sync, "async_step_s": med[best],
             "best_async": best, "speedup": med[best_sync] / med[best],
             "gen_busy": statistics.mean(x["gen_busy"] for x in per[best]),
