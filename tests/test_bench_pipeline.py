@@ -1,6 +1,9 @@
 """`bench pipeline` on a tiny model: interleaved rounds, the best synchronous loop as the baseline, the JSON's
 fields; and `bench learning`'s time to accuracy."""
 import json
+from pathlib import Path
+
+import pytest
 
 from conftest import TOY_ROWS
 
@@ -63,6 +66,26 @@ def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tm
     again = P.summarize(tmp_path / "b")  # that round: mean(4.0, 0.5, 9.5) = 4.67; the other round's 20
     assert again["workloads"][0]["step_s_by_round"]["sync_vllm"] == [14 / 3, 20.0]
     assert again["best_sync_step_s"] == (14 / 3 + 20.0) / 2 and again["best_sync"] == "sync_vllm"
+
+
+def test_an_interrupted_pipeline_bench_resumes_with_the_runs_it_recorded(tmp_path, monkeypatch):
+    from minirl.benchmarks import pipeline as P
+    seen = []
+
+    def fake_one(cfg, warmup):
+        seen.append(Path(cfg.out_dir).name)
+        if len(seen) == 3:
+            raise KeyboardInterrupt  # the machine stops mid-benchmark
+        return {"step_s": 1.0, "step_s_mean": 1.0, "gen_busy": 0.5, "train_busy": 0.5, "length_mean": 5.0}
+    monkeypatch.setattr(P, "_one", fake_one)
+    kw = dict(workloads=("demo",), variants=("sync", "k1"), rounds=2, steps=3)
+    with pytest.raises(KeyboardInterrupt):
+        P.bench_pipeline(tmp_path / "b", **kw)
+    assert seen == ["pipeline_demo_sync_r0", "pipeline_demo_k1_r0", "pipeline_demo_k1_r1"]
+    res = P.bench_pipeline(tmp_path / "b", **kw)  # again: the two recorded runs are not repeated
+    assert seen[3:] == ["pipeline_demo_k1_r1", "pipeline_demo_sync_r1"] and len(res["runs"]) == 4
+    P.bench_pipeline(tmp_path / "b", **{**kw, "steps": 4})  # another config: every run again
+    assert len(seen) == 9
 
 
 def test_one_pipeline_run_reports_its_figures(tiny_model, tmp_path):

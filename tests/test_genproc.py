@@ -124,3 +124,26 @@ def test_errors_inside_the_process_reach_the_caller_with_their_traceback(trainer
         assert len(out) == 2
     finally:
         gen.close()
+
+
+def test_the_served_version_is_answered_while_a_long_generation_runs(trainer, toy_cfg):
+    """The sync check asks the process which version its next request runs on right after a push; with K >= 1 a
+    generation may be running then (minutes on a long tail). The answer comes from the staged adapter, without
+    waiting behind it (it used to queue behind the generation and time out after 30 s)."""
+    import threading
+    gen = ProcGenerator(toy_cfg, adapter_params(trainer.model))
+    sync = ShmSync()
+    try:
+        long = threading.Thread(target=gen.generate, args=(_prompts(trainer, 8), 16,
+                                                           SamplingParams(max_tokens=400, seed=0)))
+        long.start()
+        _bump(trainer, 9)
+        sync.push(trainer, gen)
+        assert gen.served_version() == trainer.version
+        assert long.is_alive()  # answered before the generation ended
+        long.join()
+        probe = (list(_prompts(trainer)[0].token_ids), [5, 6, 7])  # the next request runs on the pushed adapter
+        assert gen.score(*probe, 1.0) == pytest.approx(trainer.logprobs(*probe, 1.0), abs=1e-5)
+    finally:
+        gen.close()
+        sync.close()

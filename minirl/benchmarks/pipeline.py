@@ -87,9 +87,12 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
     """Every variant on every workload (`variants`, default each workload's `WORKLOAD_VARIANTS`), `rounds` times
     interleaved. Per workload: each variant's step seconds (the mean over rounds of each run's mean step after
     `warmup`: the run's throughput), `best_sync_step_s` (the fastest synchronous variant's), `async_step_s` (the
-    fastest asynchronous variant's) and `speedup` = best_sync_step_s / async_step_s (> 1: async is faster). The top level repeats the first workload's figures (`speedup`, `gen_busy`, `train_busy`,
-    `best_sync_step_s`, `async_step_s`) and lists every workload under `workloads`. No held-out evaluation: learning
-    is `bench learning`'s measurement; `reward_first` / `reward_last` show each run trained."""
+    fastest asynchronous variant's) and `speedup` = best_sync_step_s / async_step_s (> 1: async is faster). The
+    top level repeats the first workload's figures (`speedup`, `gen_busy`, `train_busy`, `best_sync_step_s`,
+    `async_step_s`) and lists every workload under `workloads`. No held-out evaluation: learning is `bench
+    learning`'s measurement; `reward_first` / `reward_last` show each run trained. Runs already in
+    DIR/pipeline.json with the same config are kept: an interrupted benchmark resumes where it stopped."""
+    import json
     import torch
     from . import _write
 
@@ -104,6 +107,8 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
                                                      for w in workloads},
                                         "judge_latency_s": JUDGE_LATENCY_S},
                            "order": [], "runs": {}, "workloads": []}
+    done = Path(out) / "pipeline.json"  # an interrupted benchmark resumes: runs recorded with the same config stay
+    prev = json.loads(done.read_text()).get("runs", {}) if done.exists() else {}
     for w in workloads:
         wv = variants_of(w)
         for r in range(rounds):
@@ -111,12 +116,29 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
             for v in order:
                 cfg = Config(**{**base, **WORKLOADS[w], **_devices(VARIANTS[v]),
                                 "out_dir": str(Path(out) / f"pipeline_{w}_{v}_r{r}")})
-                res["order"].append(f"{w}/{v}/r{r}")
-                res["runs"][f"{w}/{v}/r{r}"] = {"config": cfg.to_dict(), **_one(cfg, warmup)}
+                key = f"{w}/{v}/r{r}"
+                res["order"].append(key)
+                if prev.get(key, {}).get("config") == cfg.to_dict():
+                    res["runs"][key] = prev[key]
+                    continue
+                res["runs"][key] = {"config": cfg.to_dict(), **_one(cfg, warmup)}
                 _write(out, "pipeline.json", res)  # partial results survive an interrupted benchmark
+        _fill_means(res["runs"], warmup)
         res["workloads"].append(_summary(w, wv, rounds, res["runs"]))
         _write(out, "pipeline.json", res)
     return _top(out, res)
+
+
+def _fill_means(runs: dict, warmup: int) -> None:
+    """A run recorded without `step_s_mean` (written before it was measured) gets it from its own metrics log,
+    over the same steps after `warmup`."""
+    import json
+    for run in runs.values():
+        if "step_s_mean" not in run:
+            log = Path(run["config"]["out_dir"]) / "metrics.jsonl"
+            steps = [r["time/step_s"] for r in map(json.loads, log.read_text().splitlines())
+                     if r.get("event") == "step"][warmup:]
+            run["step_s_mean"] = statistics.mean(steps)
 
 
 def _top(out, res: dict) -> dict:
@@ -128,17 +150,10 @@ def _top(out, res: dict) -> dict:
 
 
 def summarize(out: str | Path) -> dict:
-    """Recompute `out`/pipeline.json's summaries from its runs; a run recorded without `step_s_mean` (written
-    before it was measured) gets it from its own metrics log, over the same steps after `warmup`."""
+    """Recompute `out`/pipeline.json's summaries from its runs (`_fill_means` first)."""
     import json
     res = json.loads((Path(out) / "pipeline.json").read_text())
-    warmup = res["settings"]["warmup"]
-    for run in res["runs"].values():
-        if "step_s_mean" not in run:
-            log = Path(run["config"]["out_dir"]) / "metrics.jsonl"
-            steps = [r["time/step_s"] for r in map(json.loads, log.read_text().splitlines())
-                     if r.get("event") == "step"][warmup:]
-            run["step_s_mean"] = statistics.mean(steps)
+    _fill_means(res["runs"], res["settings"]["warmup"])
     variants = res["settings"]["variants"]
     res["workloads"] = [_summary(w, tuple(variants[w]), res["settings"]["rounds"], res["runs"])
                         for w in dict.fromkeys(k.split("/")[0] for k in res["order"])]

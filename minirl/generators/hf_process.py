@@ -98,12 +98,7 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
             rid, kind, args = job
             try:
                 apply_staged()
-                if kind == "gen":
-                    out = gen.generate(*args)
-                elif kind == "score":
-                    out = gen.score(*args)
-                else:  # "version": the adapter version the next request runs on
-                    out = gen.version
+                out = gen.generate(*args) if kind == "gen" else gen.score(*args)
                 send(rid, "ok", out)
             except BaseException:  # noqa: BLE001 - reported to the caller with its traceback
                 send(rid, "err", traceback.format_exc())
@@ -123,6 +118,9 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
                 staging.copy_(shared)
                 staged["version"] = args[0]
             send(rid, "ok", args[0])
+        elif kind == "version":  # the adapter version the next request runs on: the one staged, else the one
+            with stage_lock:      # applied (answered here, not behind a generation that may run for minutes)
+                send(rid, "ok", gen.version if staged["version"] is None else staged["version"])
         elif kind == "adapter_file":
             from safetensors.torch import load_file
             sd = load_file(f"{args[0]}/adapter_model.safetensors")
