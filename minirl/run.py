@@ -308,7 +308,9 @@ class Run:
             for cb in self.on_step:
                 cb(rec)
             if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
+                t_eval = time.perf_counter()
                 self._evaluate(step + 1)
+                t_prev += time.perf_counter() - t_eval  # the next step's time/step_s leaves the evaluation out
             if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0 and step + 1 < c.steps:
                 self._checkpoint()
         if pipeline:
@@ -331,8 +333,10 @@ class Run:
         def progress(done: int, total: int) -> None:
             for cb in self.on_eval:
                 cb({"step": step, "done": done, "total": total})
+        t0 = time.perf_counter()
         acc = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress)
-        rec = self.log.log("eval", step=step, version=self.trainer.version, accuracy=acc)
+        rec = self.log.log("eval", step=step, version=self.trainer.version, accuracy=acc,
+                           seconds=time.perf_counter() - t0)
         if self.tracker is not None:
             self.tracker.log({"eval/accuracy": acc}, step)
         for cb in self.on_eval:
