@@ -60,12 +60,25 @@ def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tm
     log = tmp_path / "log"
     log.mkdir()
     (log / "metrics.jsonl").write_text("".join(J.dumps({"event": "step", "time/step_s": x}) + "\n"
-                                               for x in (99.0, 4.0, 0.5, 9.5)))
+                                               for x in (99.0, 4.0, 0.5, 9.5, 0.8)))
     run["config"]["out_dir"] = str(log)
+    for r in res["runs"].values():  # the others: logs that agree with what was recorded
+        if r is not run:
+            d = tmp_path / r["config"]["out_dir"].replace("/", "_")
+            d.mkdir()
+            d.joinpath("metrics.jsonl").write_text("".join(J.dumps({"event": "step", "time/step_s": x}) + "\n"
+                                                           for x in [r["step_s_mean"]] * 4))
+            r["config"]["out_dir"] = str(d)
     (tmp_path / "b" / "pipeline.json").write_text(J.dumps(res))
-    again = P.summarize(tmp_path / "b")  # that round: mean(4.0, 0.5, 9.5) = 4.67; the other round's 20
-    assert again["workloads"][0]["step_s_by_round"]["sync_vllm"] == [14 / 3, 20.0]
+    again = P.summarize(tmp_path / "b")  # that round: mean(4.0, 0.5, 9.5) = 4.67 (warm-up and the drain step
+    assert again["workloads"][0]["step_s_by_round"]["sync_vllm"] == [14 / 3, 20.0]  # left out); the other's 20
     assert again["best_sync_step_s"] == (14 / 3 + 20.0) / 2 and again["best_sync"] == "sync_vllm"
+
+
+def test_the_steady_state_mean_leaves_out_warm_up_and_the_drain_step():
+    from minirl.benchmarks.pipeline import _steady_mean
+    assert _steady_mean([70.0, 25.0, 37.0, 29.0, 0.9], warmup=1) == (25.0 + 37.0 + 29.0) / 3
+    assert _steady_mean([70.0, 25.0], warmup=1) == 25.0  # too short to leave one out
 
 
 def test_an_interrupted_pipeline_bench_resumes_with_the_runs_it_recorded(tmp_path, monkeypatch):
