@@ -119,8 +119,9 @@ def decode(model, input_ids, attn, params: SamplingParams, eos: int) -> tuple[li
 
 
 class HFGenerator:
-    """transformers `generate`. With `get_version` it runs on the trainer's own peft model (no copy: the
-    synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
+    """transformers models decoding through `decode` (finished rows leave the batch; `compact=False` or a request
+    with stop strings uses transformers' `generate`). With `get_version` it runs on the trainer's own peft model
+    (no copy: the synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
     asynchronous pipeline runs one in a process of its own: `hf_process.py`). On CPU, generation runs with the LoRA
     merged into a copy of the base weights (`merged_lora`: faster; on the trainer's own model the copy is dropped
     after each call, so it never sits beside a training step's activations); on a GPU it runs unmerged by default,
