@@ -100,11 +100,7 @@ def test_limits_identity_and_capabilities_in_effect():
 def _python_mount_points() -> list[str]:
     """What the sandbox's fresh /tmp holds besides the program: where the Python installation lives under /tmp
     (a project cloned there), the top folder of its bind-back mount."""
-    import sys
-    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix,
-                                          os.path.dirname(os.path.dirname(sys.executable)),
-                                          os.path.dirname(os.path.realpath(sys.executable)))}
-    return sorted({d.split("/")[2] for d in dirs if d.startswith("/tmp/")})
+    return sorted({d.split("/")[2] for d in supervisor.python_dirs() if d.startswith("/tmp/")})
 
 
 @needs_isolation

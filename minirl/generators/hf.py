@@ -167,15 +167,13 @@ class HFGenerator:
             torch.manual_seed(params.seed)
         was_training = self.model.training
         self.model.eval()
-        kw = dict(do_sample=False) if greedy else dict(
-            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         eos = self.tok.eos_token_id
         try:
             with merged_lora(self.model, self._merge_cache, version) if self.merge else nullcontext():
                 if self.compact and not params.stop:
                     rows, row_lp = decode(self.model, input_ids, attn, params, eos)
                 else:
-                    rows, row_lp = self._generate(input_ids, attn, params, kw)
+                    rows, row_lp = self._generate(input_ids, attn, params)
         finally:
             self.model.train(was_training)
             if self._get_version is not None:  # the trainer's model: its next step changes the LoRA weights
@@ -196,9 +194,11 @@ class HFGenerator:
             groups.append(Group(p, tuple(comps), params.temperature))
         return groups
 
-    def _generate(self, input_ids, attn, params: SamplingParams, kw: dict) -> tuple[list[list[int]], list[list[float]]]:
+    def _generate(self, input_ids, attn, params: SamplingParams) -> tuple[list[list[int]], list[list[float]]]:
         """transformers' `generate` (stop strings need it): every row's tokens and their processed logprobs."""
         width = input_ids.shape[1]
+        kw = dict(do_sample=False) if params.temperature == 0 else dict(
+            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
         out = self.model.generate(
             input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
             max_new_tokens=params.max_tokens, output_scores=True, return_dict_in_generate=True,

@@ -55,15 +55,20 @@ def _enter_namespaces(mode: str) -> None:
     _check("sethostname", _libc.sethostname(b"sandbox", 7))
 
 
+def python_dirs() -> set[str]:
+    """The folders of this Python installation (the outermost of nested ones), mounted back where the sandbox's
+    filesystem view covers them."""
+    dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix,  # sys.prefix: not with -S
+                                          os.path.dirname(os.path.dirname(sys.executable)),  # a venv
+                                          os.path.dirname(os.path.realpath(sys.executable)))}
+    return {d for d in dirs if not any(d.startswith(other + "/") for other in dirs)}
+
+
 def _build_filesystem(mode: str, uid: int) -> None:
     """Private mounts: every host mount read-only, HIDDEN emptied, a minimal /dev, a fresh writable tmpfs on
     /tmp owned by `uid`; the Python installation is mounted back (read-only) where one of those covered it."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    python_dirs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix,  # sys.prefix: not with -S
-                                                 os.path.dirname(os.path.dirname(sys.executable)),  # a venv
-                                                 os.path.dirname(os.path.realpath(sys.executable)))}
-    python_dirs = {d for d in python_dirs if not any(d.startswith(other + "/") for other in python_dirs)}
-    covered = {d: os.open(d, os.O_PATH) for d in python_dirs if d.startswith(tuple(h + "/" for h in (*HIDDEN, "/tmp")))}
+    covered = {d: os.open(d, os.O_PATH) for d in python_dirs() if d.startswith(tuple(h + "/" for h in (*HIDDEN, "/tmp")))}
     devices = {name: os.open(f"/dev/{name}", os.O_PATH) for name in DEVICES}
     _make_all_read_only(keep_locked_flags=mode == "user")
     emptied = [h for h in HIDDEN if os.path.isdir(h) and not os.path.islink(h)] + ["/dev"]
