@@ -16,8 +16,9 @@ def test_pipeline_bench_interleaves_and_compares_with_the_synchronous_loop(tmp_p
     def fake_one(cfg, warmup):
         seen.append(cfg)
         step = 10.0 if cfg.max_async_steps == 0 else 8.0
+        gen, train = (6.0, 4.0) if cfg.max_async_steps == 0 else (7.5, 5.0)  # each side's seconds in a step
         return {"step_s": step + len(seen) * 0.01, "step_s_mean": step + len(seen) * 0.01, "gen_busy": 0.5,
-                "train_busy": 0.5, "length_mean": 5.0}
+                "train_busy": 0.5, "length_mean": 5.0, "gen_s_mean": gen, "train_s_mean": train}
     monkeypatch.setattr(P, "_one", fake_one)
     res = P.bench_pipeline(tmp_path / "b", workloads=("demo", "judge"), variants=("sync", "k1"), rounds=2, steps=3)
     assert res["order"] == ["demo/sync/r0", "demo/k1/r0", "demo/k1/r1", "demo/sync/r1",
@@ -27,6 +28,9 @@ def test_pipeline_bench_interleaves_and_compares_with_the_synchronous_loop(tmp_p
     w = res["workloads"][0]
     assert w["best_async"] == "k1" and w["step_s_by_round"]["sync"] == [10.01, 10.04]
     assert res["speedup"] == w["best_sync_step_s"] / w["async_step_s"] > 1
+    # the bound: K = 1's slower side (generation, 7.5 s) against the synchronous step (10.025 s on average)
+    assert w["phase_s"]["k1"] == {"gen": 7.5, "train": 5.0} and w["slower_side_s"] == 7.5
+    assert w["overlap_ceiling"] == pytest.approx(10.025 / 7.5)
     on_disk = json.loads((tmp_path / "b" / "pipeline.json").read_text())
     assert on_disk["settings"]["rounds"] == 2 and on_disk["speedup"] == res["speedup"]
 
@@ -59,7 +63,8 @@ def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tm
     del run["step_s_mean"]
     log = tmp_path / "log"
     log.mkdir()
-    (log / "metrics.jsonl").write_text("".join(J.dumps({"event": "step", "time/step_s": x}) + "\n"
+    (log / "metrics.jsonl").write_text("".join(J.dumps({"event": "step", "time/step_s": x, "time/gen_s": x / 2,
+                                                           "busy/train": 0.25}) + "\n"
                                                for x in (99.0, 4.0, 0.5, 9.5, 0.8)))
     run["config"]["out_dir"] = str(log)
     for r in res["runs"].values():  # the others: logs that agree with what was recorded
@@ -73,6 +78,10 @@ def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tm
     again = P.summarize(tmp_path / "b")  # that round: mean(4.0, 0.5, 9.5) = 4.67 (warm-up and the drain step
     assert again["workloads"][0]["step_s_by_round"]["sync_vllm"] == [14 / 3, 20.0]  # left out); the other's 20
     assert again["best_sync_step_s"] == (14 / 3 + 20.0) / 2 and again["best_sync"] == "sync_vllm"
+    assert res["runs"]["long-tail/sync/r0"].get("gen_s_mean") is None  # the faked runs logged no sides:
+    assert "overlap_ceiling" not in again["workloads"][0]  # no bound is claimed from half the runs
+    assert J.loads((tmp_path / "b" / "pipeline.json").read_text())["runs"]["long-tail/sync_vllm/r0"][
+        "gen_s_mean"] == 14 / 6  # but the run whose log has them gets its sides' steady-state means
 
 
 def test_the_steady_state_mean_leaves_out_warm_up_and_the_drain_step():
@@ -112,6 +121,7 @@ def test_one_pipeline_run_reports_its_figures(tiny_model, tmp_path):
     r = _one(cfg, warmup=1)
     assert r["step_s"] > 0 and 0 < r["gen_busy"] < 1 and 0 < r["train_busy"] < 1
     assert 0 < r["length_mean"] <= 6 and r["max_staleness"] == 0 and r["backend"] == "hf"
+    assert 0 < r["gen_s_mean"] < r["step_s_mean"] and 0 < r["train_s_mean"] < r["step_s_mean"]  # sync: one at a time
 
 
 def test_time_to_target_counts_training_seconds_until_the_first_evaluation_at_target():

@@ -70,7 +70,7 @@ def _one(cfg: Config, warmup: int) -> dict[str, Any]:
     s = run.run()
     h = run.history[warmup:]
     lens = [x["length/mean"] for x in h]
-    return {"step_s_mean": _steady_mean([x["time/step_s"] for x in run.history], warmup),
+    return {**_phase_means(run.history, warmup),
             "step_s": statistics.median(x["time/step_s"] for x in h),
             "gen_busy": statistics.mean(x["busy/gen"] for x in h),
             "train_busy": statistics.mean(x["busy/train"] for x in h),
@@ -138,16 +138,26 @@ def _steady_mean(step_s: list[float], warmup: int) -> float:
     return statistics.mean(step_s[warmup:-1] if len(step_s) > warmup + 1 else step_s[warmup:])
 
 
+def _phase_means(steps: list[dict], warmup: int) -> dict[str, float]:
+    """A run's steady-state means (`_steady_mean`) of its step seconds and of the seconds each side worked on a
+    step: `gen_s_mean` (generating the step's batch) and `train_s_mean` (the trainer busy: its step, the adapter
+    push and the check after it)."""
+    out = {"step_s_mean": _steady_mean([x["time/step_s"] for x in steps], warmup)}
+    if all("time/gen_s" in x and "busy/train" in x for x in steps):
+        out["gen_s_mean"] = _steady_mean([x["time/gen_s"] for x in steps], warmup)
+        out["train_s_mean"] = _steady_mean([x["busy/train"] * x["time/step_s"] for x in steps], warmup)
+    return out
+
+
 def _fill_means(runs: dict, warmup: int, force: bool = False) -> None:
-    """A run recorded without `step_s_mean` (written before it was measured), or every run with `force`, gets it
-    from its own metrics log (`_steady_mean`)."""
+    """A run recorded without `step_s_mean` (written before it was measured), or every run with `force`, gets its
+    means from its own metrics log (`_phase_means`)."""
     import json
     for run in runs.values():
         if force or "step_s_mean" not in run:
             log = Path(run["config"]["out_dir"]) / "metrics.jsonl"
-            steps = [r["time/step_s"] for r in map(json.loads, log.read_text().splitlines())
-                     if r.get("event") == "step"]
-            run["step_s_mean"] = _steady_mean(steps, warmup)
+            steps = [r for r in map(json.loads, log.read_text().splitlines()) if r.get("event") == "step"]
+            run.update(_phase_means(steps, warmup))
 
 
 def _top(out, res: dict) -> dict:
@@ -171,13 +181,26 @@ def summarize(out: str | Path) -> dict:
 
 def _summary(w: str, variants, rounds: int, runs: dict) -> dict[str, Any]:
     """Per variant: the mean over rounds of each run's steady-state mean step (`_steady_mean`: a run's mean step is
-    its throughput; an asynchronous run's steps alternate between waiting and not, so their median says little)."""
+    its throughput; an asynchronous run's steps alternate between waiting and not, so their median says little).
+
+    Where the runs logged each side's seconds, also `phase_s` (per variant, the mean gen and train seconds of a
+    step) and the bound overlap cannot beat: an asynchronous step takes at least its slower side's seconds on that
+    side's share of the machine (`slower_side_s`, the best asynchronous variant's), so `overlap_ceiling` =
+    best_sync_step_s / slower_side_s is the most any scheduling of the same work (continuous batching, streaming
+    partial rollouts) could gain on that split; near 1, only less work per side would. For a generator that
+    streams (vLLM), a step's generation overlaps the next one's and its gen seconds overstate the bound."""
     per = {v: [runs[f"{w}/{v}/r{r}"] for r in range(rounds)] for v in variants}
     med = {v: statistics.mean(x["step_s_mean"] for x in xs) for v, xs in per.items()}
     asyncs = [v for v in variants if VARIANTS[v]["max_async_steps"] > 0]
     syncs = [v for v in variants if VARIANTS[v]["max_async_steps"] == 0]
     best, best_sync = min(asyncs, key=med.__getitem__), min(syncs, key=med.__getitem__)
-    return {"workload": w, "overrides": WORKLOADS[w], "step_s": med,
+    phases = {}
+    if all("gen_s_mean" in x and "train_s_mean" in x for xs in per.values() for x in xs):
+        phases["phase_s"] = {v: {side: statistics.mean(x[f"{side}_s_mean"] for x in xs) for side in ("gen", "train")}
+                             for v, xs in per.items()}
+        phases["slower_side_s"] = max(phases["phase_s"][best].values())
+        phases["overlap_ceiling"] = med[best_sync] / phases["slower_side_s"]
+    return {"workload": w, "overrides": WORKLOADS[w], "step_s": med, **phases,
             "step_s_by_round": {v: [x["step_s_mean"] for x in xs] for v, xs in per.items()},
             "median_step_s_by_round": {v: [x["step_s"] for x in xs] for v, xs in per.items()},
             "best_sync_step_s": med[best_sync], "best_sync": best_sync, "async_step_s": med[best],
