@@ -68,6 +68,9 @@ def test_generation_benchmark_writes_every_comparison_with_its_record(parts, tmp
     _carries_the_record(res["cpu_lora"], {"vllm_ops", "minirl_ops"}, 3)
     assert res["cpu_lora"]["identical_fraction"] >= 0.75  # one engine, one seed: only rounding may flip a token
     assert all(len(v) == 3 and min(v) > 0 for v in res["cpu_lora"]["check_score_s"].values())
+    check = res["check"]  # the probe scored whole vs position by position: the same logprobs, both timed
+    assert check["max_diff"] < 2e-3 and all(len(v) == 3 and min(v) > 0 for v in check["score_s"].values())
+    assert check["order"][:2] == ["whole", "per_position"] and check["order"][2:4] == ["per_position", "whole"]
     assert res["raw_vs_minirl"]["identical_fraction"] == 1.0  # the same seeds on one engine: the same tokens
     assert len(res["vllm_vs_hf"]["push_ms"]) == 3 and res["hf_merge"]["merge_ms"] > 0
     assert res["vllm_vs_hf"]["settings"]["engine_dtype"] == "float32" and res["settings"]["prefix_caching"]

@@ -119,6 +119,45 @@ def test_score_applies_temperature(gen, prompts, base):
     assert max(abs(a - b) for a, b in zip(gen.score(g.prompt.token_ids, c.token_ids, 0.7), c.logprobs)) < ATOL
 
 
+def test_the_probe_is_one_request_when_idle_and_runs_alone(gen, prompts, base, adapters, monkeypatch):
+    """On an idle engine at temperature 1 the probe is scored by one prompt-logprobs request (a vLLM 0.32 engine
+    crashes when one shares a batch with other LoRA requests): a generation asked for meanwhile starts only after
+    it; with a generation already running it is scored position by position. Both ways agree with the trainer."""
+    import asyncio
+    path_a, model_a = adapters["a"]
+    gen.load_adapter(path_a, 1)
+    (g,) = gen.generate(prompts[:1], 1, _params(temperature=1.0, max_tokens=12))
+    probe = (g.prompt.token_ids, g.completions[0].token_ids)
+    want = hf_logprobs(model_a, *probe, 1.0)
+    events, real = [], gen.engine.generate
+
+    async def logged(prompt, sp, rid, **kw):
+        kind = "probe" if sp.prompt_logprobs is not None else "score" if rid.startswith("minirl-score") else "gen"
+        events.append(("start", kind))
+        async for out in real(prompt, sp, rid, **kw):
+            yield out
+        events.append(("end", kind))
+    monkeypatch.setattr(gen.engine, "generate", logged)
+
+    async def probe_then_generate():  # the probe starts first; the generation is asked for while it runs
+        return await asyncio.gather(gen.score_async(*probe), gen.generate_group(prompts[1], 2, _params()))
+    got, group = gen.call(probe_then_generate())
+    assert max(abs(a - b) for a, b in zip(got, want)) < ATOL and len(group.completions) == 2
+    assert events == [("start", "probe"), ("end", "probe"), ("start", "gen"), ("end", "gen")]
+
+    events.clear()
+
+    async def generate_then_probe():  # a generation in flight: the probe goes position by position beside it
+        return await asyncio.gather(gen.generate_group(prompts[1], 2, _params(max_tokens=24)), gen.score_async(*probe))
+    group, got = gen.call(generate_then_probe())
+    assert max(abs(a - b) for a, b in zip(got, want)) < ATOL and len(group.completions) == 2
+    assert ("start", "probe") not in events and events.count(("start", "score")) == len(probe[1])
+    assert events[0] == ("start", "gen") and events.index(("end", "gen")) > events.index(("start", "score"))
+    per_position = gen.score(*probe, whole=False)
+    assert max(abs(a - b) for a, b in zip(per_position, want)) < ATOL
+    gen.load_adapter(None, 0)
+
+
 def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
     from minirl.sync import SyncVerificationError, verify
     p = prompts[0].token_ids

@@ -28,6 +28,11 @@ LoRA, float32 on CPU) and the vLLM engine and sync `make_generator` gives a run 
                    `bench pipeline` (4 prompts x 8 samples x up to 160 tokens). The same seed, but the two draw
                    differently once a row has ended, so tokens differ: tokens/s and seconds per step are the
                    figures. Needs no vLLM engine.
+  check            the engine's part of the sync check (`sync.verify` after every push): the probe (the first demo
+                   prompt + 32 tokens, `make_probe`) scored as one prompt-logprobs request (what an idle engine
+                   gets: the synchronous loop's check) vs one 1-token request per position (what it gets beside
+                   running requests), on the engine's default ops, a fake step and a push before each round;
+                   both must agree within the float32 tolerance (`max_diff`).
   server_vs_inproc the same work through a vLLM server (`servers.py`), and its adapter push.
 """
 from __future__ import annotations
@@ -182,6 +187,31 @@ def bench_cpu_lora(trainer, gen, sync, prompts, n: int, params: SamplingParams, 
         note="the same engine and seed: tokens differ only where the two ops' float rounding flips a sample")}
 
 
+def bench_check(trainer, gen, sync, prompt, rounds: int = 4) -> dict:
+    """The probe scored whole (one request) vs position by position on the same engine and adapter (module
+    docstring: `check`); order alternated per round."""
+    from ..sync import make_probe
+    tok = trainer.tokenizer
+    probe = make_probe(trainer.model, prompt.token_ids, 32, 0, tok.all_special_ids, len(tok))
+    secs, diffs, order = {"whole": [], "per_position": []}, [], []
+    for r in range(rounds):
+        fake_step(trainer)
+        sync.push(trainer, gen)
+        got = {}
+        for name in (["whole", "per_position"] if r % 2 == 0 else ["per_position", "whole"]):
+            order.append(name)
+            t = time.perf_counter()
+            got[name] = gen.score(*probe, 1.0, whole=name == "whole")
+            secs[name].append(round(time.perf_counter() - t, 3))
+        diffs.append(max(abs(a - b) for a, b in zip(got["whole"], got["per_position"])))
+    import statistics
+    return {"score_s": secs, "median_s": {k: statistics.median(v) for k, v in secs.items()},
+            "speedup": statistics.median(secs["per_position"]) / statistics.median(secs["whole"]),
+            "max_diff": max(diffs), "rounds": rounds, "order": order,
+            "settings": {"probe_tokens": len(probe[1]), "prompt_tokens": len(probe[0]), "engine_dtype": gen.dtype,
+                         "lora_rank": trainer.cfg.lora_rank, "transport": sync.transport, "temperature": 1.0}}
+
+
 def bench_hf_merge(trainer, prompts, n: int, params: SamplingParams, rounds: int = 4, seeds=(0, 0),
                    merge_reps: int = 5) -> dict:
     """transformers tokens/s with the LoRA merged for generation (the CPU default) vs unmerged, on the trainer's
@@ -244,7 +274,7 @@ def run_parts(lora_rank: int = 16):
     return trainer, gen, sync
 
 
-COMPARISONS = ("raw_vs_minirl", "server_vs_inproc", "cpu_lora", "vllm_vs_hf", "hf_merge", "hf_decode")
+COMPARISONS = ("raw_vs_minirl", "server_vs_inproc", "cpu_lora", "check", "vllm_vs_hf", "hf_merge", "hf_decode")
 HF_ONLY = {"hf_merge", "hf_decode"}  # comparisons that need no vLLM engine
 LONG_TAIL = (4, 8, 160)  # prompts, samples, tokens: `bench pipeline`'s long-tail workload
 
@@ -300,6 +330,8 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
         demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
         if gen is not None and gen.on_cpu and "cpu_lora" in want:
             done("cpu_lora", bench_cpu_lora(trainer, gen, sync, demo, group, step, demo_rounds))
+        if gen is not None and "check" in want:
+            done("check", bench_check(trainer, gen, sync, demo[0], demo_rounds))
         if "vllm_vs_hf" in want:
             done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
         if "hf_merge" in want:

@@ -98,6 +98,8 @@ class VLLMGenerator:
         self._retired: set[int] = set()         # LoRA ids replaced by a newer version, removed when idle
         self._visits: dict[int, int] = {}       # prompt index -> times submitted (for per-request seeds)
         self._running: dict[str, object] = {}   # request id -> its LoRARequest (for the abort policy)
+        self._quiet: asyncio.Future | None = None  # set while a whole-prompt probe runs alone (score_async)
+        self._scoring = 0                       # per-position probes in flight (score_async)
         self.abort_on_swap = inflight == "abort"
         self.resubmitted = 0                    # sequences resubmitted under a newer adapter (abort policy)
         self.tokens_generated = 0
@@ -188,6 +190,8 @@ class VLLMGenerator:
         """One engine request on the adapter served now: its completions in sample order, each token tagged with
         the version that sampled it."""
         from vllm.inputs import TokensPrompt
+        while self._quiet is not None:  # a whole-prompt probe is running (score_async): start after it
+            await asyncio.shield(self._quiet)
         lora, version = self._acquire()
         rid, final = f"minirl-{next(self._ids)}", None
         lid = None if lora is None else lora.lora_int_id
@@ -356,20 +360,39 @@ class VLLMGenerator:
     # ---- scoring and sync verification -------------------------------------------------------------------
 
     async def score_async(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
-                          temperature: float = 1.0) -> list[float]:
-        """One 1-token request per completion position (prompt + the tokens before it), asking for the processed
-        logprobs of the whole vocabulary, and picking the given token's. Not `prompt_logprobs`: in vLLM 0.32 a
-        prompt-logprobs request batched with other LoRA requests crashes the engine (the LoRA logits path indexes
-        the prompt positions by request), and in a running pipeline the probe always shares a batch. Prefix
-        caching makes the extra prefills cheap."""
+                          temperature: float = 1.0, whole: bool = True) -> list[float]:
+        """The processed logprob of each completion token. On an idle engine at temperature 1 (the check after a
+        synchronous step), one request scores every position at once (`prompt_logprobs`: raw logprobs, which are
+        the processed ones at temperature 1), and new requests wait for it: in vLLM 0.32 a prompt-logprobs request
+        batched with other LoRA requests crashes the engine (the LoRA logits path indexes the prompt positions by
+        request). Otherwise (requests in flight, another temperature, or `whole=False`) one 1-token request per
+        position (prompt + the tokens before it), asking for the processed logprobs of the whole vocabulary and
+        picking the given token's; prefix caching makes its prefills cheap."""
         from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
+        while self._quiet is not None:  # a whole-prompt probe is running: nothing may share its batch
+            await asyncio.shield(self._quiet)
         full = list(prompt_ids) + list(completion_ids)
+        lora, _ = self._acquire()
+        if whole and temperature == 1.0 and not self._running and not self._scoring:
+            self._quiet = self._engine.loop.create_future()
+            sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0,
+                     output_kind=RequestOutputKind.FINAL_ONLY)
+            try:
+                final = None
+                async for out in self._engine.llm.generate(TokensPrompt(prompt_token_ids=full), sp,
+                                                           f"minirl-score-{next(self._ids)}", lora_request=lora):
+                    final = out
+                return [float(final.prompt_logprobs[pos][full[pos]].logprob)
+                        for pos in range(len(prompt_ids), len(full))]
+            finally:
+                quiet, self._quiet = self._quiet, None
+                quiet.set_result(None)
+                await self._release(lora)
         sp = VSP(max_tokens=1, temperature=temperature, logprobs=-1, flat_logprobs=True, detokenize=False,
                  seed=0, output_kind=RequestOutputKind.FINAL_ONLY)
-        lora, _ = self._acquire()
 
         async def one(pos: int) -> float:
             final = None
@@ -379,15 +402,18 @@ class VLLMGenerator:
             lp = final.outputs[0].logprobs
             s, e = lp.start_indices[0], lp.end_indices[0]
             return next(float(lp.logprobs[k]) for k in range(s, e) if lp.token_ids[k] == full[pos])
+        self._scoring += 1
         try:
             return list(await asyncio.gather(*(one(pos) for pos in range(len(prompt_ids), len(full)))))
         finally:
+            self._scoring -= 1
             await self._release(lora)
 
-    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0,
+              whole: bool = True) -> list[float]:
         """Logprobs of `completion_ids` after `prompt_ids` under the adapter currently served,
-        `log_softmax(logits / temperature)` (top-k / top-p are not applied)."""
-        return self._engine.call(self.score_async(prompt_ids, completion_ids, temperature))
+        `log_softmax(logits / temperature)` (top-k / top-p are not applied); `score_async` says how."""
+        return self._engine.call(self.score_async(prompt_ids, completion_ids, temperature, whole))
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
 
