@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                        "learning benchmark")
     bench.add_argument("--workloads", type=_names, default=None, help="comma-separated workloads of the pipeline "
                        "benchmark (default: demo,long-tail,judge)")
+    bench.add_argument("--variants", type=_names, default=None, help="comma-separated variants of the pipeline "
+                       "benchmark (default: each workload's own; sync, sync_pool, k1, k1_shared, k2, sync_vllm, k1_vllm)")
     bench.add_argument("--steps", type=int, default=None, help="steps per run (pipeline, memory)")
     bench.add_argument("--rounds", type=int, default=None, help="interleaved rounds (pipeline, memory)")
     parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench}
@@ -242,7 +244,7 @@ def _command(args: argparse.Namespace) -> int:
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
     elif args.cmd == "bench":
         from .benchmarks import run as bench
-        sizes = {k: v for k in ("workloads", "steps", "rounds") if (v := getattr(args, k)) is not None}
+        sizes = {k: v for k in ("workloads", "variants", "steps", "rounds") if (v := getattr(args, k)) is not None}
         print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks, **sizes), indent=2))
     return 0
 

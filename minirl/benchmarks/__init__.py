@@ -12,11 +12,11 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
 
 
 # the sizing flags (`minirl bench WHAT --workloads/--steps/--rounds`) each benchmark takes
-SIZES = {"pipeline": ("workloads", "steps", "rounds"), "memory": ("steps", "rounds")}
+SIZES = {"pipeline": ("workloads", "variants", "steps", "rounds"), "memory": ("steps", "rounds")}
 
 
 def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2), **sizes) -> dict:
-    """Run benchmark `what`; `sizes` (workloads, steps, rounds) go to the benchmarks that take them."""
+    """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds) go to the benchmarks that take them."""
     if what not in ("generation", "pipeline", "sync", "learning", "memory"):
         raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync, learning or memory")
     wrong = sorted(set(sizes) - set(SIZES.get(what, ())))
@@ -30,10 +30,13 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
         from .generation import bench_generation
         return bench_generation(str(out))
     if what == "pipeline":
-        from .pipeline import WORKLOADS, bench_pipeline
+        from .pipeline import VARIANTS, WORKLOADS, bench_pipeline
         unknown = [w for w in sizes.get("workloads", ()) if w not in WORKLOADS]
         if unknown:
             raise ValueError(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
+        unknown = [v for v in sizes.get("variants", ()) if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}")
         return bench_pipeline(out, seed=seed, **sizes)
     if what == "sync":
         from .sync import bench_sync
