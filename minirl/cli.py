@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--workloads", type=_names, default=None, help="comma-separated workloads of the pipeline "
                        "benchmark (default: demo,long-tail,judge)")
     bench.add_argument("--variants", type=_names, default=None, help="comma-separated variants of the pipeline "
-                       "benchmark (default: each workload's own; sync, sync_pool, k1, k1_shared, k2, sync_vllm, k1_vllm)")
+                       "benchmark (default: each workload's own; sync, k1, k1_shared, k2, sync_vllm, k1_vllm)")
     bench.add_argument("--steps", type=int, default=None, help="steps per run (pipeline, memory)")
     bench.add_argument("--rounds", type=int, default=None, help="interleaved rounds (pipeline, memory)")
     parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench}

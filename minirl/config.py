@@ -163,13 +163,6 @@ class Config:
     train_devices: str = "auto"
     """Where training runs. On GPU: the trainer's device ('cuda:0', 'cuda:1'; 'auto' = 'cuda'). On CPU: the cores
     of the trainer's torch threads ('1', '2-3'; 'auto': every core synchronously, the other half with K >= 1)."""
-    gen_workers: int = 1
-    """On CPU with the transformers generator: how many generator processes share each step's generation, each
-    pinned to an equal share of the generation cores (with max_async_steps = 0: of every core; the trainer keeps
-    every core for its phase) and given a contiguous share of the step's prompts. Decoding a small model on CPU is
-    mostly per-step overhead that a second thread does not share (README, "Measured here"); processes do. Each
-    holds its own copy of the model (the embedded one: ~0.5 GB). 1: one generator (the trainer's own model when
-    synchronous)."""
     gpu_memory_utilization: float = 0.3
     """vLLM's share of GPU memory (on CPU: its KV cache is sized by kv_cache_gb instead)."""
     kv_cache_gb: float = 1.0
@@ -254,11 +247,6 @@ class Config:
              f"loss_agg={self.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
         need(self.backend in ("auto", "vllm", "vllm-server", "hf"),
              f"backend={self.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
-        need(isinstance(self.gen_workers, int) and self.gen_workers >= 1,
-             f"gen_workers={self.gen_workers!r}: use a whole number >= 1 (1 = one generator)")
-        need(self.gen_workers == 1 or self.backend in ("auto", "hf"),
-             f"gen_workers={self.gen_workers} splits transformers generation across processes; with "
-             f"backend={self.backend!r} leave it at 1 (vLLM batches on its own; servers: num_servers)")
         need(self.num_servers >= 1, f"num_servers={self.num_servers}: start at least 1 server, or give server_urls")
         for i, url in enumerate(self.server_urls):
             need(re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url) is not None,

@@ -92,9 +92,6 @@ class Run:
             self._reward_refs = ["env", *[r for r in self._reward_refs if r != "env"]]
             self.cfg = self.cfg.replace(env=env_name)
             rewards = self._reward_refs
-            if self.cfg.gen_workers > 1:
-                raise ConfigError(f"gen_workers={self.cfg.gen_workers} splits single-turn generation; an env run "
-                                  "(multi-turn episodes) generates with one generator: set gen_workers=1")
         # --- end environments
         if rewards is not None:
             self.cfg = self.cfg.replace(rewards=[r if isinstance(r, str) else r.__name__ for r in rewards])

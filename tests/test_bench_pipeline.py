@@ -52,9 +52,6 @@ def test_long_tail_compares_the_fastest_synchronous_setup_of_either_generator(tm
     res = P.bench_pipeline(tmp_path / "b", workloads=("long-tail",), rounds=2, steps=3)
     assert {(c.backend, c.max_async_steps) for c in seen} == {("auto", 0), ("auto", 1), ("vllm", 0), ("vllm", 1)}
     assert all(c.max_tokens == 160 and c.prompts_per_step == 4 for c in seen)
-    import os
-    assert sorted(c.gen_workers for c in seen if c.max_async_steps == 0 and c.backend == "auto") == \
-        [1, 1, os.cpu_count(), os.cpu_count()]  # the synchronous loop with one generator and with one per core
     w = res["workloads"][0]
     assert (w["best_sync"], w["best_async"]) == ("sync_vllm", "k1_vllm")
     assert w["best_sync_step_s"] == 20.0 and w["speedup"] == res["speedup"] == 20.0 / 16.0  # means, not medians

@@ -65,8 +65,7 @@ BAD = [  # (what, files, argv, the line's content)
      "unknown workload 'chess': choose from demo, long-tail, judge"),
     ("bench size", {}, ["bench", "sync", "--steps", "2"], "bench sync does not take --steps (it takes none of them)"),
     ("bench variant", {}, ["bench", "pipeline", "--variants", "sync,k3"],
-     "unknown variant 'k3': choose from sync, sync_pool, k1, k1_shared, k2, sync_vllm, k1_vllm"),
-    ("gen workers", {}, ["demo", "--gen-workers", "0"], "gen_workers=0: use a whole number >= 1"),
+     "unknown variant 'k3': choose from sync, k1, k1_shared, k2, sync_vllm, k1_vllm"),
 ]
 
 

@@ -12,8 +12,7 @@ Workloads (each a set of Config overrides on the demo's):
 - long-tail: 4 prompts x 8 samples x up to 160 tokens at temperature 1.0: most answers end early, a few run on,
              and a synchronous batch waits for its longest completion. Run on both generators (on CPU the
              default is transformers; vLLM's continuous batching lets the next step's requests start beside the
-             stragglers once generation runs ahead), and synchronously with a transformers generator process per
-             core (`gen_workers`), so the best synchronous setup is the fastest of the three.
+             stragglers once generation runs ahead), so the best synchronous setup is the faster of the two.
 - judge:     the demo with a reward that waits `JUDGE_LATENCY_S` per call before answering (what a remote judge
              model or a test runner behind an API costs), 8 reward workers: the synchronous loop waits for the
              judge with every core idle; the pipeline generates and trains meanwhile.
@@ -44,7 +43,6 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "sync": dict(max_async_steps=0),                                         # the default loop, every core
-    "sync_pool": dict(max_async_steps=0, gen_workers="cores"),               # CPU: a generator process per core
     "k1": dict(max_async_steps=1),                                           # the default split
     "k1_shared": dict(max_async_steps=1, gen_devices="all", train_devices="all"),
     "k2": dict(max_async_steps=2),
@@ -53,16 +51,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 WORKLOAD_VARIANTS: dict[str, tuple[str, ...]] = {  # what each workload runs by default
     "demo": ("sync", "k1", "k1_shared"),
-    "long-tail": ("sync", "sync_pool", "k1", "sync_vllm", "k1_vllm"),
+    "long-tail": ("sync", "k1", "sync_vllm", "k1_vllm"),
     "judge": ("sync", "k1", "k1_shared"),
 }
 
 
 def _devices(overrides: dict[str, Any]) -> dict[str, Any]:
-    """'all' = every core of this machine, on both sides; 'cores' = their number."""
+    """'all' = every core of this machine, on both sides."""
     import os
-    n = os.cpu_count() or 1
-    return {k: (f"0-{n - 1}" if v == "all" else n if v == "cores" else v) for k, v in overrides.items()}
+    every = f"0-{(os.cpu_count() or 1) - 1}"
+    return {k: (every if v == "all" else v) for k, v in overrides.items()}
 
 
 def _one(cfg: Config, warmup: int) -> dict[str, Any]:
@@ -101,7 +99,7 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
     def variants_of(w: str) -> tuple[str, ...]:
         vs = variants or WORKLOAD_VARIANTS.get(w, ("sync", "k1", "k1_shared"))
         if torch.cuda.is_available():  # CPU variants: sharing every core; vLLM instead of transformers (GPU default)
-            vs = tuple(v for v in vs if v not in ("k1_shared", "sync_pool", "sync_vllm", "k1_vllm"))
+            vs = tuple(v for v in vs if v not in ("k1_shared", "sync_vllm", "k1_vllm"))
         return vs
     base = {**DEMO, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "seed": seed, **overrides}
     res: dict[str, Any] = {"settings": {"rounds": rounds, "steps": steps, "warmup": warmup, "seed": seed,

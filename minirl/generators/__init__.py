@@ -3,7 +3,6 @@ applied: the distribution actually sampled from) and the policy version that pro
 
   hf.py          `HFGenerator`: transformers `generate`, on the trainer's own model (synchronous loop) or a copy
   hf_process.py  `ProcGenerator`: an `HFGenerator` in a process of its own (the asynchronous CPU pipeline)
-  hf_pool.py     `ProcPool`: several of them, each with a share of every step's prompts (`gen_workers`)
   vllm.py        `VLLMGenerator`: vLLM `AsyncLLM` in a thread of its own (the only module importing vllm)
   engine_thread.py  that thread: its event loop, calls from other threads, shutdown
   vllm_server.py `ServerGenerator`: vLLM OpenAI-compatible servers over HTTP, started by minirl
@@ -88,21 +87,13 @@ def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: 
             gen.close()
             raise
         return gen, sync, why
-    workers = 1 if on_gpu else cfg.gen_workers
-    if asynchronous or workers > 1:  # its own model in its own process: no GIL shared with the trainer
+    if asynchronous:  # its own model in its own process: no GIL shared with the trainer
         from ..adapter import adapter_params
         from ..config import parse_cores
         from ..sync.local import ShmSync
         from .hf_process import ProcGenerator
         cores = parse_cores(gen_devices) if gen_devices and not on_gpu else None
         device = f"cuda:{gen_devices.split(',')[0]}" if gen_devices and on_gpu else trainer.device
-        if workers > 1:  # each on its share of the generation cores, with a share of each step's prompts
-            from .hf_pool import ProcPool
-            places = [parse_cores(p) for p in split_devices(gen_devices, workers, False)]
-            gen = ProcPool(cfg, adapter_params(trainer.model), places, device)
-            return gen, ShmSync(), (f"{workers} transformers generator processes (cores "
-                                    f"{' | '.join(','.join(map(str, p)) for p in places)}): the adapter goes "
-                                    "through one shared-memory buffer each")
         gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=cores, device=device)
         return gen, ShmSync(), "transformers generator process: the adapter goes through one shared-memory buffer"
     from ..sync.local import SharedSync
