@@ -61,7 +61,10 @@ def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int,
       with the synchronous loop on step time, on the demo and on the long-tail workload alike, with either
       generator (1.0-1.06x), and on the demo reached 0.70 held-out accuracy later (stale batches learn later).
       It paid only where rewards wait (a judge with 0.5 s latency per call: 1.20x), which a config cannot tell
-      in advance: set max_async_steps=1 there.
+      in advance: set max_async_steps=1 there. The bound behind it (`bench pipeline`'s `overlap_ceiling`): an
+      asynchronous step takes at least its slower side's time on that side's share of the machine; on 2 CPU
+      cores a second thread made generation only 1.2-1.3x and training 1.16x faster (AVX2 machine), so the
+      generator alone on one core took about as long as the whole synchronous step.
     """
     k = cfg.max_async_steps
     if k != "auto":
