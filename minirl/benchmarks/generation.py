@@ -190,6 +190,7 @@ def bench_cpu_lora(trainer, gen, sync, prompts, n: int, params: SamplingParams, 
 def bench_check(trainer, gen, sync, prompt, rounds: int = 4) -> dict:
     """The probe scored whole (one request) vs position by position on the same engine and adapter (module
     docstring: `check`); order alternated per round."""
+    import statistics
     from ..sync import make_probe
     tok = trainer.tokenizer
     probe = make_probe(trainer.model, prompt.token_ids, 32, 0, tok.all_special_ids, len(tok))
@@ -204,7 +205,6 @@ def bench_check(trainer, gen, sync, prompt, rounds: int = 4) -> dict:
             got[name] = gen.score(*probe, 1.0, whole=name == "whole")
             secs[name].append(round(time.perf_counter() - t, 3))
         diffs.append(max(abs(a - b) for a, b in zip(got["whole"], got["per_position"])))
-    import statistics
     return {"score_s": secs, "median_s": {k: statistics.median(v) for k, v in secs.items()},
             "speedup": statistics.median(secs["per_position"]) / statistics.median(secs["whole"]),
             "max_diff": max(diffs), "rounds": rounds, "order": order,
