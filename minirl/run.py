@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -419,22 +420,29 @@ class Run:
 
     def _verify(self) -> dict[str, Verification]:
         """`sync.verify` on the run's probe, for the generator or each vLLM server that is up (one restarting gets
-        the adapter when it is back, checked at the next push). Returns each one's check (by url), the next
-        check's `previous`; the trainer's probe logprobs at the last check are the previous adapter's (nothing is
-        recomputed, training is not disturbed)."""
+        the adapter when it is back, checked at the next push), the servers all at once (each scores the probe on
+        its own cores). Returns each one's check (by url), the next check's `previous`; the trainer's probe
+        logprobs at the last check are the previous adapter's (nothing is recomputed, training is not disturbed).
+        A failure names its server (the first in order, when several fail)."""
         want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
         dtype = str(next(self.trainer.model.parameters()).dtype)
-        checks = {}
-        for target in getattr(self.generator, "replicas", None) or [self.generator]:
-            if not getattr(target, "alive", True):
-                continue
+        targets = [t for t in getattr(self.generator, "replicas", None) or [self.generator] if getattr(t, "alive", True)]
+
+        def check(target) -> Verification:
             key = getattr(target, "url", "")
             try:
-                checks[key] = verify(target, self._probe, want, self.trainer.version,
-                                     (self._verified or {}).get(key), self.cfg.temperature, dtype)
+                return verify(target, self._probe, want, self.trainer.version, (self._verified or {}).get(key),
+                              self.cfg.temperature, dtype)
             except SyncVerificationError as e:
                 raise SyncVerificationError(f"{key}: {e}" if key else str(e)) from e
-        return checks
+        if len(targets) <= 1:
+            return {getattr(t, "url", ""): check(t) for t in targets}
+        pool = ThreadPoolExecutor(len(targets), thread_name_prefix="minirl-verify")
+        try:
+            futures = [pool.submit(check, t) for t in targets]
+            return {t.url: f.result() for t, f in zip(targets, futures)}
+        finally:  # a failure or Ctrl-C does not wait for the other servers' checks (closing the run ends them)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
         self.log.log("samples", step=step, samples=sample_rows(scored, self.cfg.log_samples),

