@@ -183,6 +183,7 @@ class Run:
             train_device = "cuda" if c.train_devices == "auto" else c.train_devices
         else:
             gen_devices, train_threads = cpu_split(c)
+            self._cpu_before = torch.get_num_threads(), getattr(os, "sched_getaffinity", lambda _: None)(0)
             torch.set_num_threads(train_threads)
             train_device = "cpu"
         self.trainer = Trainer(c, device=train_device)
@@ -258,6 +259,16 @@ class Run:
             setattr(self, name, None)
             if obj is not None:
                 obj.close()
+        self._restore_cpu()
+
+    def _restore_cpu(self) -> None:
+        """Give this thread back the torch thread count and cores it had before set-up: the next run in this
+        process (a notebook's, a benchmark's next variant) must not inherit this run's split."""
+        before, self._cpu_before = getattr(self, "_cpu_before", None), None
+        if before is not None:
+            torch.set_num_threads(before[0])
+            if before[1] is not None:
+                os.sched_setaffinity(0, before[1])
 
     def _sampling(self, step: int) -> SamplingParams:
         c = self.cfg
@@ -480,7 +491,8 @@ class Run:
                    ("generator", lambda: self.generator is not None and self.generator.close()),
                    ("sync", lambda: getattr(self, "sync", None) is not None and self.sync.close()),
                    ("reward workers", lambda: getattr(self, "scorer", None) is not None and self.scorer.close()),
-                   ("tracker", lambda: self.tracker is not None and self.tracker.close())]
+                   ("tracker", lambda: self.tracker is not None and self.tracker.close()),
+                   ("torch threads and cores", self._restore_cpu)]
         failed: list[BaseException] = []
         for what, fn in closing:
             try:

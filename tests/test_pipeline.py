@@ -1,5 +1,6 @@
 """The asynchronous pipeline on a tiny model (transformers backend): exactness at K=0, bounds, accounting."""
 import multiprocessing
+import os
 import threading
 import time
 
@@ -88,3 +89,19 @@ def test_step_time_leaves_out_the_evaluation_between_steps(toy_cfg, monkeypatch)
     evals = [x for x in read_log(r.out / "metrics.jsonl") if x.get("event") == "eval"]
     assert [e["step"] for e in evals] == [0, 2, 4] and all(e["seconds"] >= 4.0 for e in evals)
     assert all(h["time/step_s"] < 4.0 for h in r.history)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs 2 cores to split")
+def test_a_split_run_gives_the_process_back_its_threads_and_cores(toy_cfg):
+    """A K = 1 run on the 1 + 1 split pins the trainer's thread to its core and sets torch's thread count; the next
+    run in the process (a notebook's, the benchmarks' next variant) must start from what was there before."""
+    threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    c0, c1 = sorted(cores)[:2]
+    seen = []
+    cfg = toy_cfg.replace(steps=2, max_async_steps=1, gen_devices=str(c0), train_devices=str(c1))
+    run = Run(cfg, data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:44])
+    run.on_step.append(lambda rec: seen.append((torch.get_num_threads(), os.sched_getaffinity(0))))
+    run.run()
+    assert seen and all(s == (1, {c1}) for s in seen)  # the split was in force while it trained
+    assert (torch.get_num_threads(), os.sched_getaffinity(0)) == (threads, cores)
