@@ -59,8 +59,8 @@ def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int,
     - generation and training on GPUs of their own (vLLM, 2+ GPUs): 1. Each device would idle while the other
       works; ahead by one step both stay busy. Reasoned, not measured: no GPU run yet.
     - otherwise (one device shared by both phases, e.g. a CPU): 0. On 2 cores, K = 1 split the cores and tied
-      with the synchronous loop on step time, on the demo and on the long-tail workload alike, with either
-      generator (1.0-1.06x), and on the demo reached 0.70 held-out accuracy later (stale batches learn later).
+      with or lost to the synchronous loop on step time, on the demo and on the long-tail workload alike, with
+      either generator (0.90-1.06x), and on the demo reached 0.70 held-out accuracy later (stale batches learn later).
       It paid only where rewards wait (a judge with 0.5 s latency per call: 1.20x), which a config cannot tell
       in advance: set max_async_steps=1 there. The bound behind it (`bench pipeline`'s `overlap_ceiling`): an
       asynchronous step takes at least its slower side's time on that side's share of the machine; on 2 CPU
