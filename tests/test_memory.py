@@ -52,8 +52,7 @@ def test_recomputed_logits_give_the_plain_paths_logprobs_and_gradients_without_k
 
 def test_phase_meter_sees_a_spike_that_is_freed_before_the_phase_ends():
     """In a fresh process, as `bench memory` measures each row. (In a pytest worker that had run other files first,
-    both phases once read the same value, the process's earlier peak: what a long-lived process has done before is
-    not this meter's to see through.)"""
+    both phases once read the same value, the worker's earlier peak; a fresh process always showed the spike.)"""
     code = """if True:
         import torch
         from minirl.benchmarks.memory import PhasePeaks
