@@ -126,6 +126,7 @@ class Run:
         self._claimed = False  # out_dir is this run's to write (set once everything before the loop worked)
         self._lock = None  # held while this run writes into out_dir
         self._acc_before: float | None = None
+        self._cpu_before: tuple[int, set[int] | None] | None = None  # (torch threads, cores) before set-up, on CPU
 
     # --- set-up --------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -183,7 +184,8 @@ class Run:
             train_device = "cuda" if c.train_devices == "auto" else c.train_devices
         else:
             gen_devices, train_threads = cpu_split(c)
-            self._cpu_before = torch.get_num_threads(), getattr(os, "sched_getaffinity", lambda _: None)(0)
+            self._cpu_before = (torch.get_num_threads(),
+                                os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None)
             torch.set_num_threads(train_threads)
             train_device = "cpu"
         self.trainer = Trainer(c, device=train_device)
@@ -264,7 +266,7 @@ class Run:
     def _restore_cpu(self) -> None:
         """Give this thread back the torch thread count and cores it had before set-up: the next run in this
         process (a notebook's, a benchmark's next variant) must not inherit this run's split."""
-        before, self._cpu_before = getattr(self, "_cpu_before", None), None
+        before, self._cpu_before = self._cpu_before, None
         if before is not None:
             torch.set_num_threads(before[0])
             if before[1] is not None:
