@@ -58,14 +58,14 @@ def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int,
     learning` (README, "Measured here"):
     - generation and training on GPUs of their own (vLLM, 2+ GPUs): 1. Each device would idle while the other
       works; ahead by one step both stay busy. Reasoned, not measured: no GPU run yet.
-    - otherwise (one device shared by both phases, e.g. a CPU): 0. On 2 cores, K = 1 split the cores and tied
-      with or lost to the synchronous loop on step time, on the demo and on the long-tail workload alike, with
-      either generator (0.90-1.06x), and on the demo reached 0.70 held-out accuracy later (stale batches learn later).
-      It paid only where rewards wait (a judge with 0.5 s latency per call: 1.20x), which a config cannot tell
-      in advance: set max_async_steps=1 there. The bound behind it (`bench pipeline`'s `overlap_ceiling`): an
-      asynchronous step takes at least its slower side's time on that side's share of the machine; on 2 CPU
-      cores a second thread made generation only 1.2-1.3x and training 1.16x faster (AVX2 machine), so the
-      generator alone on one core took about as long as the whole synchronous step.
+    - otherwise (one device shared by both phases, e.g. a CPU): 0. On 2 cores K = 1 splits the cores. Per step it
+      lost on the long-tail workload (0.90x) and tied or won on the demo's first steps (1.05-1.18x), where
+      generation and training take about as long; over whole demo runs its 30 steps took longer (training grows
+      during a run, and on its one core it becomes the slower side), and it reached 0.70 held-out accuracy later
+      on one seed of two and sooner on the other. It paid where rewards wait (a judge with 0.5 s latency per
+      call: 1.20-1.33x), which a config cannot tell in advance: set max_async_steps=1 there. The bound behind it
+      (`bench pipeline`'s `overlap_ceiling`): an asynchronous step takes at least its slower side's time on that
+      side's share of the machine.
     """
     k = cfg.max_async_steps
     if k != "auto":
