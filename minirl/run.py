@@ -62,8 +62,9 @@ def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int,
       lost on the long-tail workload (0.90x) and tied or won on the demo's first steps (1.05-1.18x), where
       generation and training take about as long; over whole demo runs its 30 steps took longer (training grows
       during a run, and on its one core it becomes the slower side), and it reached 0.70 held-out accuracy later
-      on one seed of two and on the other got there where the synchronous run never did. It paid where rewards wait (a judge with 0.5 s latency per
-      call: 1.20-1.33x), which a config cannot tell in advance: set max_async_steps=1 there. The bound behind it
+      on one seed of two and on the other got there where the synchronous run never did. It paid where rewards
+      wait (a judge with 0.5 s latency per call: 1.20-1.33x), which a config cannot tell in advance: set
+      max_async_steps=1 there. The bound behind it
       (`bench pipeline`'s `overlap_ceiling`): an asynchronous step takes at least its slower side's time on that
       side's share of the machine.
     """
