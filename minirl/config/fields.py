@@ -1,21 +1,12 @@
 """The run configuration: one dataclass, one docstring per field. It is the same object as notebook kwargs
-(`Config(steps=20)`), YAML (`Config.from_yaml(path)` / `.to_yaml()`) and CLI flags (`--steps 20`)."""
+(`Config(steps=20)`), YAML (`Config.from_yaml(path)` / `.to_yaml()`) and CLI flags (`--steps 20`). The field
+docstrings are the config reference (`field_docs`); checks live in `validate.py`, conversions in `io.py`."""
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import inspect
-import re
-import textwrap
-import types
-import typing
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 
 class ConfigError(ValueError):
@@ -217,117 +208,39 @@ class Config:
 
     # ------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
-        hints = _hints()
-        for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _coerce(f.name, getattr(self, f.name), hints[f.name]))
-        k = self.max_async_steps  # int | 'auto': a number written as a string ('1', from a quoted YAML value) is K
-        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
-            object.__setattr__(self, "max_async_steps", int(k))
+        from .io import coerce_fields
+        coerce_fields(self)
         self.validate()
+
+    def validate(self) -> None:
+        """Raise one `ConfigError` naming the field and the fix for a bad setting (`validate.py`)."""
+        from .validate import validate
+        validate(self)
 
     def loss_settings(self):
         """The policy loss's knobs as `loss.LossSettings`."""
-        from .loss import LossSettings
+        from ..loss import LossSettings
         return LossSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossSettings)})
-
-    def validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ConfigError(msg)
-        need(self.group_size >= 2, f"group_size={self.group_size}: group-relative advantages need at least "
-             "2 completions per prompt; set group_size >= 2")
-        need(self.prompts_per_step >= 1, "prompts_per_step must be >= 1")
-        need(self.max_tokens >= 1, "max_tokens must be >= 1")
-        need(self.temperature > 0, "temperature must be > 0 (use eval for greedy decoding)")
-        need(0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        need(self.steps >= 0, "steps must be >= 0")
-        need(self.lr > 0, "lr must be > 0")
-        need(self.lr_schedule in ("constant", "cosine"), f"lr_schedule={self.lr_schedule!r}: use 'constant' or 'cosine'")
-        need(self.loss_agg in ("token-mean", "seq-mean", "constant"),
-             f"loss_agg={self.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
-        need(self.backend in ("auto", "vllm", "vllm-server", "hf"),
-             f"backend={self.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
-        need(self.num_servers >= 1, f"num_servers={self.num_servers}: start at least 1 server, or give server_urls")
-        for i, url in enumerate(self.server_urls):
-            need(re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url) is not None,
-                 f"server_urls[{i}]={url!r}: give the server's address as http://HOST:PORT")
-        need(not self.server_urls or self.backend == "vllm-server",
-             f"server_urls needs backend='vllm-server' (got backend={self.backend!r})")
-        need(not (self.restart_servers and self.server_urls), "restart_servers restarts servers minirl started; it "
-             "cannot restart yours (server_urls): drop one of the two")
-        need(self.server_timeout_s > 0, "server_timeout_s must be > 0 seconds")
-        need(self.inflight in ("continue", "abort", "inflight"),
-             f"inflight={self.inflight!r}: use 'continue', 'abort' or 'inflight'")
-        need(self.sync_transport in ("auto", "ipc", "collective", "files"),
-             f"sync_transport={self.sync_transport!r}: use 'auto', 'ipc', 'collective' or 'files'")
-        need(self.max_async_steps == "auto" or (isinstance(self.max_async_steps, int) and self.max_async_steps >= 0),
-             f"max_async_steps={self.max_async_steps!r}: use 'auto' or an integer >= 0")
-        need(self.max_staleness is None or self.max_staleness >= 0, "max_staleness must be >= 0 or None")
-        need(self.token_budget >= self.max_tokens, "token_budget must be at least max_tokens")
-        need(self.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={self.dtype!r}: use auto/float32/bfloat16")
-        need(self.reward_weights is None or len(self.reward_weights) == len(self.rewards),
-             f"reward_weights has {len(self.reward_weights or [])} entries for {len(self.rewards)} rewards; give one per reward")
-        need(self.tis_cap is None or self.tis_cap >= 1, "tis_cap must be >= 1 or None")
-        need(self.reward_workers >= 0, "reward_workers must be >= 0 (0 = rewards run in the trainer's process)")
-        need(self.reward_timeout_s > 0, "reward_timeout_s must be > 0 seconds")
-        need(self.reward_clip > 0, "reward_clip must be > 0")
-        need(self.max_turns >= 1, "max_turns must be >= 1 (model replies per episode)")
-        need(self.max_episode_tokens >= 1, "max_episode_tokens must be >= 1")
-        need(self.eval_size >= 0, "eval_size must be >= 0 (0 = no held-out evaluation)")
-        need(0 <= self.eval_fraction < 1, f"eval_fraction={self.eval_fraction}: use a fraction in [0, 1), e.g. 0.1")
-        need(self.eval_every >= 0, "eval_every must be >= 0")
-        need(self.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = only at the end)")
-        need(self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
-        need(self.report_to in (None, "trackio", "tensorboard"),
-             f"report_to={self.report_to!r}: use 'trackio', 'tensorboard' or none")
 
     # --- conversions ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_yaml(self, path: str | Path | None = None) -> str:
-        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
+        from .io import to_yaml
+        return to_yaml(self, path)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(map(str, set(d) - known))
-        if unknown:
-            import difflib
-            hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
-                     if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
-            raise ConfigError(f"unknown config field(s): {', '.join(hints)}; see `minirl train --help`")
-        return cls(**d)
+        """A Config from a mapping; an unknown field is one ConfigError with the closest known name."""
+        from .io import from_dict
+        return from_dict(cls, d)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Config":
         """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found" if not p.exists() else
-                              f"config {str(p)!r} is a folder; give a YAML file")
-        try:
-            d = yaml.safe_load(p.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
-                              "save it as UTF-8") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
-            what = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"{where}: not valid YAML ({what}); write one `field: value` per line") from None
-        if d is None:
-            d = {}
-        if not isinstance(d, dict):
-            raise ConfigError(f"{p}: expected `field: value` lines (a mapping), got {_kind(d)}; "
-                              "e.g. `steps: 20` on its own line")
-        try:
-            return cls.from_dict(d)
-        except ConfigError as e:
-            raise ConfigError(f"{p}: {e}") from None
+        from .io import from_yaml
+        return from_yaml(cls, path)
 
     def replace(self, **kw: Any) -> "Config":
         return dataclasses.replace(self, **kw)
@@ -340,109 +253,3 @@ class Config:
 # at 1024, 2.7 GB at 512, with train time 1.21x / 1.0 / 0.87x that of 1024: on CPU smaller micro-batches cost nothing.
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
             checkpoint_every=2, token_budget=512, out_dir="runs/demo")
-
-
-def parse_cores(spec: str) -> list[int]:
-    """CPU cores from a device string: '1', '0-3', '0,2-3'."""
-    out: list[int] = []
-    for part in str(spec).split(","):
-        a, _, b = part.partition("-")
-        out += list(range(int(a), int(b or a) + 1))
-    return out
-
-
-@lru_cache(maxsize=None)
-def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(Config)
-
-
-def _kind(v: Any) -> str:
-    name = "string" if isinstance(v, str) else type(v).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-def _coerce(name: str, v: Any, hint: Any) -> Any:
-    """`v` as the field's type, or one clear ConfigError. Numbers may be written as strings ('1e-4': YAML 1.1 reads
-    it as a string); 'none'/'null' is None where the field allows it; a single string is a one-item list."""
-    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-    args = typing.get_args(hint) if union else (hint,)
-    optional = type(None) in args
-    kinds = [a for a in args if a is not type(None)]
-    if v is None or (optional and isinstance(v, str) and v.strip().lower() in ("none", "null", "~")):
-        if optional:
-            return None
-        raise ConfigError(f"{name}: a value is required (got None)")
-    for k in kinds:
-        origin = typing.get_origin(k) or k
-        if origin is list and isinstance(v, (list, tuple)):
-            (elem,) = typing.get_args(k) or (Any,)
-            return [_coerce(f"{name}[{i}]", x, elem) for i, x in enumerate(v)]
-        if origin is str and isinstance(v, str):
-            return v
-    k = kinds[0]
-    origin = typing.get_origin(k) or k
-    if origin is bool:
-        if isinstance(v, bool):
-            return v
-        if isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no"):
-            return v.strip().lower() in ("true", "yes")
-        raise ConfigError(f"{name}: expected true or false, got {v!r} ({_kind(v)})")
-    if origin in (int, float):
-        if isinstance(v, bool):
-            raise ConfigError(f"{name}: expected a number, got {v!r}")
-        x = v
-        if isinstance(v, str):
-            try:
-                x = float(v.strip().replace("_", ""))
-            except ValueError:
-                raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})") from None
-        if not isinstance(x, (int, float)):
-            raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})")
-        if origin is int:
-            if isinstance(x, float) and not x.is_integer():
-                raise ConfigError(f"{name}: expected a whole number, got {v!r}")
-            return int(x)
-        return float(x)
-    if origin is list:
-        if isinstance(v, str):
-            return [v]
-        raise ConfigError(f"{name}: expected a list, got {v!r} ({_kind(v)})")
-    if origin is str:
-        raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
-    return v
-
-
-@lru_cache(maxsize=None)
-def field_docs() -> dict[str, str]:
-    """The docstring under each field, read from the source (used for CLI help and the docs)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = b.value.value
-    return docs
-
-
-def _parse_value(text: str) -> Any:
-    v = yaml.safe_load(text)
-    if isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
-        try:
-            return float(v)
-        except ValueError:
-            pass
-    return v
-
-
-def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None) -> None:
-    """One `--flag` per field; values are parsed as YAML scalars/lists (`--target-modules "[q_proj,v_proj]"`)."""
-    docs = field_docs()
-    defaults = defaults or Config()
-    for f in dataclasses.fields(Config):
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
-                            metavar="X",
-                            help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%"))
-
-
-def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(Config) if hasattr(ns, f.name)}

@@ -1,0 +1,168 @@
+"""Config conversions: field values coerced to their types, YAML in and out, one CLI flag per field."""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+import types
+import typing
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .fields import Config, ConfigError
+
+
+def coerce_fields(cfg: Config) -> None:
+    """Each field of `cfg` (frozen) set to its value coerced to the field's type, or one ConfigError."""
+    hints = _hints()
+    for f in dataclasses.fields(cfg):
+        object.__setattr__(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), hints[f.name]))
+    k = cfg.max_async_steps  # int | 'auto': a number written as a string ('1', from a quoted YAML value) is K
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        object.__setattr__(cfg, "max_async_steps", int(k))
+
+
+def to_yaml(cfg: Config, path: str | Path | None = None) -> str:
+    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    if path is not None:
+        Path(path).write_text(text)
+    return text
+
+
+def from_dict(cls, d: dict[str, Any]) -> Config:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(map(str, set(d) - known))
+    if unknown:
+        import difflib
+        hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
+                 if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
+        raise ConfigError(f"unknown config field(s): {', '.join(hints)}; see `minirl train --help`")
+    return cls(**d)
+
+def from_yaml(cls, path: str | Path) -> Config:
+    """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} not found" if not p.exists() else
+                          f"config {str(p)!r} is a folder; give a YAML file")
+    try:
+        d = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
+                          "save it as UTF-8") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{p}:{mark.line + 1}:{mark.column + 1}" if mark else str(p)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({what}); write one `field: value` per line") from None
+    if d is None:
+        d = {}
+    if not isinstance(d, dict):
+        raise ConfigError(f"{p}: expected `field: value` lines (a mapping), got {_kind(d)}; "
+                          "e.g. `steps: 20` on its own line")
+    try:
+        return from_dict(cls, d)
+    except ConfigError as e:
+        raise ConfigError(f"{p}: {e}") from None
+
+
+@lru_cache(maxsize=None)
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(Config)
+
+
+def _kind(v: Any) -> str:
+    name = "string" if isinstance(v, str) else type(v).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _coerce(name: str, v: Any, hint: Any) -> Any:
+    """`v` as the field's type, or one clear ConfigError. Numbers may be written as strings ('1e-4': YAML 1.1 reads
+    it as a string); 'none'/'null' is None where the field allows it; a single string is a one-item list."""
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = typing.get_args(hint) if union else (hint,)
+    optional = type(None) in args
+    kinds = [a for a in args if a is not type(None)]
+    if v is None or (optional and isinstance(v, str) and v.strip().lower() in ("none", "null", "~")):
+        if optional:
+            return None
+        raise ConfigError(f"{name}: a value is required (got None)")
+    for k in kinds:
+        origin = typing.get_origin(k) or k
+        if origin is list and isinstance(v, (list, tuple)):
+            (elem,) = typing.get_args(k) or (Any,)
+            return [_coerce(f"{name}[{i}]", x, elem) for i, x in enumerate(v)]
+        if origin is str and isinstance(v, str):
+            return v
+    k = kinds[0]
+    origin = typing.get_origin(k) or k
+    if origin is bool:
+        if isinstance(v, bool):
+            return v
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no"):
+            return v.strip().lower() in ("true", "yes")
+        raise ConfigError(f"{name}: expected true or false, got {v!r} ({_kind(v)})")
+    if origin in (int, float):
+        if isinstance(v, bool):
+            raise ConfigError(f"{name}: expected a number, got {v!r}")
+        x = v
+        if isinstance(v, str):
+            try:
+                x = float(v.strip().replace("_", ""))
+            except ValueError:
+                raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})") from None
+        if not isinstance(x, (int, float)):
+            raise ConfigError(f"{name}: expected a number, got {v!r} ({_kind(v)})")
+        if origin is int:
+            if isinstance(x, float) and not x.is_integer():
+                raise ConfigError(f"{name}: expected a whole number, got {v!r}")
+            return int(x)
+        return float(x)
+    if origin is list:
+        if isinstance(v, str):
+            return [v]
+        raise ConfigError(f"{name}: expected a list, got {v!r} ({_kind(v)})")
+    if origin is str:
+        raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
+    return v
+
+
+@lru_cache(maxsize=None)
+def field_docs() -> dict[str, str]:
+    """The docstring under each field, read from the source (used for CLI help and the docs)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = b.value.value
+    return docs
+
+
+def _parse_value(text: str) -> Any:
+    v = yaml.safe_load(text)
+    if isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    return v
+
+
+def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None) -> None:
+    """One `--flag` per field; values are parsed as YAML scalars/lists (`--target-modules "[q_proj,v_proj]"`)."""
+    docs = field_docs()
+    defaults = defaults or Config()
+    for f in dataclasses.fields(Config):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
+                            metavar="X",
+                            help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%"))
+
+
+def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(Config) if hasattr(ns, f.name)}
