@@ -71,5 +71,5 @@ if __name__ == "__main__":  # python -m minirl.benchmarks.trl trl OUT SEED: TRL'
     steps = 10
     spec = trl_spec(str(resolve_model("smollm2-135m-instruct")), seed, steps, [0, 2, 4, 6, 8, 10],
                     out / f"trl_s{seed}")
-    print(json.dumps({k: v for k, v in run_trl(str(Path(".venv-trl/bin/python").resolve()), spec).items()
+    print(json.dumps({k: v for k, v in run_trl(str(Path(".venv-trl/bin/python").absolute()), spec).items()
                       if k != "log"}))
