@@ -6,7 +6,7 @@ import math
 import pytest
 
 from minirl.rewards.builtin import code_tests_pass
-from minirl.sandbox import isolation, run_tests, split_assert, as_programs
+from minirl.sandbox import as_programs, isolation, run_tests, split_assert
 from minirl.sandbox.code_tests import SplitAssert
 from minirl.sandbox.harness import NotPlainData, decode, encode
 
@@ -14,7 +14,8 @@ needs_isolation = pytest.mark.skipif(isolation() == "none", reason=f"no sandbox 
 
 ADD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(3, 4) == 7", "assert add(5, 5) == 10"]
-CHECK = "def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(3, 4) == 7\n    assert candidate(5, 5) == 10\n"
+CHECK = ("def check(candidate):\n    assert candidate(1, 2) == 3\n    assert candidate(3, 4) == 7\n"
+         "    assert candidate(5, 5) == 10\n")
 
 
 def cheat_at_3(body: str) -> str:
@@ -123,7 +124,8 @@ def test_a_hostile_solution_fails_a_humaneval_check(trick):
 
 @needs_isolation
 def test_always_true_objects_fail_truth_asserts():
-    code = ("class Yes:\n    def __bool__(self):\n        return True\n    def __eq__(self, other):\n        return True\n"
+    code = ("class Yes:\n    def __bool__(self):\n        return True\n"
+            "    def __eq__(self, other):\n        return True\n"
             "def is_pos(x):\n    return Yes() if x == 2 else x > 0\n")
     r = run_tests(code, ["assert is_pos(1)", "assert is_pos(2)", "assert not is_pos(-3)", "assert is_pos(2) is True"])
     assert (r.passed, r.total) == (2, 4), r
@@ -174,7 +176,8 @@ def test_split_assert_takes_calls_of_literals_against_literals():
     assert split_assert("assert f(1) is None") == SplitAssert("f", (1,), {}, "is", None)
     for other in ("assert f(1) is 3", "assert f(x) == 1", "assert math.isclose(f(1), 2)", "assert f(1) == 2, 'msg'",
                   "assert f(*a) == 1", "assert f(1) != 2", "assert set(f(1)) == {1}", "x = 1\nassert f(x) == 1",
-                  "def check(candidate): pass", "assert f(...) == 1", "assert f(1) == 2 == 2", "assert (", "assert o.f(1) == 2"):
+                  "def check(candidate): pass", "assert f(...) == 1", "assert f(1) == 2 == 2", "assert (",
+                  "assert o.f(1) == 2"):
         assert split_assert(other) is None, other
     assert SplitAssert("f", (), op="==", expected=(1, 2)).holds((1, 2))
     assert not SplitAssert("f", (), op="==", expected=(1, 2)).holds([1, 2])  # as Python's == says
@@ -221,7 +224,8 @@ def test_a_proxy_raises_the_solutions_builtin_exceptions_and_nothing_else_is_cau
 @needs_isolation
 def test_mixed_tests_keep_their_order_and_the_solutions_state():
     counter = "n = 0\ndef tick():\n    global n\n    n += 1\n    return n\n"
-    tests = ["assert tick() == 1", "assert tick() + 0 == 2", "assert tick() == 3", "import math\nassert math.isclose(tick(), 4)"]
+    tests = ["assert tick() == 1", "assert tick() + 0 == 2", "assert tick() == 3",
+             "import math\nassert math.isclose(tick(), 4)"]
     r = run_tests(counter, tests)
     assert (r.passed, r.total) == (4, 4), r
 
@@ -229,7 +233,8 @@ def test_mixed_tests_keep_their_order_and_the_solutions_state():
 @needs_isolation
 def test_a_solutions_names_never_shadow_the_tests_builtins_or_setup():
     cheat = "def set(x):\n    return 1\ndef isclose(*a, **k):\n    return True\ndef f(x):\n    return [x, 0]\n"
-    r = run_tests(cheat, ["assert set(f(1)) == set([1, 2])", "assert isclose(f(1)[0], 2)"], setup="from math import isclose")
+    r = run_tests(cheat, ["assert set(f(1)) == set([1, 2])", "assert isclose(f(1)[0], 2)"],
+                  setup="from math import isclose")
     assert r.passed == 0, r
 
 
@@ -244,7 +249,8 @@ def test_run_tests_names_the_failed_test_and_uses_setup():
     assert r.first_failure == "TypeError: add() missing 1 required positional argument: 'b' in: assert add(1) == 1"
     r = run_tests("def add(a, b) return a + b", ["assert add(1, 2) == 3"])
     assert r.passed == 0 and r.first_failure.startswith("SyntaxError") and "(in the solution)" in r.first_failure
-    r = run_tests("def area(r):\n    return pi * r * r", ["assert round(area(1), 2) == 3.14"], setup="from math import pi")
+    r = run_tests("def area(r):\n    return pi * r * r", ["assert round(area(1), 2) == 3.14"],
+                  setup="from math import pi")
     assert r.all_passed, r
 
 

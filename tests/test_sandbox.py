@@ -284,7 +284,8 @@ def test_bad_arguments_are_refused_with_one_line():
     for kwargs, error, message in [
             (dict(code=123), TypeError, "run_python: code must be a str, got int"),
             (dict(stdin=b"x"), TypeError, "run_python: stdin must be a str, got bytes"),
-            (dict(timeout_s=0), ValueError, "run_python: timeout_s must be a number of seconds > 0 and <= 86400, got 0"),
+            (dict(timeout_s=0), ValueError, "run_python: timeout_s must be a number of seconds > 0 and <= 86400, "
+                                            "got 0"),
             (dict(timeout_s=math.inf), ValueError, "timeout_s must be a number of seconds > 0 and <= 86400, got inf"),
             (dict(timeout_s=math.nan), ValueError, "got nan"),
             (dict(timeout_s="5"), ValueError, "got '5'"),
@@ -300,7 +301,8 @@ def test_bad_arguments_are_refused_with_one_line():
 def test_module_imports_as_the_docs_name_it():
     """The docs spell `minirl.sandbox.run_python`: a module, importable as `from minirl.sandbox import run_python`."""
     module = importlib.import_module("minirl.sandbox")
-    assert module.run_python is run_python and module.__file__.endswith(os.path.join("minirl", "sandbox", "__init__.py"))
+    assert module.run_python is run_python
+    assert module.__file__.endswith(os.path.join("minirl", "sandbox", "__init__.py"))
     from minirl.sandbox import run_tests  # noqa: F401
 
 

@@ -225,9 +225,10 @@ class _Judge:
                 self.failed = _line(reply.get("failed") or
                                     f"NameError: the entry point {self.entry_point!r} is not defined (in the solution)")
                 return self.failed
+            left = max(1e-3, self.deadline - time.monotonic())  # one deadline for both programs
             self.tester = start(harness.program("serve_tests", setup=self.setup, tests=self.tests,
                                                 entry_point=self.entry_point, names=names),
-                                channel=True, **{**self.options, "timeout_s": max(1e-3, self.deadline - time.monotonic())})
+                                channel=True, **{**self.options, "timeout_s": left})
         rid = secrets.token_hex(8)
         self.tester.send({"id": rid, "run": i})
         while (message := self._next(self.tester, lambda m: m.get("id") == rid or "call" in m)) is not None:
