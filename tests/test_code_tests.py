@@ -270,3 +270,16 @@ def test_a_solution_flooding_its_channel_is_stopped():
     flood = "import os\ndef add(a, b):\n    if a == 3:\n        os.write(4, b'x' * (17 << 20))\n    return a + b\n"
     r = run_tests(flood, ADD_TESTS, timeout_s=10)
     assert (r.passed, r.first_failure) == (1, "test 1 did not finish: the solution ended (channel limit)"), r
+
+
+@needs_isolation
+@pytest.mark.parametrize("forged", ["{'names': None, 'value': {'complex': [10**400, 0]}}",
+                                    "{'raised': 5, 'message': None}", "{'failed': 7}",
+                                    "{'value': {'set': [[1]]}, 'names': 'add'}", "{'value': eval('[' * 5000 + ']' * 5000)}"])
+def test_a_solution_answering_in_the_harness_place_only_fails_its_own_tests(forged):
+    """The solution can replace the harness in its process and send any reply: junk fails its tests, and
+    `run_tests` still returns a score (a raise would be a recorded failure, leaving the sample out of the loss)."""
+    code = (f"import __main__\n__main__._answer = lambda namespace, request: {{'id': request.get('id'), **{forged}}}\n"
+            "def add(a, b):\n    return a + b\n")
+    r = run_tests(code, ADD_TESTS[:2] + ["import math\nassert math.isclose(add(1, 2), 3)"])
+    assert (r.passed, r.total) == (0, 3), r

@@ -18,7 +18,6 @@ import json
 import re
 import reprlib
 import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -167,11 +166,14 @@ class _Judge:
     it), and the relay between them. Mutable."""
 
     def __init__(self, code: str, setup: str, tests: list[str], entry_point: str | None, options: dict):
-        self.setup, self.tests, self.entry_point, self.options = setup, tests, entry_point, options
+        self.tests, self.entry_point, self.options = tests, entry_point, options
         self.splits = [split_assert(t) for t in tests]
-        self.deadline = time.monotonic() + options["timeout_s"]
         self.solution = start(harness.program("serve_solution", setup=setup, code=code), channel=True, **options)
-        self.tester: Sandboxed | None = None
+        self.tester = None  # started with the solution (its start-up overlaps) if some test needs it
+        if None in self.splits:
+            self.tester = start(harness.program("serve_tests", setup=setup, tests=tests, entry_point=entry_point),
+                                channel=True, **options)
+        self.named = False  # the tests' program has been told the solution's names
         self.failed = ""  # the solution did not load (or lacks the entry point): every test fails with this
         self.gone = ""    # why a program stopped answering: every test not yet answered fails with this
 
@@ -216,19 +218,18 @@ class _Judge:
 
     def _run_program(self, i: int) -> str | None:
         """Test i in the tests' process, relaying its calls of the solution."""
-        if self.tester is None:
+        if not self.named:  # the solution's functions, for the tests' proxies
             reply = self._ask(self.solution, {"names": True})
             if reply is None:
                 return self._gone(i, self.solution)
-            names = [n for n in reply.get("names", []) if isinstance(n, str)] if "failed" not in reply else []
+            names = reply.get("names") if isinstance(reply.get("names"), list) else []
+            names = [n for n in names if isinstance(n, str)]
             if "failed" in reply or self.entry_point not in [*names, None]:
                 self.failed = _line(reply.get("failed") or
                                     f"NameError: the entry point {self.entry_point!r} is not defined (in the solution)")
                 return self.failed
-            left = max(1e-3, self.deadline - time.monotonic())  # one deadline for both programs
-            self.tester = start(harness.program("serve_tests", setup=self.setup, tests=self.tests,
-                                                entry_point=self.entry_point, names=names),
-                                channel=True, **{**self.options, "timeout_s": left})
+            self.tester.send({"names": names})
+            self.named = True
         rid = secrets.token_hex(8)
         self.tester.send({"id": rid, "run": i})
         while (message := self._next(self.tester, lambda m: m.get("id") == rid or "call" in m)) is not None:

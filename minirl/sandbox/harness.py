@@ -6,9 +6,9 @@ A channel is JSON lines: requests on the program's fd 3, replies on its fd 4.
   `{"id", "names": [its top-level callables]}`; `{"id", "call": name, "args", "kwargs"}` with `{"id", "value"}`,
   `{"id", "raised": [the exception's class names, most derived first], "message"}` or `{"id", "not_plain": why}`;
   when the solution did not load, every request with `{"id", "failed": why}`.
-- The tests' process holds the test code, with a `Proxy` in place of each function of the solution. `{"id",
-  "run": i}` runs test i; each proxy call in it is `{"call", "args", "kwargs"}`, answered with the solution's
-  reply; the verdict is `{"id", "ok", "error"}`.
+- The tests' process holds the test code, with a `Proxy` in place of each function of the solution (their names
+  come first: `{"names": [...]}`). `{"id", "run": i}` runs test i; each proxy call in it is `{"call", "args",
+  "kwargs"}`, answered with the solution's reply; the verdict is `{"id", "ok", "error"}`.
 Plain data: None, bool, int, float, str and list travel as JSON; tuple, set, frozenset, dict, bytes and complex as
 one-key objects (`{"tuple": [...]}`, `{"dict": [[key, value], ...]}`, ...); nothing else does.
 """
@@ -74,7 +74,7 @@ def decode(data, depth=0):
                 made = {"tuple": tuple, "set": set, "frozenset": frozenset}.get(tag)
                 if made is not None:
                     return made(decode(v, depth + 1) for v in body)
-        except (TypeError, ValueError) as e:  # an unhashable key or member, bad hex
+        except (TypeError, ValueError, ArithmeticError) as e:  # an unhashable key or member, bad hex, 10**400j
             raise NotPlainData(f"{tag}: {e}") from None
     raise NotPlainData(dumps(data)[:80])
 
@@ -170,7 +170,7 @@ def _exception(names: list, message: str) -> BaseException:
     return SolutionError(f"{names[0] if names else 'error'}: {message}")
 
 
-def serve_tests(setup: str, tests: list, entry_point, names: list) -> None:
+def serve_tests(setup: str, tests: list, entry_point) -> None:
     requests = _incoming()
     namespace = {"__name__": "tests"}
     try:
@@ -179,6 +179,7 @@ def serve_tests(setup: str, tests: list, entry_point, names: list) -> None:
     except BaseException as e:  # noqa: BLE001 - every test fails with it
         failed = describe(e) + " (in the setup)"
     taken = set(namespace) | set(dir(builtins))  # a solution's `len` or `set` never stands in for the real one
+    names = next(requests, {}).get("names", [])  # the first request: the solution's functions
     namespace.update({n: Proxy(n, requests) for n in names if n.isidentifier() and n not in taken})
     for request in requests:
         verdict = {"ok": False, "error": failed} if failed else _run_test(namespace, request["run"],

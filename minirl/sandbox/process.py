@@ -66,13 +66,8 @@ def run_python(code: str, *, stdin: str = "", timeout_s: float = 5, memory_mb: f
     address space; `max_processes` (default: `default_max_processes(memory_mb)`) its processes and threads. The
     program's faults come back in the result, never as exceptions; raises SandboxUnavailable when no isolation
     works here, unless `allow_unsandboxed`."""
-    program = start(code, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
-                    max_processes=max_processes, allow_unsandboxed=allow_unsandboxed)
-    try:
-        pump([program])
-    finally:
-        result = program.finish()
-    return result
+    return start(code, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes,
+                 max_processes=max_processes, allow_unsandboxed=allow_unsandboxed).wait()
 
 
 def start(code: str, *, stdin: str = "", timeout_s: float = 5, memory_mb: float = 512, max_output_bytes: int = 64_000,
@@ -113,11 +108,7 @@ def _probe() -> tuple[str, str, str]:
     """(label, mode, why not) of the isolation that works here, found once by running a trivial program."""
     mode = "root" if os.geteuid() == 0 else "user"
     label = "unshare(mount,net,pid,ipc,uts)+fresh uid" if mode == "root" else "unshare(user,mount,net,pid,ipc,uts)"
-    program = _start("pass", "", mode, dict(cpu_s=10, memory_bytes=512 * MIB, max_processes=4), 30, 64_000, label)
-    try:
-        pump([program])
-    finally:
-        result = program.finish()
+    result = _start("pass", "", mode, dict(cpu_s=10, memory_bytes=512 * MIB, max_processes=4), 30, 64_000, label).wait()
     return (label, mode, "") if result.ok else ("none", "none", f"{label}: {result.reason}")
 
 
@@ -166,6 +157,14 @@ class Sandboxed:
         if not self.killed:
             self.killed = why
             self.proc.terminate()  # the supervisor kills the init, and the kernel the rest of the namespace
+
+    def wait(self) -> SandboxResult:
+        """Let it run to its end (or its deadline), then `finish`."""
+        try:
+            pump([self])
+        finally:
+            result = self.finish()
+        return result
 
     def finish(self) -> SandboxResult:
         """Stop it if it still runs, wait for its supervisor, and say how it ended."""
