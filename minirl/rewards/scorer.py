@@ -148,8 +148,10 @@ class RewardsFailing(RuntimeError):
 
 
 def _stop_line(name: str, steps: int, last: str) -> str:
-    fix = (f"to get a sandbox, {ENABLE_SANDBOX}" if "SandboxUnavailable" in last else
-           "fix the reward (try it on samples with minirl.check) or give it weight 0")
+    if "SandboxUnavailable" in last:  # the cause, then the fix once (the reason, cut at 300 characters, repeats it)
+        last, fix = last.partition("; " + ENABLE_SANDBOX[:11])[0], f"to get a sandbox, {ENABLE_SANDBOX}"
+    else:
+        fix = "fix the reward (try it on samples with minirl.check) or give it weight 0"
     return f"reward {name!r} failed every call for {steps} steps in a row, last: {last}; stopping the run: {fix}"
 
 
