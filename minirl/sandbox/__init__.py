@@ -20,9 +20,10 @@ uid 0 of the host, which the kernel exempts from the process limit. What is isol
   otherwise as the caller's uid in the user namespace, its capabilities there ending at exec. No new
   privileges (setuid binaries do nothing). Its environment is HOME, TMPDIR and PATH, nothing inherited.
 - Keys: it joins a fresh, empty session keyring, so the caller's session keyring (and the user keyring it links)
-  is out of reach; the fresh uid (as root) or the new user namespace (otherwise) gives it an empty user keyring.
-  Where the key system calls are all blocked (Docker's default seccomp profile blocks add_key, request_key and
-  keyctl; the filter is inherited) it cannot reach any keyring, and runs; any other failure to join stops it.
+  is out of reach; the fresh uid (as root) or the new user namespace (otherwise) gives it an empty user keyring;
+  /proc/keys and /proc/key-users are hidden. Where the key system calls are all blocked (Docker's default seccomp
+  profile blocks add_key, request_key and keyctl; the filter is inherited) joining fails but it cannot reach any
+  keyring either, and runs; where only some are blocked, it does not run.
 - Memory pressure: the program, its init and supervisor have `oom_score_adj` 1000, so the kernel's OOM killer
   takes them before the trainer.
 - Limits (setrlimit; and nice 10): CPU seconds, address space (`memory_mb`, per process), processes and threads
