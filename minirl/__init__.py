@@ -7,7 +7,8 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 from .config import Config, ConfigError
 from .envs import Env, EnvStep, tool, tools
-from .rewards import REGISTRY, Scorer, reward, sandbox
+from . import sandbox
+from .rewards import REGISTRY, Scorer, reward
 from .run import Run
 from .ui import Dashboard, check, doctor, preview, preview_episodes, render, rescore
 

@@ -289,6 +289,7 @@ class Run:
         batches = self._pipeline_batches() if pipeline else self._sync_batches()
         t_prev = time.perf_counter()
         for step, scored, gen in batches:
+            self.scorer.watch(scored)  # a reward failing every call for steps in a row stops the run, with the fix
             stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.sampled_versions]
             gen.update({"staleness/mean": _mean(stale), "staleness/max": max(stale, default=None)})
             t1 = time.perf_counter()

@@ -102,7 +102,7 @@ def test_builtin_code_task_rows_are_right_and_scored_in_the_sandbox():
     """Every family's asserts hold for the reference body and fail for a wrong one (one row per family run in
     the sandbox); 'code' loads like a path, with a carved held-out split."""
     from minirl.data import _CODE_FAMILIES, code_rows, load_rows, make_splits
-    from minirl.rewards import sandbox
+    from minirl import sandbox
     from minirl.rewards.builtin import code_tests_pass
     rows = code_rows()
     assert len(rows) == 120 == len({r["prompt"] for r in rows}) and rows == load_rows("code", "prompt")

@@ -1,6 +1,7 @@
 """A faulty reward never kills a run, never corrupts advantages or weights; a non-finite step is skipped, a
 non-finite adapter never served or saved; closing a failed run never hides its error."""
 import math
+from decimal import Decimal
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from minirl import Run
 from minirl.loss import group_advantages
 from minirl.metrics import read_log
 from minirl.rewards import Scorer
-from minirl.types import Completion, Group, Prompt
+from minirl.rewards.builtin import code_tests_pass
+from minirl.rewards.scorer import RewardsFailing, failure_kinds
+from minirl.types import Completion, Group, Prompt, RewardFailure, ScoredGroup
 
 from conftest import TOY_ROWS
 
@@ -78,6 +81,67 @@ def test_huge_finite_rewards_are_failures_and_advantages_stay_finite():
         _group(["big", "big", "a", "b"]))
     assert g.rewards == (None,) * 4 and g.advantages == (0.0,) * 4
     assert any("non-finite advantage" in f.reason for f in g.failures)
+
+
+class Refuses(float):
+    def __float__(self):
+        raise ArithmeticError("no float for you")
+
+
+def test_values_float_cannot_take_are_failures_with_their_reason():
+    values = {"10**400": 10**400, "10**5000": 10**5000, "Decimal": Decimal("1e400"), "refuses": Refuses(2.0),
+              "a": 1.0, "b": 0.0}
+    g = Scorer([("r", lambda p, c, **_: values[c])], [1.0]).score_group(_group(list(values)))
+    assert g.rewards == (None, None, None, None, 1.0, 0.0) and all(math.isfinite(a) for a in g.advantages)
+    assert [f.reason for f in g.failures] == [
+        "returned int 1000000000000000000000000000000000000000, which float() cannot take (OverflowError: int too "
+        "large to convert to float)",
+        "returned int (cannot be shown), which float() cannot take (OverflowError: int too large to convert to float)",
+        "returned Decimal Decimal('1E+400'), expected a float or None",
+        "returned Refuses 2.0, which float() cannot take (ArithmeticError: no float for you)"]
+    assert failure_kinds([g]) == {"float() cannot take": 3, "expected a float": 1}
+    scorer = Scorer([("big", lambda p, c, **_: 10**400 if c == "big" else float(c == "a"))], [1.0], workers=1)
+    g = scorer.score_group(_group(["big", "a", "b"]))  # from a worker process too
+    assert g.rewards == (None, 1.0, 0.0) and "float() cannot take (OverflowError" in g.failures[0].reason
+
+
+def _scored(failed: dict[str, int], n: int = 4) -> ScoredGroup:
+    """A group of n samples in which reward `name` failed on the first `failed[name]` of them."""
+    failures = tuple(RewardFailure(name, i, "ConnectionError: the judge is down") for name, k in failed.items()
+                     for i in range(k))
+    return ScoredGroup(_group(["x"] * n), (None,) * n, {}, (0.0,) * n, failures)
+
+
+def test_a_reward_failing_every_call_for_three_steps_stops_with_the_cause_and_the_fix():
+    scorer = Scorer([("judge", len), ("logged", len)], [1.0, 0.0])
+    for _ in range(2):
+        scorer.watch([_scored({"judge": 4, "logged": 4}), _scored({"judge": 4})])
+    scorer.watch([])  # a step that scored nothing (all dropped as stale) counts neither way
+    scorer.watch([_scored({"judge": 3}), _scored({"judge": 4})])  # one call went through: the count starts again
+    for _ in range(2):
+        scorer.watch([_scored({"judge": 4, "logged": 4})])
+    with pytest.raises(RewardsFailing) as e:
+        scorer.watch([_scored({"judge": 4, "logged": 4})])  # "logged" (weight 0) fails too, but trains nothing
+    assert str(e.value) == ("reward 'judge' failed every call for 3 steps in a row, last: ConnectionError: the judge "
+                            "is down; stopping the run: fix the reward (try it on samples with minirl.check) or give "
+                            "it weight 0")
+
+
+def test_a_code_reward_run_where_no_sandbox_works_stops_naming_how_to_get_one(toy_cfg, monkeypatch):
+    from minirl.sandbox import process
+    monkeypatch.setattr(process, "_probe", lambda: ("none", "none", "unshare: Operation not permitted"))
+    rows = [{"prompt": r["prompt"], "tests": ["assert f(1) == 2"]} for r in TOY_ROWS[:24]]
+    run = Run(toy_cfg.replace(steps=5, reward_workers=0, eval_size=0), data=rows, rewards=[code_tests_pass])
+    with pytest.raises(RewardsFailing) as e:
+        run.run()
+    line = str(e.value)
+    assert "\n" not in line and line.startswith("reward 'code_tests_pass' failed every call for 3 steps in a row, "
+                                                 "last: SandboxUnavailable: no sandbox on this machine (unshare: ")
+    assert line.count("CAP_SYS_ADMIN") == 1 and "operation not permitted); stopping the run" in line.lower()
+    assert line.endswith("stopping the run: to get a sandbox, run as root with CAP_SYS_ADMIN (Docker: --cap-add "
+                         "SYS_ADMIN), or allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1;"
+                         " Ubuntu 24.04: kernel.apparmor_restrict_unprivileged_userns=0)")
+    assert len(run.history) == 2  # steps 0 and 1 ran (on nothing); the third failing step stopped the run
 
 
 def test_a_nonfinite_step_is_skipped_and_the_adapter_kept(toy_cfg):

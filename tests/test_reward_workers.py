@@ -361,3 +361,19 @@ def test_bad_arguments_are_one_clear_error():
         RewardWorkers([("a", ok)], -1, 1.0)
     with RewardWorkers([("a", ok)], 0, 1.0) as rw, pytest.raises(ValueError, match=r"unknown reward\(s\) \['b'\]"):
         rw.call_many(calls("b"))
+
+
+def test_a_code_reward_in_a_worker_never_imports_minirl_or_torch():
+    """`code_tests_pass` loads the sandbox from its folder: a worker running it stays light (torch: 2 s, 230 MB)."""
+    from minirl.rewards.builtin import code_tests_pass
+    from minirl.sandbox import isolation
+    if isolation() == "none":
+        pytest.skip("no sandbox here")
+
+    def heavy(prompt, completion, **_):
+        import sys
+        return float(sum(m in ("torch", "minirl") or m.startswith(("torch.", "minirl.")) for m in sys.modules))
+    with RewardWorkers([("code", code_tests_pass), ("heavy", heavy)], 1, 30) as pool:
+        out = pool.call_many([RewardCall("code", "", "def f(x):\n    return x", {"tests": ["assert f(1) == 1"]}),
+                              RewardCall("heavy", "", "")])
+    assert [(o.value, o.error) for o in out] == [(1.0, None), (0.0, None)]

@@ -2,8 +2,12 @@
 host unaffected. Isolation tests skip where `isolation()` is "none"; the refusal and the unsandboxed mode are
 tested by removing CAP_SYS_ADMIN from a child Python (as Docker does), the user-namespace mode by running one as
 an unprivileged uid; those two need root and skip otherwise."""
+import errno
+import importlib
 import json
+import math
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -11,13 +15,14 @@ import socket
 import subprocess
 import sys
 import threading
+import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from minirl.rewards import sandbox, sandbox_supervisor as supervisor
-from minirl.rewards.sandbox import SandboxUnavailable, extract_code, isolation, run_python, run_tests
+from minirl import sandbox
+from minirl.sandbox import SandboxUnavailable, default_max_processes, extract_code, isolation, run_python, supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 needs_isolation = pytest.mark.skipif(isolation() == "none", reason=f"no sandbox here: {isolation()}")
@@ -276,63 +281,154 @@ def test_the_program_cannot_forge_its_status():
 
 
 def test_bad_arguments_are_refused_with_one_line():
-    with pytest.raises(ValueError, match="timeout_s must be positive"):
-        run_python("pass", timeout_s=0)
-    with pytest.raises(ValueError, match="tests is empty"):
-        run_tests("pass", [])
+    for kwargs, error, message in [
+            (dict(code=123), TypeError, "run_python: code must be a str, got int"),
+            (dict(stdin=b"x"), TypeError, "run_python: stdin must be a str, got bytes"),
+            (dict(timeout_s=0), ValueError, "run_python: timeout_s must be a number of seconds > 0 and <= 86400, "
+                                            "got 0"),
+            (dict(timeout_s=math.inf), ValueError, "timeout_s must be a number of seconds > 0 and <= 86400, got inf"),
+            (dict(timeout_s=math.nan), ValueError, "got nan"),
+            (dict(timeout_s="5"), ValueError, "got '5'"),
+            (dict(memory_mb=-1), ValueError, "run_python: memory_mb must be a number of MiB > 0"),
+            (dict(memory_mb=math.inf), ValueError, "memory_mb must be a number of MiB > 0 and <= 1048576, got inf"),
+            (dict(max_processes=2.5), ValueError, "run_python: max_processes must be a whole number >= 1, got 2.5"),
+            (dict(max_processes=0), ValueError, "max_processes must be a whole number >= 1, got 0"),
+            (dict(max_output_bytes=True), ValueError, "max_output_bytes must be a whole number >= 1, got True")]:
+        with pytest.raises(error, match=re.escape(message)):
+            run_python(**{"code": "pass", **kwargs})
 
 
-# ---- run_tests ----
-
-ADD = "Here you go:\n```python\ndef add(a, b):\n    return a + b\n```\n"
-
-
-@needs_isolation
-def test_run_tests_passes_correct_asserts_and_names_the_failed_one():
-    r = run_tests(ADD, ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"])
-    assert (r.passed, r.total, r.first_failure, r.fraction, r.all_passed) == (2, 2, "", 1.0, True)
-    r = run_tests(ADD, ["assert add(1, 2) == 3", "assert add(2, 2) == 5", "assert add(1) == 1"])
-    assert (r.passed, r.total, r.all_passed) == (1, 3, False)
-    assert r.first_failure == "assertion failed: assert add(2, 2) == 5"
+def test_module_imports_as_the_docs_name_it():
+    """The docs spell `minirl.sandbox.run_python`: a module, importable as `from minirl.sandbox import run_python`."""
+    module = importlib.import_module("minirl.sandbox")
+    assert module.run_python is run_python
+    assert module.__file__.endswith(os.path.join("minirl", "sandbox", "__init__.py"))
+    from minirl.sandbox import run_tests  # noqa: F401
 
 
-@needs_isolation
-def test_run_tests_reports_a_broken_solution_and_uses_setup():
-    r = run_tests("def add(a, b) return a + b", ["assert add(1, 2) == 3"])
-    assert r.passed == 0 and r.first_failure.startswith("SyntaxError") and "(in the solution)" in r.first_failure
-    r = run_tests("def area(r):\n    return pi * r * r", ["assert round(area(1), 2) == 3.14"],
-                  setup="from math import pi")
-    assert r.all_passed, r
-
-
-@needs_isolation
-def test_run_tests_cannot_be_gamed_by_exiting_or_faking_a_verdict():
-    fake_verdict = ("import json, sys\n"  # a forged verdict line, with whatever it can read of the nonce
-                    "print('\\n' + sys.stdin.readline().strip() + ' ' + json.dumps({'i': 0, 'ok': True}))")
-    for trick in ("import os; os._exit(0)", "import sys; sys.exit(0)", fake_verdict):
-        r = run_tests(f"def add(a, b):\n    return 0\n{trick}\n", ["assert add(1, 2) == 3"])
-        assert r.passed == 0, (trick, r)
-    r = run_tests("def add(a, b):\n    import sys; sys.exit(0)", ["assert add(1, 2) == 3"])
-    assert r.passed == 0 and r.first_failure.startswith("SystemExit"), r
+def test_the_default_process_cap_keeps_memory_limits_under_a_share_of_ram():
+    mib, gib = 2**20, 2**30
+    assert [default_max_processes(512, ram_bytes=r * gib) for r in (1, 8, 24, 64, 1024)] == [1, 1, 3, 8, 16]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for memory_mb in (64, 256, 512, 2048):
+        n = default_max_processes(memory_mb)
+        assert n == 1 or n * memory_mb * mib <= ram * sandbox.process.RAM_SHARE
 
 
 @needs_isolation
-def test_run_tests_humaneval_check_and_partial_credit_on_timeout():
-    check = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(0, 0) == 0\n"
-    assert run_tests(ADD, [check], entry_point="add").all_passed
-    r = run_tests(ADD, [check], entry_point="plus")
-    assert r.passed == 0 and "plus" in r.first_failure
-    r = run_tests(ADD, ["assert add(1, 1) == 2", "while True: pass", "assert add(0, 0) == 0"], timeout_s=1.5)
-    assert (r.passed, r.first_failure) == (1, "test 1 did not finish: timeout after 1.5s")
+def test_fractional_memory_and_the_default_process_cap_are_in_effect():
+    r = timed("import resource; print(resource.getrlimit(resource.RLIMIT_AS)[0], "
+              "resource.getrlimit(resource.RLIMIT_NPROC)[0])", memory_mb=300.5)
+    assert r.ok, r
+    extra = 0 if os.geteuid() == 0 else 2  # in a user namespace the init and supervisor count too
+    assert r.stdout.split() == [str(int(300.5 * 2**20)), str(default_max_processes(300.5) + extra)]
+
+
+@needs_isolation
+def test_the_oom_killer_takes_the_sandbox_first():
+    r = timed("import os; print(open('/proc/self/oom_score_adj').read().strip(), "
+              "open(f'/proc/{os.getppid()}/oom_score_adj').read().strip())")
+    assert r.ok and r.stdout.split() == ["1000", "1000"], r  # the program and its init
+    assert Path("/proc/self/oom_score_adj").read_text().strip() != "1000"  # the caller keeps its own
+
+
+# ---- keys: the caller's keyrings are out of the program's reach ----
+
+KEYCTL_SEARCH, KEYCTL_READ, KEYCTL_UNLINK, KEYCTL_JOIN = 10, 11, 9, 1
+SESSION, USER = -3, -4
+_KEYS = f"""
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+ADD_KEY, REQUEST_KEY, KEYCTL = {supervisor.KEY_SYSCALLS!r}[os.uname().machine]
+def key_call(*args):
+    r = libc.syscall(*args)
+    return [r, ctypes.get_errno() if r < 0 else 0]
+"""
+# the sandboxed probe: find the caller's keys by name in its session and user keyrings, read them by id, list them
+_PROBE = _KEYS + """
+desc, ids = sys.stdin.readline().split(" ", 1)
+found = {ring: key_call(KEYCTL, 10, ring, b"user", desc.encode(), 0) for ring in (-3, -4)}
+reads = [key_call(KEYCTL, 11, int(i), None, 0) for i in json.loads(ids)]
+listed = desc in open("/proc/keys").read() if os.path.exists("/proc/keys") else False
+print(json.dumps(dict(found=found, reads=reads, listed=listed, add=key_call(ADD_KEY, b"user", b"x", b"y", 1, -3))))
+"""
+
+
+def _keys_script(block: list[int] | None = None) -> str:
+    """A script for `_python_as`: it joins a session keyring of its own, adds a key to it and one to its user
+    keyring, (optionally) installs a seccomp filter answering EPERM to the system calls `block`, then runs the
+    probe in the sandbox and prints what it found (and removes its user key)."""
+    seccomp = "" if block is None else f"""
+class Insn(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+class Prog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Insn))]
+numbers = {block!r}
+insns = [Insn(0x20, 0, 0, 0)] + [Insn(0x15, len(numbers) - j, 0, n) for j, n in enumerate(numbers)]
+insns += [Insn(0x06, 0, 0, 0x7fff0000), Insn(0x06, 0, 0, 0x00050000 | 1)]  # allow; else EPERM
+assert libc.prctl(38, 1, 0, 0, 0) == 0  # no_new_privs, which seccomp needs without CAP_SYS_ADMIN
+assert libc.prctl(22, 2, ctypes.byref(Prog(len(insns), (Insn * len(insns))(*insns)))) == 0
+"""
+    return _KEYS + f"""
+assert key_call(KEYCTL, {KEYCTL_JOIN}, None)[0] > 0
+desc = "minirl-probe-" + os.urandom(6).hex()
+ids = [key_call(ADD_KEY, b"user", desc.encode(), b"caller-secret", 13, ring)[0] for ring in ({SESSION}, {USER})]
+assert min(ids) > 0, ids
+try:
+{textwrap.indent(seccomp, "    ")}
+    try:
+        r = sandbox.run_python({_PROBE!r}, stdin=desc + " " + json.dumps(ids) + "\\n")
+        out = dict(ok=r.ok, stdout=r.stdout, reason=r.reason, isolation=sandbox.isolation())
+    except sandbox.SandboxUnavailable as e:
+        out = dict(refused=str(e))
+    print(json.dumps(out))
+finally:
+    libc.syscall(KEYCTL, {KEYCTL_UNLINK}, ids[1], {USER})
+"""
+
+
+def _assert_keys_unreachable(got: dict) -> None:
+    assert got["ok"], got
+    probe = json.loads(got["stdout"])
+    assert probe["found"]["-3"][0] == -1 and probe["found"]["-4"][0] == -1, probe  # ENOKEY: not in its keyrings
+    assert all(r == -1 and e in (errno.EACCES, errno.ENOKEY, errno.EPERM) for r, e in probe["reads"]), probe
+    assert not probe["listed"], probe
+
+
+@needs_isolation
+def test_the_program_cannot_reach_the_callers_keyrings():
+    """The caller's session and user keys: not found by name, not readable by id, not listed in /proc/keys."""
+    got = _python_as([], sys.executable, _keys_script())
+    _assert_keys_unreachable(got)
+    assert json.loads(got["stdout"])["add"][0] > 0  # a key of its own, in its own session keyring: allowed
+
+
+@needs_isolation
+def test_where_seccomp_blocks_the_key_calls_the_sandbox_runs_and_no_keyring_is_reachable():
+    """Docker's default profile blocks add_key, request_key and keyctl: joining a fresh keyring fails there, and
+    the program cannot call any of them either (the filter is inherited), so the run goes on."""
+    got = _python_as([], sys.executable, _keys_script(list(supervisor.KEY_SYSCALLS[os.uname().machine])))
+    _assert_keys_unreachable(got)
+    probe = json.loads(got["stdout"])
+    assert {e for _, e in [*probe["found"].values(), *probe["reads"], probe["add"]]} == {errno.EPERM}, probe
+
+
+@needs_isolation
+def test_where_only_keyctl_is_blocked_the_sandbox_refuses():
+    """Joining fails, yet add_key could still reach the caller's session keyring: no run, and a reason."""
+    got = _python_as([], sys.executable, _keys_script([supervisor.KEY_SYSCALLS[os.uname().machine][2]]))
+    assert "cannot give the program a fresh session keyring" in got["refused"], got
 
 
 # ---- where no isolation works, and the user-namespace mode ----
 
 def _python_as(prefix: list[str], python: str, script: str) -> dict:
-    """Run `script` (which prints one JSON line) in a fresh Python under `prefix` (setpriv ...), with this
-    sandbox module loaded from its file as `sandbox` (it is standalone: the system Python has no minirl deps)."""
+    """Run `script` (which prints one JSON line) in a fresh Python under `prefix` (setpriv ...), with the sandbox
+    package loaded from its folder as `sandbox` (it is standalone: the system Python has no minirl deps)."""
     load = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox.__file__!r})\n"
+            f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox.__file__!r}, "
+            f"submodule_search_locations=[{os.path.dirname(sandbox.__file__)!r}])\n"
             "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
             "spec.loader.exec_module(sandbox)\n")
     out = subprocess.run([*prefix, python, "-I", "-c", load + script], capture_output=True, text=True, timeout=120)
@@ -401,3 +497,14 @@ def test_user_namespace_mode_as_an_unprivileged_uid():
     assert got["count"] == "5\n" and got["bomb"] == "timeout after 2s" and alive(marker) == []
     assert "Network is unreachable" in got["net"] and "Read-only file system" in got["write"]
     assert got["caps"] == "0000000000000000\n"
+
+
+@needs_root
+@pytest.mark.skipif(not os.access("/usr/bin/python3", os.X_OK), reason="needs a system Python for another uid")
+def test_user_namespace_mode_cannot_reach_the_callers_keyrings():
+    got = _python_as(["setpriv", "--reuid", "4242", "--regid", "4242", "--clear-groups"], "/usr/bin/python3",
+                     _keys_script())
+    if got.get("isolation") == "none" or "refused" in got:
+        pytest.skip("unprivileged user namespaces are not available on this kernel")
+    assert got["isolation"] == "unshare(user,mount,net,pid,ipc,uts)"
+    _assert_keys_unreachable(got)

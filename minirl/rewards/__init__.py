@@ -1,7 +1,7 @@
 """Rewards: the registry (`registry.py`), the built-in tasks' rewards (`builtin.py`), the scorer that runs them on
 each group and turns rewards into group-relative advantages (`scorer.py`), the worker processes the calls run in
-(`workers.py`, `worker_main.py`), and the sandbox for model-written code (`sandbox.py`, `sandbox_supervisor.py`)."""
-from . import builtin, sandbox  # noqa: F401 - builtin registers the built-in rewards
+(`workers.py`, `worker_main.py`). Code rewards run model-written code in `minirl.sandbox`."""
+from . import builtin  # noqa: F401 - registers the built-in rewards
 from .builtin import arithmetic_correct, code_tests_pass, last_integer
 from .registry import REGISTRY, RewardFn, check_columns, resolve_reward, reward, source_hash
 from .scorer import Scorer

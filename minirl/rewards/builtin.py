@@ -1,7 +1,10 @@
 """The built-in tasks' reward functions."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import sys
 from typing import Any
 
 from .registry import reward
@@ -24,13 +27,31 @@ def arithmetic_correct(prompt: str, completion: str, answer: int, **_: Any) -> f
 
 # --- the built-in code task's reward ---------------------------------------------------------------------------
 
+_SANDBOX_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox")
+
+
 @reward
-def code_tests_pass(prompt: str, completion: str, tests: list[str], **_: Any) -> float:
-    """The fraction of the row's asserts that the completion's function passes, run in `minirl.sandbox` (no
-    network, private filesystem, resource limits; see its docstring). Raises where no sandbox works here, so the
-    failure is recorded instead of scored 0."""
-    from .sandbox import run_tests
-    return run_tests(completion, list(tests), entry_point="f", timeout_s=5).fraction
+def code_tests_pass(prompt: str, completion: str, tests: list[str] | str, entry_point: str | None = None,
+                    **_: Any) -> float:
+    """The fraction of the row's tests that the completion passes, judged by `minirl.sandbox.run_tests` (the
+    solution in a sandboxed process of its own, its answers compared as plain data; see its docstring). `tests`: a
+    list of asserts, or one HumanEval test program calling `check(candidate)` with the `entry_point` column's
+    function. Raises where no sandbox works here, or for `tests` of another kind, so the failure is recorded
+    instead of scored 0."""
+    return _sandbox().run_tests(completion, tests, entry_point=entry_point, timeout_s=5).fraction
+
+
+def _sandbox():
+    """`minirl.sandbox`; in a reward worker, which never imports minirl (nor torch with it: 2 s and 230 MB a
+    worker), loaded from its folder as a package of its own (it imports nothing from minirl)."""
+    if "minirl.sandbox" in sys.modules:
+        return sys.modules["minirl.sandbox"]
+    if "minirl_sandbox" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("minirl_sandbox", os.path.join(_SANDBOX_DIR, "__init__.py"),
+                                                      submodule_search_locations=[_SANDBOX_DIR])
+        sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["minirl_sandbox"]
 
 
 # --- environments: the episode's own reward ------------------------------------------------------------------

@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ..loss import group_advantages
+from ..sandbox.process import ENABLE_SANDBOX
 from ..types import Group, RewardFailure, ScoredGroup
 from .registry import resolve_reward, source_hash
+from .worker_main import reason
 from .workers import RewardCall, RewardWorkers
 
 
@@ -33,7 +35,9 @@ class Scorer:
     workers: int = 0              # reward worker processes; 0 = in this process
     reward_clip: float = 1e6      # |value| above this is a failure (so advantages stay finite)
     memory_mb: int | None = 2048  # per worker process
+    stop_after_failing_steps: int = 3  # a weighted reward failing every call this many steps in a row stops a run
     _pool: RewardWorkers | None = field(default=None, init=False, repr=False)
+    _failing_steps: Counter = field(default_factory=Counter, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.versions = {n: source_hash(f) for n, f in self.rewards}
@@ -66,17 +70,34 @@ class Scorer:
             self._pool = None
 
     def check_value(self, v: Any) -> tuple[float | None, str | None]:
-        """(value, None) for a usable reward value or an explicit skip (None); (None, reason) otherwise."""
+        """(value, None) for a usable reward value or an explicit skip (None); (None, reason) otherwise, also for a
+        value that float() cannot take (10**400, an object whose __float__ raises): never an exception."""
         if v is None:
             return None, None
-        if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
-            return None, f"returned {type(v).__name__} {v!r:.40}, expected a float or None"
-        v = float(v)
+        try:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
+                return None, f"returned {_shown(v)}, expected a float or None"
+            v = float(v)
+        except Exception as e:  # noqa: BLE001 - whatever a value's own methods raise, it is this call's failure
+            return None, f"returned {_shown(v)}, which float() cannot take ({reason(e)})"
         if not math.isfinite(v):
             return None, f"returned non-finite {v}"
         if abs(v) > self.reward_clip:
             return None, f"returned {v:.3g}, beyond reward_clip={self.reward_clip:g}"
         return v, None
+
+    def watch(self, scored: Sequence[ScoredGroup]) -> None:
+        """Called by a run after each step: raises RewardsFailing once a weighted reward has failed every call for
+        `stop_after_failing_steps` steps in a row (a code reward where no sandbox works, a judge that is down):
+        such a run would go on training on nothing."""
+        calls = sum(len(g.group.completions) for g in scored)
+        for (name, _), weight in zip(self.rewards, self.weights):
+            reasons = [f.reason for g in scored for f in g.failures if f.reward == name]
+            if weight == 0 or not calls:
+                continue
+            self._failing_steps[name] = self._failing_steps[name] + 1 if len(reasons) == calls else 0
+            if self._failing_steps[name] >= self.stop_after_failing_steps:
+                raise RewardsFailing(_stop_line(name, self._failing_steps[name], reasons[-1]))
 
     def score_group(self, group: Group, names: Sequence[str] | None = None) -> ScoredGroup:
         """Every reward (or only `names`) on every completion of `group`, then the group's advantages."""
@@ -122,6 +143,27 @@ def _columns(columns: dict, completion) -> dict:
     return columns if completion.episode is None else {**columns, **completion.episode.columns()}
 
 
+class RewardsFailing(RuntimeError):
+    """A weighted reward failed every call for several steps in a row; the message says which, why, and the fix."""
+
+
+def _stop_line(name: str, steps: int, last: str) -> str:
+    if "SandboxUnavailable" in last:  # the cause, then the fix once (the reason, cut at 300 characters, repeats it)
+        last, fix = last.partition("; " + ENABLE_SANDBOX[:11])[0], f"to get a sandbox, {ENABLE_SANDBOX}"
+    else:
+        fix = "fix the reward (try it on samples with minirl.check) or give it weight 0"
+    return f"reward {name!r} failed every call for {steps} steps in a row, last: {last}; stopping the run: {fix}"
+
+
+def _shown(v: Any) -> str:
+    """`type value` for a failure's reason, at most 40 characters of the value, whatever its repr does."""
+    try:
+        text = repr(v)
+    except Exception:  # noqa: BLE001 - an int too long to write, a repr that raises
+        text = "(cannot be shown)"
+    return f"{type(v).__name__} {text:.40}"
+
+
 def _is_numpy_number(v: Any) -> bool:
     return type(v).__module__ == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
 
@@ -130,7 +172,7 @@ def failure_kinds(groups: Sequence[ScoredGroup]) -> dict[str, int]:
     """How many reward failures of each kind ("timeout", "SystemExit", "worker died", ...) these groups hold."""
     def kind(reason: str) -> str:
         for k in ("timeout", "worker died", "output flood", "non-finite", "beyond reward_clip", "expected a float",
-                  "cannot come back"):
+                  "float() cannot take", "cannot come back"):
             if k in reason:
                 return k
         return reason.split(":")[0].split("(")[0].strip() or "error"

@@ -1,10 +1,12 @@
-"""The sandbox's supervisor: run as a script (`python -I -S -B sandbox_supervisor.py key=value ...`) by
-`minirl.rewards.sandbox`, afresh for every program. It unshares the namespaces, builds the private filesystem
-view, drops to a fresh uid and runs the program under its limits (see `minirl/rewards/sandbox.py` for what is and
+"""The sandbox's supervisor: run as a script (`python -I -S -B supervisor.py key=value ...`) by
+`minirl.sandbox.process`, afresh for every program. It unshares the namespaces, builds the private filesystem
+view, drops to a fresh uid and runs the program under its limits (see `minirl/sandbox/__init__.py` for what is and
 is not isolated). Standard library only, and only light modules: every run pays for its imports."""
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import os
 import signal
 import sys
@@ -14,7 +16,7 @@ OPEN_FILES = 256
 HIDDEN = ("/root", "/home", "/run", "/var/tmp")  # replaced by empty read-only directories
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
-# ---- the supervisor: `python -I -S sandbox.py mode=... code_fd=... status_fd=... caller=... <limits>` ----
+# ---- the supervisor: `python -I -S supervisor.py mode=... code_fd=... status_fd=... caller=... <limits>` ----
 
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
@@ -24,7 +26,11 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_NOATIME, MS_NODIRATIME
 MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                       "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
-PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS = 1, 38
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
+KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219), "riscv64": (217, 218, 219)}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+REQUESTS_FD, REPLIES_FD = 3, 4  # the program's ends of its channel (run_tests), when it has one
+_libc.syscall.restype = ctypes.c_long
 
 
 def _check(what: str, ret: int) -> None:
@@ -118,6 +124,8 @@ def _make_all_read_only(keep_locked_flags: bool) -> None:
 def _supervise(config: dict) -> None:
     """The supervisor, outside the PID namespace: set up, fork the init, wait for it. SIGTERM (the caller's
     timeout) or the caller's death (parent-death signal) makes it kill the init, and so the whole namespace."""
+    for key in ("status_fd", "code_fd", "requests_fd", "replies_fd"):  # away from the program's 3 and 4, and
+        config[key] = _move_high(config[key])                           # none inherited past exec (the status!)
     mode, status_fd, child = config["mode"], config["status_fd"], 0
 
     def stop(*_):
@@ -128,12 +136,13 @@ def _supervise(config: dict) -> None:
             _kill_group(child)
 
     signal.signal(signal.SIGTERM, stop)
-    os.set_inheritable(status_fd, False)  # the program must not be able to write a status
     os.umask(0o022)
     if mode == "none":
         import tempfile
         workdir = tempfile.mkdtemp(prefix="minirl-sandbox-")
     try:
+        with open("/proc/self/oom_score_adj", "w") as f:  # inherited: the OOM killer takes the sandbox first
+            f.write("1000")
         with os.fdopen(config["code_fd"], "rb") as f:
             code = f.read()
         uid = (1 << 30) + int.from_bytes(os.urandom(4), "little") % (1 << 30) if mode == "root" else os.getuid()
@@ -167,9 +176,13 @@ def _init(config: dict, uid: int) -> None:
     """PID 1 of the namespace: mount its /proc, fork the program, reap every orphan until the program ends, write
     its "exit N" / "signal N" to the status pipe, exit (and the kernel kills whatever is left)."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(PR_SET_DUMPABLE, 0)  # its /proc/1/fd (the status pipe) closed to a program of the same uid
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no handler: as PID 1 it ignores the program's signals
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for name in ("keys", "key-users"):  # no listing of keys it may view (where keyctl is blocked: the caller's)
+        if os.path.exists(f"/proc/{name}"):
+            _mount("/dev/null", f"/proc/{name}", None, MS_BIND)
     program = os.fork()
     if program == 0:
         _guarded(_run_program, config, uid)
@@ -189,7 +202,7 @@ def _run_program(config: dict, uid: int) -> None:
     mib = 1024 * 1024
     nproc = config["max_processes"] + (2 if config["mode"] == "user" else 0)  # there, the init and supervisor count
     for limit, value in ((resource.RLIMIT_CPU, (config["cpu_s"], config["cpu_s"] + 1)),
-                         (resource.RLIMIT_AS, (config["memory_mb"] * mib,) * 2), (resource.RLIMIT_NPROC, (nproc,) * 2),
+                         (resource.RLIMIT_AS, (config["memory_bytes"],) * 2), (resource.RLIMIT_NPROC, (nproc,) * 2),
                          (resource.RLIMIT_FSIZE, (TMP_MB * mib,) * 2), (resource.RLIMIT_NOFILE, (OPEN_FILES,) * 2),
                          (resource.RLIMIT_CORE, (0, 0))):
         resource.setrlimit(limit, value)
@@ -198,9 +211,39 @@ def _run_program(config: dict, uid: int) -> None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    _join_fresh_session_keyring()
+    if config["requests_fd"] >= 0:
+        os.dup2(config["requests_fd"], REQUESTS_FD)
+        os.dup2(config["replies_fd"], REPLIES_FD)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     env = {"HOME": os.getcwd(), "TMPDIR": os.getcwd(), "PATH": "/usr/local/bin:/usr/bin:/bin"}
     os.execve(sys.executable, [sys.executable, "-I", "-B", "-X", "utf8", "main.py"], env)
+
+
+def _join_fresh_session_keyring() -> None:
+    """Leave the caller's session keyring (its keys, and through it the caller's user keyring) for a new, empty
+    one. Where every key system call is blocked (Docker's default seccomp profile, inherited by the program) no
+    keyring is reachable at all, and the run goes on; any other failure stops it."""
+    machine = os.uname().machine
+    if machine not in KEY_SYSCALLS:
+        raise OSError(f"cannot give the program a fresh session keyring: key system calls unknown on {machine}")
+    add_key, request_key, keyctl = KEY_SYSCALLS[machine]
+    if _libc.syscall(keyctl, KEYCTL_JOIN_SESSION_KEYRING, None) >= 0:
+        return
+    failed = {ctypes.get_errno()}
+    for number in (add_key, request_key):  # NULL arguments: EFAULT where the call is allowed at all
+        _libc.syscall(number, None, None, None, 0, 0)
+        failed.add(ctypes.get_errno())
+    if not failed <= {errno.EPERM, errno.ENOSYS}:
+        raise OSError(f"cannot give the program a fresh session keyring ({', '.join(map(os.strerror, failed))})")
+
+
+def _move_high(fd: int) -> int:
+    if fd < 0:
+        return fd
+    high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return high
 
 
 def _report_exit(status_fd: int, wait_status: int) -> None:
