@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_interrupts():  # SIGTERM stops as Ctrl-C does: checkpoint, children closed, exit 143
             return _command(args)
     except (ConfigError, ValueError, RuntimeError, OSError) as e:
-        print(f"minirl: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:  # a ConfigError holds one line per bad setting
+            print(f"minirl: error: {line}", file=sys.stderr)
         return 2
     except Terminated:
         return 143  # 128 + SIGTERM, as a shell reports it
