@@ -51,6 +51,8 @@ RESUME_FREE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkp
                          "sync_transport", "verify_sync", "reward_timeout_s", "inflight", "max_async_steps"})
 
 
+# written when a run claims its out_dir: --overwrite deletes run files only in a folder that carries it
+MARKER = ".minirl-run"
 ASIDE = ".aside-"  # an old checkpoint of the same step, renamed aside while its replacement is renamed in
 
 
@@ -144,14 +146,24 @@ def holds_run(out: Path) -> bool:
     return any((out / name).exists() for name in RUN_FILES)
 
 
+def mark_run(out: Path) -> None:
+    """Mark `out` as a minirl run's folder (a run does this when it claims it), which --overwrite requires."""
+    atomic_text(out / MARKER, "This folder holds a minirl run; `--overwrite` may delete its run files.\n")
+
+
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, in one line, to start a new run over an existing one, or to resume where there is none."""
+    """Refuse, in one line, to start a new run over an existing one, to overwrite a folder no run claimed (a
+    user's own config.yaml there is not a run), or to resume where there is none."""
     if resume and overwrite:
         raise ConfigError("resume and overwrite exclude each other: resume continues the run in out_dir, "
                           "overwrite replaces it")
     if resume and not (out / "metrics.jsonl").exists():
         raise ConfigError(f"nothing to resume in {str(out)!r}: no run there; start one without --resume, or point "
                           "out_dir at the run to continue")
+    if overwrite and holds_run(out) and not (out / MARKER).exists():
+        found = ", ".join(n for n in RUN_FILES if (out / n).exists())
+        raise RunExists(f"{str(out)!r} holds {found} but no minirl run (no {MARKER} marker), so nothing there is "
+                        "deleted by --overwrite; move those files out yourself, or choose another out_dir")
     if not resume and not overwrite and holds_run(out):
         raise RunExists(f"{str(out)!r} already holds a run; continue it with --resume (resume=True), replace it "
                         "with --overwrite (overwrite=True), or choose another out_dir")
@@ -185,7 +197,10 @@ def lock_out_dir(out: Path):
 
 
 def clear_run(out: Path) -> None:
-    """Remove what a run wrote into `out` (for overwrite); other files are left alone."""
+    """Remove what a run wrote into `out` (for overwrite); other files are left alone. Only in a folder that a
+    run marked as its own (`mark_run`)."""
+    if holds_run(out) and not (out / MARKER).exists():
+        raise RunExists(f"{str(out)!r} carries no {MARKER} marker: not deleting its files")
     for name in RUN_FILES:
         p = out / name
         if p.is_dir():

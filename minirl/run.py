@@ -20,8 +20,8 @@ import torch
 
 from . import data as D
 from . import lifecycle
-from .checkpoint import (Checkpoint, atomic_text, check_out_dir, clear_run, lock_out_dir, past_steps, restore,
-                         resume_point, save_adapter, save_checkpoint)
+from .checkpoint import (Checkpoint, atomic_text, check_out_dir, clear_run, lock_out_dir, mark_run, past_steps,
+                         restore, resume_point, save_adapter, save_checkpoint)
 from .config import Config, ConfigError, parse_cores
 from .envs import resolve_env
 from .episodes import make_runner
@@ -231,6 +231,7 @@ class Run:
         self._lock = lock_out_dir(self.out)
         if self.overwrite:
             clear_run(self.out)
+        mark_run(self.out)
         self.tracker = make_tracker(c.report_to, self.out, c.to_dict(), self.resuming)
         info = dict(config=c.to_dict(), backend=self.backend, backend_why=self.backend_why, async_why=self.async_why,
                     transport=self.sync.transport, transport_why=self._sync_why, reward_versions=self.scorer.versions,

@@ -97,3 +97,29 @@ def test_a_damaged_state_json_is_one_line_naming_the_file(tmp_path, text, what):
         C.latest_checkpoint(tmp_path)
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"{f}: {what}") and "delete" in msg, msg
+
+
+def test_overwrite_deletes_only_a_folder_a_run_marked(toy_cfg, tmp_path):
+    """A folder holding only the user's config.yaml is not a run: --overwrite refuses in one line, before anything
+    loads, and deletes nothing; a folder a run claimed (its marker) is replaced."""
+    from conftest import TOY_ROWS
+    from minirl import Run
+    from minirl.checkpoint import RunExists, check_out_dir, clear_run
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("steps: 3\n")
+    with pytest.raises(RunExists) as e:
+        Run(toy_cfg.replace(out_dir=str(mine)), data=TOY_ROWS, overwrite=True).setup()
+    assert "\n" not in str(e.value) and "config.yaml but no minirl run" in str(e.value)
+    assert (mine / "config.yaml").read_text() == "steps: 3\n"
+    with pytest.raises(RunExists):
+        clear_run(mine)  # the deleting function itself checks too
+    assert (mine / "config.yaml").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("steps: 3\n")
+    (run / "notes.txt").write_text("mine")
+    C.mark_run(run)
+    check_out_dir(run, resume=False, overwrite=True)
+    clear_run(run)
+    assert sorted(p.name for p in run.iterdir()) == [C.MARKER, "notes.txt"]
