@@ -39,18 +39,61 @@ def test_sweep_removes_what_a_dead_run_left_and_nothing_else(tmp_path):
     folder = lifecycle.shm_dir() or __import__("tempfile").gettempdir()
     left = [os.path.join(folder, f"minirl-ipc-{dead.pid}-0123456789ab"),
             os.path.join(folder, f"minirl-rdv-{dead.pid}-x1y2z3")]
-    live = os.path.join(folder, f"minirl-ipc-{os.getpid()}-ba9876543210")
+    live, live_dir = lifecycle.private_file("ipc", 64), lifecycle.private_dir("rdv")  # this live process's
     other = os.path.join(folder, f"notminirl-ipc-{dead.pid}-0123456789ab")
     open(left[0], "w").close()
     os.mkdir(left[1])
     open(os.path.join(left[1], "store"), "w").close()
-    open(live, "w").close()
     open(other, "w").close()
     try:
         removed = lifecycle.sweep_stale()
         assert set(left) <= set(removed)
         assert not any(os.path.exists(p) for p in left)
-        assert os.path.exists(live) and os.path.exists(other)  # a live run's file, and not ours
+        assert all(os.path.exists(p) for p in (live, live_dir, other))  # a live run's file and folder, not ours
     finally:
-        for p in (live, other):
-            os.unlink(p)
+        os.unlink(live)
+        os.rmdir(live_dir)
+        os.unlink(other)
+        lifecycle.tidied(live)
+        lifecycle.tidied(live_dir)
+
+
+# A run in another PID namespace (a container sharing /dev/shm): its pid has no /proc entry here, but it holds
+# its files' life locks.
+OTHER_NAMESPACE = """
+import fcntl, os, sys
+fds = []
+for p in sys.argv[1:]:
+    fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(p) else 0))
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    fds.append(fd)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_sweep_keeps_the_files_of_a_live_run_whose_pid_is_not_in_this_proc():
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # the other run's pid, as seen from here: no /proc entry
+    folder = lifecycle.shm_dir() or __import__("tempfile").gettempdir()
+    theirs = [os.path.join(folder, f"minirl-ipc-{gone.pid}-feedfacecafe"),
+              os.path.join(folder, f"minirl-rdv-{gone.pid}-deadbeef0000")]
+    open(theirs[0], "w").close()
+    os.mkdir(theirs[1])
+    owner = subprocess.Popen([sys.executable, "-c", OTHER_NAMESPACE, *theirs], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "locked"
+        removed = lifecycle.sweep_stale()
+        assert not set(theirs) & set(removed) and all(os.path.exists(p) for p in theirs)
+        owner.stdin.close()
+        owner.wait(30)  # the owner is gone: its locks with it
+        assert set(theirs) <= set(lifecycle.sweep_stale())
+    finally:
+        owner.kill()
+        owner.wait()
+        if os.path.exists(theirs[0]):
+            os.unlink(theirs[0])
+        if os.path.isdir(theirs[1]):
+            os.rmdir(theirs[1])
+
