@@ -85,7 +85,7 @@ def test_max_async_steps_auto_follows_the_measured_rule():
     (vLLM on 2+ GPUs); else the synchronous loop, which measured fastest on CPU (README)."""
     import pytest
     from minirl.config import ConfigError
-    from minirl.run import pick_async_steps
+    from minirl.placement import pick_async_steps
     auto = Config()
     assert auto.max_async_steps == "auto"
     for backend in ("hf", "vllm"):  # on CPU, short or long completions alike

@@ -136,7 +136,7 @@ class Config:
     # --- async pipeline ------------------------------------------------------------------------------------
     max_async_steps: int | str = "auto"
     """K: generation may run at most K versions ahead of the trainer. 0 = synchronous (on-policy). 'auto': the
-    rule in `run.pick_async_steps` (1 where generation and training have GPUs of their own; else 0, which measured
+    rule in `placement.pick_async_steps` (1 where generation and training have GPUs of their own; else 0, which measured
     fastest on CPU); the run logs the K it chose and why."""
     max_staleness: int | None = None
     """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
