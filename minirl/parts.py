@@ -20,7 +20,7 @@ from .sync import WeightSync
 from .tasks import TASKS, resolve_env
 from .trackers import check_tracker
 from .trainer import Trainer
-from .types import Episode, Prompt
+from .types import Episode, Prompt, SamplingParams
 
 
 @dataclass
@@ -36,11 +36,25 @@ class RunParts:
     train_prompts: Sequence[Prompt] = ()
     eval_prompts: Sequence[Prompt] = ()
 
-    def close(self) -> None:
-        for obj in (self.sync, self.generator, self.scorer):
-            if obj is not None:
-                obj.close()
+    def describe(self) -> dict[str, Any]:
+        """What the run's start event records about its parts."""
+        gen = self.generator
+        return dict(transport=self.sync.transport, transport_why=self.sync_why, reward_versions=self.scorer.versions,
+                    train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
+                    **({"servers": gen.servers()} if hasattr(gen, "servers") else {}))
+
+    def close(self) -> list[tuple[str, BaseException]]:
+        """Close the generator, the sync and the reward workers, each whatever the others do; (what, error) for
+        each that failed to close."""
+        failed = []
+        for what, obj in (("generator", self.generator), ("sync", self.sync), ("reward workers", self.scorer)):
+            try:
+                if obj is not None:
+                    obj.close()
+            except BaseException as e:  # noqa: BLE001 - the caller reports it; closing goes on
+                failed.append((what, e))
         self.sync = self.generator = None
+        return failed
 
 
 def resolve_rewards(cfg: Config, rewards: Sequence[str | Callable] | None, env: Any) -> tuple[Config, list, Any]:
@@ -57,6 +71,11 @@ def resolve_rewards(cfg: Config, rewards: Sequence[str | Callable] | None, env: 
     if rewards is not None:
         cfg = cfg.replace(rewards=[r if isinstance(r, str) else r.__name__ for r in rewards])
     return cfg, refs, factory
+
+
+def sampling_params(c: Config, step: int) -> SamplingParams:
+    """How step `step` samples (its seed: the run's and the step's, so a resumed run samples as an uninterrupted one)."""
+    return SamplingParams(c.temperature, c.top_p, c.top_k, c.max_tokens, seed=c.seed * 100_003 + step)
 
 
 def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any, place: Placement,

@@ -10,17 +10,18 @@ sync), `sync_check.py` (the check after every push), `run_dir.py` (out_dir: clai
 from __future__ import annotations
 
 import dataclasses
-import threading
+from functools import partial
 import time
 import traceback
 from typing import Any, Callable, Sequence
 
 from . import data as D
+from .background import Background
 from .checkpoint import Checkpoint, resume_point
 from .config import Config
 from .evaluation import evaluate
 from .metrics import rollout_metrics, sample_rows, step_summary
-from .parts import RunParts, build_parts, resolve_rewards
+from .parts import RunParts, build_parts, resolve_rewards, sampling_params
 from .placement import CpuThreads, cuda_device_count, place
 from .rewards.scorer import failure_kinds
 from .rollout import Pipeline
@@ -28,20 +29,21 @@ from .run_dir import RunDir
 from .sync import SyncStats
 from .sync_check import SyncCheck
 from .trackers import scalars
-from .types import SamplingParams, ScoredGroup
+from .types import ScoredGroup
 
 
 def _part(name: str) -> property:
     return property(lambda self: getattr(self.parts, name) if self.parts is not None else None)
 
 
-class Run:
+class Run(Background):
     """`resume=True` continues the run in out_dir from its latest checkpoint (the log is appended to);
     `overwrite=True` replaces the run in out_dir. Without either, a run refuses an out_dir that holds one."""
 
     def __init__(self, config: Config | None = None, *, data: Any = None, eval_data: Any = None,
                  rewards: Sequence[str | Callable] | None = None, env: Any = None, resume: bool = False,
                  overwrite: bool = False, **overrides: Any):
+        super().__init__()
         cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         cfg, self._reward_refs, self._env = resolve_rewards(cfg, rewards, env)
         self.placement = place(cfg, cuda_device_count())  # a bad device string fails here, before anything loads
@@ -52,14 +54,8 @@ class Run:
         self.out = self.dir.out
         self.parts: RunParts | None = None
         self.history: list[dict] = []
-        self.summary: dict[str, Any] = {}
-        self.error: BaseException | None = None
-        self._stop, self._running = threading.Event(), threading.Event()
-        self._running.set()
-        self._thread: threading.Thread | None = None
         self.on_step: list[Callable[[dict], None]] = []
         self.on_eval: list[Callable[[dict], None]] = []  # {"step", "done", "total"} as it goes, then the eval event
-        self._use_pipeline = self.placement.max_async_steps > 0
         self.checkpoint: Checkpoint | None = None  # the one this run resumed from
         self.start_step = self.next_step = 0  # first step this process trains; steps done so far
         self._between_steps = True  # the trainer's state is a whole number of steps (a checkpoint may be taken)
@@ -106,33 +102,25 @@ class Run:
             self._check(self.trainer, self.generator)  # before any push: the engine serves the (restored) policy
 
     def _claim(self) -> None:
-        gen = self.generator
         info = dict(config=self.cfg.to_dict(), backend=self.backend, backend_why=self.backend_why,
-                    async_why=self.async_why, placement=self.placement.to_dict(), transport=self.sync.transport,
-                    transport_why=self.parts.sync_why, reward_versions=self.scorer.versions,
-                    train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
-                    **({"servers": gen.servers()} if hasattr(gen, "servers") else {}))
-        if self.resuming:
-            info["checkpoint"] = str(self.checkpoint.path) if self.checkpoint else None
+                    async_why=self.async_why, placement=self.placement.to_dict(), **self.parts.describe(),
+                    **({"checkpoint": self.checkpoint and str(self.checkpoint.path)} if self.resuming else {}))
         self.history, self._acc_before = self.dir.claim(self.cfg, self.start_step, self.trainer.version, info)
-        if hasattr(gen, "on_event"):  # vLLM servers: down, restarted
-            gen.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
+        if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
+            self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
 
     def close(self) -> None:
         """Close what `load` opened (after a failed set-up, or an evaluation without a run: `minirl eval`)."""
         self.dir.release()
         parts, self.parts = self.parts, None
-        if parts is not None:
-            parts.close()
+        failed = parts.close() if parts is not None else []
         self.dir.close_tracker()
         self._cpu.restore()
-
-    def _sampling(self, step: int) -> SamplingParams:
-        c = self.cfg
-        return SamplingParams(c.temperature, c.top_p, c.top_k, c.max_tokens, seed=c.seed * 100_003 + step)
+        if failed:
+            raise failed[0][1]
 
     # --- the loop ------------------------------------------------------------------------------------------
-    def _loop(self, pipeline: bool) -> dict[str, Any]:
+    def _loop(self) -> dict[str, Any]:
         c, log = self.cfg, self.log
         if self.history or self._acc_before is not None:  # resumed: measured before the first step already
             acc0 = self._acc_before
@@ -140,12 +128,9 @@ class Run:
             acc0 = self._evaluate(0)
         self.summary["eval_accuracy_before"] = acc0
         self._pos0 = self.stream.position
-        batches = self._pipeline_batches() if pipeline else self._sync_batches()
         t_prev = time.perf_counter()
-        for step, scored, gen in batches:
+        for step, scored, gen in self._batches():
             self.scorer.watch(scored)  # a reward failing every call for steps in a row stops the run, with the fix
-            stale = [self.trainer.version - v for g in scored for x in g.group.completions for v in x.sampled_versions]
-            gen.update({"staleness/mean": _mean(stale), "staleness/max": max(stale, default=None)})
             t1 = time.perf_counter()
             self._between_steps = False
             tm = self.trainer.step(scored)
@@ -153,23 +138,19 @@ class Run:
             sync = self._push(scored)
             t3 = time.perf_counter()
             self._between_steps, self.next_step = True, step + 1
-            if pipeline:
+            self.pipeline.timeline.add_train(t1, t3)
+            if c.max_async_steps:  # generation goes on with the new adapter while this step is logged
                 self.pipeline.signal_version()
-                self.pipeline.timeline.add_train(t1, t3)
-            else:
-                self.log.log("timeline", side="train", start=t1 - self._t_start, end=t3 - self._t_start)
             dt, t_prev = t3 - t_prev, t3
             rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
                    "reward/failure_kinds": failure_kinds(scored),
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
                    **sync.metrics(), "time/step_s": dt, "prompt_ids": [g.group.prompt.index for g in scored]}
-            rec.setdefault("busy/train", (t3 - t1) / dt)
-            if "busy/gen" not in rec:
-                rec["busy/gen"] = gen["time/gen_s"] / dt
             self.history.append(log.log("step", **rec))
             if self.tracker is not None:
                 self.tracker.log(scalars(rec), step)
-            self._log_samples(step, scored)
+            log.log("samples", step=step, samples=sample_rows(scored, c.log_samples),
+                    reward_versions=self.scorer.versions)
             for cb in self.on_step:
                 cb(rec)
             if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
@@ -178,8 +159,9 @@ class Run:
                 t_prev += time.perf_counter() - t_eval  # the next step's time/step_s leaves the evaluation out
             if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0 and step + 1 < c.steps:
                 self._checkpoint()
-        if pipeline:
-            self._close_pipeline()
+            if not c.max_async_steps:  # synchronous: the next step's generation starts after evaluation
+                self.pipeline.signal_version()
+        self._close_pipeline()
         acc1 = self._evaluate(self.next_step)
         self.summary.update({
             **step_summary(self.history), "backend": self.backend, "backend_why": self.backend_why,
@@ -219,49 +201,15 @@ class Run:
             "data_position": self._pos0 + (self.next_step - self.start_step) * c.prompts_per_step,
             "config": c.to_dict()}, c.keep_checkpoints)
 
-    def _sync_batches(self):
-        """Synchronous source: generate the step's groups now, with the current policy, then score them."""
+    def _batches(self):
+        """The steps' batches from the rollout buffer, each generated up to K versions ago (K = 0: by the current
+        policy: the synchronous loop; the pipeline's own bookkeeping is ~1 ms a step, BENCHMARKS.md). A resumed
+        run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
         c = self.cfg
-        for step in range(self.start_step, c.steps):
-            self._running.wait()
-            if self._stop.is_set():
-                return
-            t0 = time.perf_counter()
-            groups = self.rollouts.generate(self.stream.take(c.prompts_per_step), c.group_size, self._sampling(step))
-            t_gen = time.perf_counter() - t0
-            scored = self.scorer.score_groups(groups)  # every call of the step at once
-            n_tok = sum(len(x.token_ids) for g in groups for x in g.completions)
-            self.log.log("timeline", side="gen", start=t0 - self._t_start, end=t0 + t_gen - self._t_start)
-            yield step, scored, {"time/gen_s": t_gen, "throughput/gen_tok_s": n_tok / max(t_gen, 1e-9),
-                                 "staleness/dropped_groups": 0, "buffer/depth": 0}
-
-    def _pipeline_batches(self):
-        """Asynchronous source: take the step's batch from the rollout buffer (generated up to K versions ago).
-        A resumed run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
-        c = self.cfg
-        batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}  # as sync
-        self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, self._sampling, c.group_size,
+        batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}
+        self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, partial(sampling_params, self.cfg), c.group_size,
                                  c.prompts_per_step, c.steps, c.max_async_steps, first_step=self.start_step)
-        tl = self.pipeline.timeline
-        t_prev = tl.now()
-        for step in range(self.start_step, c.steps):
-            self._running.wait()
-            if self._stop.is_set():
-                return
-            t_wait = tl.now()
-            groups = self.pipeline.take(step)
-            if groups is None:
-                return
-            kept, dropped = self.pipeline.filter_stale(groups, self.trainer.version, c.max_staleness)
-            now = tl.now()
-            n_tok = self.pipeline.gen_tokens.pop(step, 0)
-            gen_s = self.pipeline.gen_seconds.pop(step, now - t_prev)
-            yield step, kept, {"time/wait_s": now - t_wait, "staleness/dropped_groups": dropped,
-                               "buffer/depth": self.pipeline.buffer.depth, "time/gen_s": gen_s,
-                               "throughput/gen_tok_s": n_tok / max(gen_s, 1e-9),
-                               "busy/gen": tl.busy("gen", t_prev, now),
-                               "busy/train": tl.busy("train", t_prev, now)}
-            t_prev = now
+        return self.pipeline.batches(lambda: self.trainer.version, c.max_staleness, self._go)
 
     def _close_pipeline(self) -> None:
         p, self.pipeline = self.pipeline, None
@@ -283,25 +231,13 @@ class Run:
             return stats
         return dataclasses.replace(stats, verification=self._check(self.trainer, self.generator))
 
-    def _log_samples(self, step: int, scored: list[ScoredGroup]) -> None:
-        self.log.log("samples", step=step, samples=sample_rows(scored, self.cfg.log_samples),
-                     reward_versions=self.scorer.versions)
-
     # --- lifecycle -----------------------------------------------------------------------------------------
-    def run(self, pipeline: bool | None = None) -> dict[str, Any]:
-        """Set up, train, evaluate, save. Blocks; returns the summary (also written to summary.json).
-        `pipeline`: use the asynchronous pipeline (default: when max_async_steps > 0). With K = 0 the pipeline
-        reproduces the synchronous loop exactly."""
-        self._t_start = time.perf_counter()
-        if pipeline is None:
-            pipeline = self._use_pipeline
-        if self.trainer is not None and pipeline != self._use_pipeline:
-            raise RuntimeError("run(pipeline=...) must match the set-up; call it before setup()")
-        self._use_pipeline = pipeline
+    def run(self) -> dict[str, Any]:
+        """Set up, train, evaluate, save. Blocks; returns the summary (also written to summary.json)."""
         try:
             if self.trainer is None:
                 self.setup()
-            return self._loop(pipeline)
+            return self._loop()
         except BaseException as e:
             self.error = e
             if self.log is not None:
@@ -313,29 +249,21 @@ class Run:
     def _finish(self) -> None:
         """Save and close everything, however the run ended. A failure here is logged and never hides the run's own
         error, and never keeps the next step from closing what it closes."""
-        parts = self.parts
-        closing = [("pipeline", self._close_pipeline),
-                   ("checkpoint, adapter and summary", lambda: self.dir.claimed and self._save_final()),
-                   ("generator", lambda: parts is not None and parts.generator is not None and parts.generator.close()),
-                   ("sync", lambda: parts is not None and parts.sync is not None and parts.sync.close()),
-                   ("reward workers", lambda: parts is not None and parts.scorer.close()),
-                   ("tracker", self.dir.close_tracker),
-                   ("torch threads and cores", self._cpu.restore)]
-        failed: list[BaseException] = []
-        for what, fn in closing:
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - closing goes on; the first such error is raised below
-                failed.append(e)
-                if self.log is not None:
-                    self.log.log("error", error=f"while closing the {what}: {e!r}", traceback=traceback.format_exc())
+        failed = _attempt("pipeline", self._close_pipeline) + _attempt(
+            "checkpoint, adapter and summary", lambda: self.dir.claimed and self._save_final())
+        failed += self.parts.close() if self.parts is not None else []  # generator, sync, reward workers
+        failed += _attempt("tracker", self.dir.close_tracker) + _attempt("torch threads and cores", self._cpu.restore)
+        for what, e in failed:
+            if self.log is not None:
+                self.log.log("error", error=f"while closing the {what}: {e!r}",
+                             traceback="".join(traceback.format_exception(e)))
         if self.log is not None:
             self.log.log("end", summary=self.summary)
             self.log.close()
         self.dir.release()
         if failed and self.error is None:  # the run itself went well: its closing failure must not pass silently
-            self.error = failed[0]
-            raise failed[0]
+            self.error = failed[0][1]
+            raise self.error
 
     def _save_final(self) -> None:
         """At the end, on stop or on an error: a checkpoint (unless the error struck mid-step: then the last one
@@ -345,37 +273,9 @@ class Run:
             self._checkpoint()
         self.dir.save_final(self.trainer, self.summary)
 
-    def start(self) -> "Run":
-        """Run in a background thread; the caller (a notebook kernel) stays free."""
-        def target() -> None:
-            try:
-                self.run()
-            except BaseException:  # noqa: BLE001 - kept in self.error, re-raised by wait()
-                pass
-        self._thread = threading.Thread(target=target, name="minirl-run", daemon=True)
-        self._thread.start()
-        return self
-
-    def wait(self, timeout: float | None = None) -> dict[str, Any]:
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self.error is not None:
-            raise self.error
-        return self.summary
-
-    def pause(self) -> None:
-        self._running.clear()
-
-    def resume(self) -> None:
-        self._running.set()
-
-    def stop(self, timeout: float | None = 60) -> None:
-        self._stop.set()
-        self._running.set()
+    def _interrupt(self) -> None:
         if self.pipeline is not None:
             self.pipeline.interrupt()
-        if self._thread is not None:
-            self._thread.join(timeout)
 
     SAFE_KNOBS = ("lr", "temperature", "max_staleness", "top_p", "kl_coef", "tis_cap", "clip_low", "clip_high")
 
@@ -391,15 +291,10 @@ class Run:
         if self.log is not None:
             self.log.log("set", **knobs)
 
-    @property
-    def paused(self) -> bool:
-        return not self._running.is_set()
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-
-def _mean(xs: Sequence[float]) -> float | None:
-    xs = [x for x in xs if x is not None and x == x]
-    return sum(xs) / len(xs) if xs else None
+def _attempt(what: str, fn: Callable[[], Any]) -> list[tuple[str, BaseException]]:
+    try:
+        fn()
+        return []
+    except BaseException as e:  # noqa: BLE001 - closing goes on; the run reports the first such error
+        return [(what, e)]

@@ -1,16 +1,12 @@
 """The run configuration: one dataclass, one docstring per field. It is the same object as notebook kwargs
 (`Config(steps=20)`), YAML (`Config.from_yaml(path)` / `.to_yaml()`) and CLI flags (`--steps 20`). The field
-docstrings are the config reference (`field_docs`); checks live in `validate.py`, conversions in `io.py`."""
+docstrings are the config reference (`cli.field_docs`); checks live in `validate.py`, conversions in `io.py`."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-
-class ConfigError(ValueError):
-    """A bad setting. The message names the field and the fix."""
 
 
 @dataclass(frozen=True)
