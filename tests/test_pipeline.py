@@ -80,19 +80,22 @@ def test_stop_in_the_middle_leaves_no_thread_behind(toy_cfg):
 
 
 def test_step_time_leaves_out_the_evaluation_between_steps(toy_cfg, monkeypatch):
-    """time/step_s is the step's own time: an evaluation after step 1 (made to take 4 s here) is logged with its
-    own seconds and not counted into step 2's time (it was, so time to accuracy counted evaluations)."""
+    """time/step_s is the step's own time: an evaluation after step 1 (made to take 1000 s of the run's clock here,
+    a fake clock that jumps) is logged with its own seconds and not counted into step 2's time (it was, so time to
+    accuracy counted evaluations)."""
+    import types
     import minirl.run as R
-    real = R.evaluate
+    real, skew = R.evaluate, [0.0]
 
     def slow(*a, **k):
-        time.sleep(4.0)  # stands for a long evaluation
+        skew[0] += 1000.0  # stands for a long evaluation
         return real(*a, **k)
     monkeypatch.setattr(R, "evaluate", slow)
+    monkeypatch.setattr(R, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew[0]))
     r, _ = _run(toy_cfg.replace(steps=4, eval_every=2, checkpoint_every=0))
     evals = [x for x in read_log(r.out / "metrics.jsonl") if x.get("event") == "eval"]
-    assert [e["step"] for e in evals] == [0, 2, 4] and all(e["seconds"] >= 4.0 for e in evals)
-    assert all(h["time/step_s"] < 4.0 for h in r.history)
+    assert [e["step"] for e in evals] == [0, 2, 4] and all(e["seconds"] >= 1000 for e in evals)
+    assert all(h["time/step_s"] < 1000 for h in r.history)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
