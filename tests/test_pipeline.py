@@ -35,6 +35,7 @@ def test_k0_is_on_policy_and_repeats_bit_for_bit(toy_cfg, tmp_path):
     b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert s1["accounting"] == {"generated": 16, "trained": 16, "dropped_stale": 0, "unused": 0}
+    assert s1["placement"]["train_device"] == "cpu" and s1["placement"]["max_async_steps"] == 0
 
 
 @pytest.mark.parametrize("K", [1, 2])
