@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .fields import Config, ConfigError
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ DEVICES = re.compile(r"auto|cuda|(?:(?:cuda:)?\d+(?:-\d+)?)(?:,(?:cuda:)?\d+(?:-
 DEVICE_FORMS = "'auto', 'cuda', GPU ids ('1', 'cuda:1', '1,2') or CPU cores ('0', '0-3', '0,2-3')"
 
 
-def range_problems(cfg: Config) -> list[str]:
+def range_problems(cfg) -> list[str]:
     """One line per numeric field outside its accepted range."""
     out = []
     for name, rng in RANGES.items():
@@ -105,7 +105,7 @@ def range_problems(cfg: Config) -> list[str]:
     return out
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg) -> None:
     """Raise one ConfigError holding a line per bad setting, each naming the field and what it accepts."""
     problems = range_problems(cfg)
 
