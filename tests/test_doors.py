@@ -124,3 +124,47 @@ def test_nccl_socket_ifname_is_set_only_while_the_groups_communicator_is_made(tm
     (tmp_path / "again").mkdir()
     open_group(str(tmp_path / "again"), 0, "nccl", 5.0)
     assert seen == ["lo", "eth1"] and os.environ["NCCL_SOCKET_IFNAME"] == "eth1"
+
+
+def test_runs_sharing_an_adapter_dir_keep_their_adapters_apart_and_prune_only_their_own(tmp_path):
+    """Two runs given the same adapter_dir: each writes its versions into a folder of its own (neither overwrites
+    the other's v1), and pruning removes only version folders the run wrote (a user's `v7` stays)."""
+    from minirl.sync.servers import ServerSync
+
+    class Trainer:
+        def __init__(self, tag):
+            self.tag, self.version = tag, 0
+
+        def save_adapter(self, path):
+            os.makedirs(path)
+            with open(os.path.join(path, "adapter_model.safetensors"), "w") as f:
+                f.write(f"{self.tag} v{self.version}")
+
+    class Generator:  # serves the latest version only
+        def __init__(self):
+            self.loaded = {}
+
+        def load_adapter(self, path, version):
+            self.loaded = {version: path}
+
+        def versions_in_use(self):
+            return set(self.loaded)
+    shared = tmp_path / "adapters"
+    (shared / "v7").mkdir(parents=True)
+    (shared / "v7" / "mine.txt").write_text("the user's")
+    (shared / "v1").mkdir()
+    runs = [(Trainer(t), Generator(), ServerSync(shared)) for t in ("a", "b")]
+    assert runs[0][2].root != runs[1][2].root and runs[0][2].root.parent == shared
+    for v in (1, 2):
+        for trainer, gen, sync in runs:
+            trainer.version = v
+            sync.push(trainer, gen)
+    for trainer, gen, sync in runs:
+        path = gen.loaded[2]
+        with open(os.path.join(path, "adapter_model.safetensors")) as f:
+            assert f.read() == f"{trainer.tag} v2"
+        assert sorted(os.listdir(sync.root)) == ["v2"]  # its v1 pruned
+    assert (shared / "v7" / "mine.txt").read_text() == "the user's" and (shared / "v1").is_dir()
+    for _, _, sync in runs:
+        sync.close()
+    assert sorted(os.listdir(shared)) == ["v1", "v7"]
