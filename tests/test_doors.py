@@ -168,3 +168,136 @@ def test_runs_sharing_an_adapter_dir_keep_their_adapters_apart_and_prune_only_th
     for _, _, sync in runs:
         sync.close()
     assert sorted(os.listdir(shared)) == ["v1", "v7"]
+
+
+class Decoy:
+    """A listener on 127.0.0.1 that records what each connection sends (up to 64 KiB), then closes it."""
+
+    def __init__(self):
+        import socket
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.port = self.sock.getsockname()[1]
+        self.received: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            conn.settimeout(2.0)
+            data = b""
+            try:
+                while b"\r\n\r\n" not in data and len(data) < 65536:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    data += chunk
+            except OSError:
+                pass
+            self.received.append(data)
+            conn.close()
+
+    def close(self):
+        self.sock.close()
+        self.thread.join(5)
+
+
+def test_a_loopback_client_ignores_proxy_settings(monkeypatch):
+    """With HTTP_PROXY / ALL_PROXY set, a request to a local server goes to the server, not the proxy (which would
+    receive the API key)."""
+    import asyncio
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from minirl.generators.server_api import ServerAPI
+
+    class Models(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": "base"}]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+    server = HTTPServer(("127.0.0.1", 0), Models)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    proxy = Decoy()
+    for k in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(k, f"http://127.0.0.1:{proxy.port}")
+    for k in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(k, raising=False)
+
+    async def ask():
+        api = ServerAPI(f"http://127.0.0.1:{server.server_address[1]}", "SECRET-KEY")
+        try:
+            return await api.models(timeout_s=10.0)
+        finally:
+            await api.aclose()
+    try:
+        assert asyncio.run(ask()) == {"data": [{"id": "base"}]}
+        assert proxy.received == []
+    finally:
+        server.shutdown()
+        proxy.close()
+    from minirl.generators.server_api import is_loopback
+    assert is_loopback("http://localhost:8000") and is_loopback("http://[::1]:80") and not is_loopback("http://10.0.0.2")
+
+
+LISTENER = """
+import socket, sys
+s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(1)
+print("listening", flush=True); sys.stdin.read()
+"""
+
+
+def test_a_port_is_the_servers_only_when_its_own_process_listens_there():
+    from minirl.generators.server_proc import listening_in_group
+    decoy = Decoy()
+    bystander = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
+                                 start_new_session=True)
+    free = Decoy()
+    port = free.port
+    free.close()
+    server = subprocess.Popen([sys.executable, "-c", LISTENER, str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert server.stdout.readline() == b"listening\n"
+        assert not listening_in_group(decoy.port, bystander.pid)  # someone else's listener
+        assert not listening_in_group(port, bystander.pid)
+        assert listening_in_group(port, server.pid)
+    finally:
+        for p in (bystander, server):
+            p.kill()
+            p.wait()
+        decoy.close()
+
+
+def test_a_decoy_on_a_started_servers_port_never_receives_the_api_key(tmp_path, monkeypatch):
+    """Another local user binds the port minirl chose before the server does: minirl sends nothing there (no
+    Authorization header); the server, finding its port taken, exits and start-up fails in one error."""
+    import asyncio
+
+    from minirl.generators import server_proc
+    from minirl.generators.server_fleet import Fleet, ServerError
+    decoy = Decoy()
+    monkeypatch.setattr(server_proc, "free_port", lambda: decoy.port)
+    taken = "import sys, time; time.sleep(1); print('OSError: [Errno 98] Address already in use'); sys.exit(1)"
+    monkeypatch.setattr(server_proc, "server_argv", lambda opts, port: [sys.executable, "-c", taken])
+    fleet = Fleet([], [server_proc.ServerOptions("m")], "SECRET-KEY", str(tmp_path), restart=False, timeout_s=30,
+                  health_every_s=2, start_timeout_s=30, needs=dict, name=str)
+    try:
+        with pytest.raises(ServerError, match="exited with code 1 while starting"):
+            asyncio.run(fleet.bring_up(fleet.servers[0]))
+    finally:
+        decoy.close()
+    assert not any(b"SECRET-KEY" in r or b"authorization" in r.lower() for r in decoy.received), decoy.received
