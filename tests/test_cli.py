@@ -73,7 +73,7 @@ BAD = [  # (what, files, argv, the line's content)
 def test_bad_input_is_one_line_before_the_model_loads(what, files, argv, expect, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current directory on it
-    monkeypatch.setattr("minirl.run.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -96,7 +96,7 @@ def test_a_model_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("minirl.run.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
     t0 = time.time()
     assert main(["demo", "--model", "someone/no-such-model-here"]) == 2
     assert time.time() - t0 < 30  # a generous bound: the probe times out after 3 s
