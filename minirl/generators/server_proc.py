@@ -70,7 +70,7 @@ def server_argv(opts: ServerOptions, port: int) -> list[str]:
             "--dtype", opts.dtype, "--logprobs-mode", "processed_logprobs", "--max-model-len", str(opts.max_model_len),
             "--seed", str(opts.seed), "--disable-log-stats", "--disable-uvicorn-access-log"]
     if opts.on_cpu:  # seeded requests crash a CPU engine on chunked prefill (see generators/vllm.py); the worker
-        # extension installs minirl's CPU LoRA ops in the server's worker (generators/cpu_lora.py; its engine calls
+        # extension installs minirl's CPU LoRA ops in the server's worker (minirl/cpu_lora.py; its engine calls
         # stay unreachable: the server's /collective_rpc is development-mode only)
         argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(opts.max_model_len, 2048)),
                  "--kv-cache-memory-bytes", str(int(opts.kv_cache_gb * GiB)),

@@ -15,9 +15,20 @@ import secrets
 import shutil
 import time
 from pathlib import Path
+from typing import Callable, Protocol
 
 from .. import lifecycle
+from ..types import AdapterUpdate
 from . import SyncStats
+
+
+class ServerTarget(Protocol):
+    """What `ServerSync` needs of the servers' generator: it serves a folder (`update_adapter`) and says which
+    versions a server may still read from theirs (`versions_in_use`)."""
+
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate: ...
+
+    def versions_in_use(self) -> set[int]: ...
 
 
 class ServerSync:
@@ -42,7 +53,7 @@ class ServerSync:
         self.written: set[int] = set()  # the versions this run wrote (the only folders it prunes)
         self.last: dict[str, float] = {}
 
-    def push(self, trainer, generator) -> SyncStats:
+    def push(self, trainer, generator: "ServerTarget") -> SyncStats:
         t0 = time.perf_counter()
         version = trainer.version
         final = self.root / f"v{version}"
@@ -54,7 +65,7 @@ class ServerSync:
         os.rename(tmp, final)
         self.written.add(version)
         t1 = time.perf_counter()
-        generator.load_adapter(str(final), version)
+        generator.update_adapter(lambda: AdapterUpdate(version, path=str(final)))
         t2 = time.perf_counter()
         self.last = {"save_ms": (t1 - t0) * 1e3, "load_ms": (t2 - t1) * 1e3}
         self._prune(generator.versions_in_use())

@@ -3,17 +3,30 @@ in-memory adapter's LoRARequest name and path, the ipc progress word, and the tw
 `collective`."""
 from __future__ import annotations
 
+import asyncio
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Protocol
 
+from .. import vllm_compat as compat
 from . import CollectiveError
 
 WORKER_EXTENSION = "minirl.sync.receiver.AdapterReceiver"
 MEM_SCHEME = "minirl-mem://"
 PROGRESS_BITS = 40  # the ipc progress word: push number << 40 | elements packed (all ones: the push was abandoned)
 PROGRESS_MASK = (1 << PROGRESS_BITS) - 1
+
+
+class EngineHost(Protocol):
+    """What the in-memory transports need of a generator: its vLLM engine (`AsyncLLM`, None once closed; they
+    call `collective_rpc` on it), the loop that engine runs on, where it runs, and how it was started."""
+    loop: asyncio.AbstractEventLoop
+    engine: Any
+    closed: bool
+    on_cpu: bool
+    worker_extension: str | None  # the engine's `worker_extension_cls` (None: none)
 
 
 @dataclass(frozen=True)
@@ -43,9 +56,11 @@ def lora_path_for(lora_id: int, version: int) -> str:
     return f"{MEM_SCHEME}{lora_id}/v{version}"
 
 
-def adapter_name(lora_id: int, version: int) -> str:
-    """The LoRARequest name of an in-memory adapter (its path: `lora_path_for`)."""
-    return f"minirl-v{version}-{lora_id}"
+def adapter_name(key: int | str, version: int) -> str:
+    """The one name an adapter version is served under: `key` is its vLLM LoRA id (in-process engine, files or
+    memory; a LoRARequest's path is then `lora_path_for`) or the generator's tag (vLLM servers: runs sharing
+    servers never collide). Never parsed back: whoever names an adapter keeps what it named."""
+    return f"minirl-{key}-v{version}"
 
 
 def rendezvous_dir() -> str:
@@ -84,16 +99,11 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
     store = dist.PrefixStore(tag, store)
     try:
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+            pg = compat.gloo_group(store, rank, 2, timeout)
         elif backend == "nccl":
             import torch
             with _nccl_on_loopback():
-                opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
-                pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
+                pg = compat.nccl_group(store, rank, 2, timeout)
                 store.set("joined", "1") if rank == 0 else store.get("joined")  # meet here, then connect
                 pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         else:
