@@ -75,7 +75,7 @@ RANGES: dict[str, Range] = {
     "max_staleness": Range(0, why="or None = keep all"),
     "gpu_memory_utilization": Range(0, 1, lo_open=True, why="vLLM's share of GPU memory"),
     "kv_cache_gb": Range(0, lo_open=True),
-    "num_servers": Range(1, why="or give server_urls"),
+    "num_servers": Range(1, why="start at least 1 server, or give server_urls"),
     "server_timeout_s": Range(0, lo_open=True, why="seconds"),
     "seed": Range(0, 2**32 - 1),
     "eval_every": Range(0, why="0 = only before and after"),
