@@ -41,6 +41,9 @@ def validate(cfg: Config) -> None:
          f"max_async_steps={cfg.max_async_steps!r}: use 'auto' or an integer >= 0")
     need(cfg.max_staleness is None or cfg.max_staleness >= 0, "max_staleness must be >= 0 or None")
     need(cfg.token_budget >= cfg.max_tokens, "token_budget must be at least max_tokens")
+    need(cfg.packing in ("shared-prefix", "padded"), f"packing={cfg.packing!r}: use 'shared-prefix' or 'padded'")
+    need(cfg.gradient_checkpointing == "auto" or isinstance(cfg.gradient_checkpointing, bool),
+         f"gradient_checkpointing={cfg.gradient_checkpointing!r}: use 'auto', true or false")
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={cfg.dtype!r}: use auto/float32/bfloat16")
     need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.rewards),
          f"reward_weights has {len(cfg.reward_weights or [])} entries for {len(cfg.rewards)} rewards; give one per reward")
