@@ -39,13 +39,14 @@ class PackedMicroBatch:
     `input_ids_1_T`, `position_ids_1_T`: the packed row; `segment_T`, `completion_T` (-1 on prompt tokens) say which
     segment and which completion each token belongs to (the mask is built from them on the device); `pred_idx_N`:
     for each loss target of `rows` (row-major over `rows.tgt_mask_B_L`), the packed position whose hidden state
-    predicts it; `target_N`: that target token."""
+    predicts it; `target_N`: that target token; `sample_R`: the batch row (sample index) of each of `rows`' rows."""
     input_ids_1_T: torch.Tensor
     position_ids_1_T: torch.Tensor
     segment_T: torch.Tensor
     completion_T: torch.Tensor
     pred_idx_N: torch.Tensor
     target_N: torch.Tensor
+    sample_R: torch.Tensor
     rows: Batch
 
     @property
@@ -54,7 +55,7 @@ class PackedMicroBatch:
 
     def to(self, device) -> "PackedMicroBatch":
         return PackedMicroBatch(*(getattr(self, f).to(device) for f in (
-            "input_ids_1_T", "position_ids_1_T", "segment_T", "completion_T", "pred_idx_N", "target_N")),
+            "input_ids_1_T", "position_ids_1_T", "segment_T", "completion_T", "pred_idx_N", "target_N", "sample_R")),
             rows=self.rows.to(device))
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -142,7 +143,7 @@ def _build(segs, samples: Sequence[Sample], batch: Batch) -> PackedMicroBatch:
             tgt.append(ids[j])
     long = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
     return PackedMicroBatch(long(ids)[None], long(pos)[None], long(seg_of), long(comp_of), long(pred), long(tgt),
-                            view)
+                            long(rows), view)
 
 
 def packed_completion_logprobs(model, mb: PackedMicroBatch, temperature: float | None = None,
