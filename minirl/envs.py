@@ -221,18 +221,3 @@ def _json_call(text: str, fns: dict[str, Callable]) -> tuple[str, dict | str]:
         except json.JSONDecodeError:
             pass
     return (name, args) if isinstance(args, dict) else (name, "the arguments must be a JSON object")
-
-
-# --- resolving an env from a config value -------------------------------------------------------------------
-
-def resolve_env(ref: str | Callable) -> tuple[str, Callable[[], Env]]:
-    """(name, factory) for `env=`: a class or factory, a built-in task's name (`minirl.tasks`), or 'module:Class'."""
-    if callable(ref):
-        return getattr(ref, "__name__", type(ref).__name__), ref
-    from .tasks import TASKS
-    if ref in TASKS:
-        return ref, TASKS[ref].env
-    if ":" in ref:
-        from .rewards.registry import import_ref
-        return import_ref(ref, "env", "module:Class")
-    raise ValueError(f"unknown env {ref!r}: built-in tasks are {sorted(TASKS)}; or give 'module:Class'")

@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .types import Prompt, ScoredGroup
+from .types import Group, Prompt, ScoredGroup
 
 STOP = object()  # the shutdown marker the producer puts in the buffer
 
@@ -166,12 +166,15 @@ class Pipeline:
                 self.timeline.gen_begin()
                 t0 = self.timeline.now()
                 try:
-                    async for g in self._stream(prompts, params):
-                        self.gen_tokens[step] += sum(len(c.token_ids) for c in g.completions)
-                        self.accounting["generated"] += 1
-                        # each group is scored by its own task, outside the generator's turn: a slow reward
-                        # does not hold the next step's generation
-                        scoring.append(asyncio.ensure_future(self._score_put(step, slots[g.prompt.index].pop(0), g)))
+                    async for batch in self._stream(prompts, params):
+                        for g in batch:
+                            self.gen_tokens[step] += sum(len(c.token_ids) for c in g.completions)
+                            self.accounting["generated"] += 1
+                        # each batch (a streamed group, or a whole step of a generator that does not stream) is
+                        # scored by its own task, outside the generator's turn: a slow reward does not hold the
+                        # next step's generation, and waits once per batch of calls
+                        put = [(slots[g.prompt.index].pop(0), g) for g in batch]
+                        scoring.append(asyncio.ensure_future(self._score_put(step, put)))
                 finally:
                     self.gen_seconds[step] = self.timeline.now() - t0  # generation only, not scoring
                     self.timeline.gen_end()
@@ -186,17 +189,19 @@ class Pipeline:
             for t in scoring:
                 t.cancel()
 
-    async def _score_put(self, step: int, slot: int, g) -> None:
-        scored = await asyncio.get_running_loop().run_in_executor(self._score_pool, self.scorer.score_group, g)
-        await self.buffer.put(step, slot, scored)
+    async def _score_put(self, step: int, put: list[tuple[int, Group]]) -> None:
+        groups = [g for _, g in put]
+        scored = await asyncio.get_running_loop().run_in_executor(self._score_pool, self.scorer.score_groups, groups)
+        for (slot, _), sg in zip(put, scored):
+            await self.buffer.put(step, slot, sg)
 
     async def _stream(self, prompts: list[Prompt], params):
+        """Batches of groups: one per group as a streaming generator finishes it, else the whole step at once."""
         if hasattr(self.gen, "stream"):
             async for g in self.gen.stream(prompts, self.G, params):
-                yield g
+                yield [g]
         else:
-            for g in await asyncio.get_running_loop().run_in_executor(None, self.gen.generate, prompts, self.G, params):
-                yield g
+            yield await asyncio.get_running_loop().run_in_executor(None, self.gen.generate, prompts, self.G, params)
 
     # --- trainer side (runs on the caller's thread) -----------------------------------------------------
     def _call(self, coro, timeout: float | None = None):
@@ -222,6 +227,31 @@ class Pipeline:
         self.accounting["dropped_stale"] += dropped
         self.accounting["trained"] += len(kept)
         return kept, dropped
+
+    def batches(self, version: Callable[[], int], max_staleness: int | None, go: Callable[[], bool]):
+        """The trainer's side, step by step: (step, groups kept, the step's generation metrics); `version()` is the
+        trainer's. Ends when `go()` says stop between steps, or the generation side stopped."""
+        tl = self.timeline
+        t_prev = tl.now()
+        for step in range(self.first_step, self.steps):
+            if not go():
+                return
+            t_wait = tl.now()
+            groups = self.take(step)
+            if groups is None:
+                return
+            kept, dropped = self.filter_stale(groups, version(), max_staleness)
+            stale = [version() - v for g in kept for x in g.group.completions for v in x.sampled_versions]
+            now = tl.now()
+            n_tok = self.gen_tokens.pop(step, 0)
+            gen_s = self.gen_seconds.pop(step, now - t_prev)
+            yield step, kept, {"time/wait_s": now - t_wait, "staleness/dropped_groups": dropped,
+                               "buffer/depth": self.buffer.depth, "time/gen_s": gen_s,
+                               "throughput/gen_tok_s": n_tok / max(gen_s, 1e-9),
+                               "busy/gen": tl.busy("gen", t_prev, now), "busy/train": tl.busy("train", t_prev, now),
+                               "staleness/mean": sum(stale) / len(stale) if stale else None,
+                               "staleness/max": max(stale, default=None)}
+            t_prev = now
 
     def signal_version(self) -> None:
         """Tell the generation side a new adapter is being served."""

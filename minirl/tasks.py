@@ -101,3 +101,15 @@ TASKS: dict[str, Task] = {
     "sums": Task(Sums, sums_splits, dict(max_tokens=16, max_turns=5, max_episode_tokens=96, out_dir="runs/demo-sums")),
     "retry": Task(Retry, arithmetic_splits, dict(max_turns=2, max_episode_tokens=128, out_dir="runs/demo-retry")),
 }
+
+
+def resolve_env(ref: str | Callable) -> tuple[str, Callable[[], Env]]:
+    """(name, factory) for `env=`: a class or factory, a built-in task's name (`TASKS`), or 'module:Class'."""
+    if callable(ref):
+        return getattr(ref, "__name__", type(ref).__name__), ref
+    if ref in TASKS:
+        return ref, TASKS[ref].env
+    if ":" in ref:
+        from .rewards.registry import import_ref
+        return import_ref(ref, "env", "module:Class")
+    raise ValueError(f"unknown env {ref!r}: built-in tasks are {sorted(TASKS)}; or give 'module:Class'")

@@ -85,7 +85,7 @@ def test_max_async_steps_auto_follows_the_measured_rule():
     (vLLM on 2+ GPUs); else the synchronous loop, which measured fastest on CPU (README)."""
     import pytest
     from minirl.config import ConfigError
-    from minirl.run import pick_async_steps
+    from minirl.placement import pick_async_steps
     auto = Config()
     assert auto.max_async_steps == "auto"
     for backend in ("hf", "vllm"):  # on CPU, short or long completions alike
@@ -104,6 +104,6 @@ def test_max_async_steps_auto_follows_the_measured_rule():
 def test_a_run_resolves_auto_k_before_loading_and_records_why(toy_cfg):
     from minirl.run import Run
     run = Run(toy_cfg.replace(max_async_steps="auto", backend="hf"))
-    assert run.cfg.max_async_steps == 0 and not run._use_pipeline and run.async_why.startswith("auto:")
+    assert run.cfg.max_async_steps == 0 and run.async_why.startswith("auto:")
     run = Run(toy_cfg.replace(max_async_steps=1, backend="hf"))
-    assert run.cfg.max_async_steps == 1 and run._use_pipeline and run.async_why == "max_async_steps=1"
+    assert run.cfg.max_async_steps == 1 and run.async_why == "max_async_steps=1"

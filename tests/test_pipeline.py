@@ -14,28 +14,33 @@ from minirl.metrics import read_log
 from conftest import TOY_ROWS
 
 
-def _run(cfg, pipeline, **kw):
+def _run(cfg, **kw):
     r = Run(cfg.replace(**kw), data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:48])
-    s = r.run(pipeline=pipeline)
+    s = r.run()
     return r, s
 
 
-def test_k0_pipeline_equals_synchronous_loop_bit_for_bit(toy_cfg, tmp_path):
-    base = toy_cfg.replace(steps=4, max_async_steps=0, group_size=8)
-    r_sync, s_sync = _run(base, False, out_dir=str(tmp_path / "sync"))
-    r_pipe, s_pipe = _run(base, True, out_dir=str(tmp_path / "pipe"))
+def test_k0_is_on_policy_and_repeats_bit_for_bit(toy_cfg, tmp_path):
+    """K = 0 through the pipeline is the synchronous loop: every token sampled by the policy it trains (staleness
+    0), and the same seed gives the same run, evaluation between steps included (the next step's generation waits
+    for it)."""
+    base = toy_cfg.replace(steps=4, max_async_steps=0, group_size=8, eval_every=2)
+    r1, s1 = _run(base, out_dir=str(tmp_path / "a"))
+    r2, s2 = _run(base, out_dir=str(tmp_path / "b"))
     keys = ("reward/mean", "loss", "length/mean", "entropy", "grad_norm")
-    assert [[h.get(k) for k in keys] for h in r_sync.history] == [[h.get(k) for k in keys] for h in r_pipe.history]
-    assert sum("loss" in h for h in r_sync.history) >= 2  # real updates happened
-    a = load_file(str(tmp_path / "sync" / "adapter" / "adapter_model.safetensors"))
-    b = load_file(str(tmp_path / "pipe" / "adapter" / "adapter_model.safetensors"))
+    assert [[h.get(k) for k in keys] for h in r1.history] == [[h.get(k) for k in keys] for h in r2.history]
+    assert sum("loss" in h for h in r1.history) >= 2  # real updates happened
+    assert all(h["staleness/max"] == 0 for h in r1.history)
+    a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert s_pipe["accounting"] == {"generated": 16, "trained": 16, "dropped_stale": 0, "unused": 0}
+    assert s1["accounting"] == {"generated": 16, "trained": 16, "dropped_stale": 0, "unused": 0}
+    assert s1["placement"]["train_device"] == "cpu" and s1["placement"]["max_async_steps"] == 0
 
 
 @pytest.mark.parametrize("K", [1, 2])
 def test_async_run_respects_staleness_bound_and_accounts_every_group(toy_cfg, K):
-    r, s = _run(toy_cfg.replace(steps=6, max_async_steps=K), None)
+    r, s = _run(toy_cfg.replace(steps=6, max_async_steps=K))
     assert s["steps"] == 6
     for h in r.history:
         assert h["staleness/max"] <= K
@@ -47,7 +52,7 @@ def test_async_run_respects_staleness_bound_and_accounts_every_group(toy_cfg, K)
 
 
 def test_max_staleness_drops_and_counts(toy_cfg):
-    r, s = _run(toy_cfg.replace(steps=5, max_async_steps=2, max_staleness=0), None)
+    r, s = _run(toy_cfg.replace(steps=5, max_async_steps=2, max_staleness=0))
     acc = s["accounting"]
     dropped = sum(h["staleness/dropped_groups"] for h in r.history)
     assert dropped == acc["dropped_stale"]
@@ -76,19 +81,22 @@ def test_stop_in_the_middle_leaves_no_thread_behind(toy_cfg):
 
 
 def test_step_time_leaves_out_the_evaluation_between_steps(toy_cfg, monkeypatch):
-    """time/step_s is the step's own time: an evaluation after step 1 (made to take 4 s here) is logged with its
-    own seconds and not counted into step 2's time (it was, so time to accuracy counted evaluations)."""
+    """time/step_s is the step's own time: an evaluation after step 1 (made to take 1000 s of the run's clock here,
+    a fake clock that jumps) is logged with its own seconds and not counted into step 2's time (it was, so time to
+    accuracy counted evaluations)."""
+    import types
     import minirl.run as R
-    real = R.evaluate
+    real, skew = R.evaluate, [0.0]
 
     def slow(*a, **k):
-        time.sleep(4.0)  # stands for a long evaluation
+        skew[0] += 1000.0  # stands for a long evaluation
         return real(*a, **k)
     monkeypatch.setattr(R, "evaluate", slow)
-    r, _ = _run(toy_cfg.replace(steps=4, eval_every=2, checkpoint_every=0), False)
+    monkeypatch.setattr(R, "time", types.SimpleNamespace(perf_counter=lambda: time.perf_counter() + skew[0]))
+    r, _ = _run(toy_cfg.replace(steps=4, eval_every=2, checkpoint_every=0))
     evals = [x for x in read_log(r.out / "metrics.jsonl") if x.get("event") == "eval"]
-    assert [e["step"] for e in evals] == [0, 2, 4] and all(e["seconds"] >= 4.0 for e in evals)
-    assert all(h["time/step_s"] < 4.0 for h in r.history)
+    assert [e["step"] for e in evals] == [0, 2, 4] and all(e["seconds"] >= 1000 for e in evals)
+    assert all(h["time/step_s"] < 1000 for h in r.history)
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,

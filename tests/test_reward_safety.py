@@ -165,31 +165,40 @@ def test_a_nonfinite_step_is_skipped_and_the_adapter_kept(toy_cfg):
     assert "nonfinite_step" in [a.code for a in doctor([{"step": 0, "train/skipped_nonfinite": 1}])]
 
 
-def test_a_nonfinite_adapter_is_never_pushed_or_saved(toy_cfg):
-    run = Run(toy_cfg, data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20])
+def test_a_nonfinite_adapter_is_never_pushed_or_saved(toy_cfg, monkeypatch):
+    """A step that leaves a non-finite weight in the adapter stops the run before the push; the adapter of the
+    last good step stands and no non-finite one is saved."""
+    run = Run(toy_cfg.replace(steps=3), data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20])
     run.setup()
-    with torch.no_grad():
-        next(p for p in run.trainer.model.parameters() if p.requires_grad).view(-1)[0] = math.nan
+    real = run.trainer.step
+
+    def poisoned(scored):
+        m = real(scored)
+        with torch.no_grad():
+            next(p for p in run.trainer.model.parameters() if p.requires_grad).view(-1)[0] = math.nan
+        return m
+    monkeypatch.setattr(run.trainer, "step", poisoned)
     with pytest.raises(RuntimeError, match="non-finite weights"):
-        run._push([])
-    run._finish()
+        run.run()
     assert not (run.out / "adapter").exists() and run.summary["adapter_not_saved"] == "non-finite weights"
+    assert run.history == []  # the step never completed: nothing was pushed
 
 
 def test_an_error_while_closing_never_hides_the_runs_own_error(toy_cfg, monkeypatch):
-    run = Run(toy_cfg, data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20])
+    run = Run(toy_cfg.replace(steps=2), data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20])
     run.setup()
 
-    def broken_loop(pipeline):
+    def own_error(rec):
         raise ValueError("the run's own error")
 
     def broken_close():
         raise OSError("disk full while closing")
-    monkeypatch.setattr(run, "_loop", broken_loop)
+    run.on_step.append(own_error)
     monkeypatch.setattr(run.generator, "close", broken_close)
-    pool = run.scorer.pool
+    closed, close = [], run.scorer.close
+    monkeypatch.setattr(run.scorer, "close", lambda: (closed.append(True), close()))
     with pytest.raises(ValueError, match="the run's own error"):
         run.run()
-    assert run.scorer._pool is None and pool._closed  # closing went on past the failing step
+    assert closed  # closing went on past the failing step
     errors = [e["error"] for e in read_log(run.out / "metrics.jsonl") if e["event"] == "error"]
     assert any("the run's own error" in e for e in errors) and any("disk full while closing" in e for e in errors)

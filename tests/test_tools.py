@@ -121,7 +121,7 @@ def test_plain_prompt_names_every_tool_and_the_call_format():
 
 
 def test_resolve_env_names():
-    from minirl.envs import resolve_env
+    from minirl.tasks import resolve_env
     from minirl.tasks import Sums
     assert resolve_env("sums") == ("sums", Sums)
     assert resolve_env("minirl.tasks:Sums")[1] is Sums

@@ -1,16 +1,12 @@
 """The run configuration: one dataclass, one docstring per field. It is the same object as notebook kwargs
 (`Config(steps=20)`), YAML (`Config.from_yaml(path)` / `.to_yaml()`) and CLI flags (`--steps 20`). The field
-docstrings are the config reference (`field_docs`); checks live in `validate.py`, conversions in `io.py`."""
+docstrings are the config reference (`cli.field_docs`); checks live in `validate.py`, conversions in `io.py`."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-
-class ConfigError(ValueError):
-    """A bad setting. The message names the field and the fix."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +143,8 @@ class Config:
     # --- async pipeline ------------------------------------------------------------------------------------
     max_async_steps: int | str = "auto"
     """K: generation may run at most K versions ahead of the trainer. 0 = synchronous (on-policy). 'auto': the
-    rule in `run.pick_async_steps` (1 where generation and training have GPUs of their own; else 0, which measured
-    fastest on CPU); the run logs the K it chose and why."""
+    rule in `placement.pick_async_steps` (1 where generation and training have GPUs of their own; else 0: on one
+    shared device the phases take turns); the run logs the K it chose and why."""
     max_staleness: int | None = None
     """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
     inflight: str = "continue"
@@ -259,8 +255,6 @@ class Config:
 
 # The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
 # 2 CPU cores. `minirl bench learning` runs this same config.
-# token_budget=512: training activations are ~1.4 MB per padded token for this model in float32 (LoRA on every
-# linear layer). `minirl bench memory` here (3 steps x 2 rotated rounds): peak RSS 5.5 GB at the default 4096, 3.7 GB
-# at 1024, 2.7 GB at 512, with train time 1.21x / 1.0 / 0.87x that of 1024: on CPU smaller micro-batches cost nothing.
+# token_budget=512: on CPU smaller micro-batches cost no time and much less memory (BENCHMARKS.md, "Memory").
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
             checkpoint_every=2, token_budget=512, out_dir="runs/demo")

@@ -1,11 +1,7 @@
-"""Config conversions: field values coerced to their types, YAML in and out, one CLI flag per field."""
+"""Config conversions: field values coerced to their types, YAML in and out (the CLI flags: `cli.py`)."""
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import inspect
-import textwrap
 import types
 import typing
 from functools import lru_cache
@@ -14,12 +10,12 @@ from typing import Any
 
 import yaml
 
-from .fields import Config, ConfigError
+from .errors import ConfigError
 
 
-def coerce_fields(cfg: Config) -> None:
-    """Each field of `cfg` (frozen) set to its value coerced to the field's type, or one ConfigError."""
-    hints = _hints()
+def coerce_fields(cfg) -> None:
+    """Each field of `cfg` (a frozen Config) set to its value coerced to the field's type, or one ConfigError."""
+    hints = _hints(type(cfg))
     for f in dataclasses.fields(cfg):
         object.__setattr__(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), hints[f.name]))
     k = cfg.max_async_steps  # int | 'auto': a number written as a string ('1', from a quoted YAML value) is K
@@ -27,14 +23,14 @@ def coerce_fields(cfg: Config) -> None:
         object.__setattr__(cfg, "max_async_steps", int(k))
 
 
-def to_yaml(cfg: Config, path: str | Path | None = None) -> str:
+def to_yaml(cfg, path: str | Path | None = None) -> str:
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if path is not None:
         Path(path).write_text(text)
     return text
 
 
-def from_dict(cls, d: dict[str, Any]) -> Config:
+def from_dict(cls, d: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(map(str, set(d) - known))
     if unknown:
@@ -44,7 +40,7 @@ def from_dict(cls, d: dict[str, Any]) -> Config:
         raise ConfigError(f"unknown config field(s): {', '.join(hints)}; see `minirl train --help`")
     return cls(**d)
 
-def from_yaml(cls, path: str | Path) -> Config:
+def from_yaml(cls, path: str | Path) -> Any:
     """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
     p = Path(path)
     if not p.is_file():
@@ -72,8 +68,8 @@ def from_yaml(cls, path: str | Path) -> Config:
 
 
 @lru_cache(maxsize=None)
-def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(Config)
+def _hints(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
 
 
 def _kind(v: Any) -> str:
@@ -130,39 +126,3 @@ def _coerce(name: str, v: Any, hint: Any) -> Any:
     if origin is str:
         raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
     return v
-
-
-@lru_cache(maxsize=None)
-def field_docs() -> dict[str, str]:
-    """The docstring under each field, read from the source (used for CLI help and the docs)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
-            docs[a.target.id] = b.value.value
-    return docs
-
-
-def _parse_value(text: str) -> Any:
-    v = yaml.safe_load(text)
-    if isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
-        try:
-            return float(v)
-        except ValueError:
-            pass
-    return v
-
-
-def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None) -> None:
-    """One `--flag` per field; values are parsed as YAML scalars/lists (`--target-modules "[q_proj,v_proj]"`)."""
-    docs = field_docs()
-    defaults = defaults or Config()
-    for f in dataclasses.fields(Config):
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
-                            metavar="X",
-                            help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%"))
-
-
-def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:
-    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(Config) if hasattr(ns, f.name)}

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import re
 
-from .fields import Config, ConfigError
+from .errors import ConfigError
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg) -> None:
     """Raise one ConfigError, naming the field and the fix, for the first bad setting."""
     def need(ok: bool, msg: str) -> None:
         if not ok:

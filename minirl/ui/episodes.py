@@ -106,7 +106,7 @@ def preview_episodes(env: Any, data: Any = None, *, rewards: Sequence[str | Call
     """Play `n` episodes on each of the first `rows` rows with the current model (+ adapter) and score them.
     `env`: an Env class or factory, or a built-in task's name (then `data` defaults to its held-out rows)."""
     from .. import data as D
-    from ..envs import resolve_env
+    from ..tasks import resolve_env
     from ..episodes import EpisodeRunner
     from ..generators.hf import HFGenerator
     from ..rewards import Scorer

@@ -1,0 +1,51 @@
+"""The config as people meet it outside Python: one CLI flag per field, and each field's docstring (the CLI help
+and the config reference)."""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import textwrap
+from functools import lru_cache
+from typing import Any
+
+import yaml
+
+from .fields import Config
+
+
+@lru_cache(maxsize=None)
+def field_docs() -> dict[str, str]:
+    """The docstring under each field, read from the source (used for CLI help and the docs)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(Config)))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.target.id] = b.value.value
+    return docs
+
+
+def _parse_value(text: str) -> Any:
+    v = yaml.safe_load(text)
+    if isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    return v
+
+
+def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None) -> None:
+    """One `--flag` per field; values are parsed as YAML scalars/lists (`--target-modules "[q_proj,v_proj]"`)."""
+    docs = field_docs()
+    defaults = defaults or Config()
+    for f in dataclasses.fields(Config):
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
+                            metavar="X",
+                            help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%"))
+
+
+def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:
+    return {f.name: getattr(ns, f.name) for f in dataclasses.fields(Config) if hasattr(ns, f.name)}

@@ -1,0 +1,121 @@
+"""The import graph of minirl/ against the layers declared in docs/architecture.md: nothing imports upward or
+sideways, and no package's submodules import each other in a circle. Function-level imports count too."""
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "minirl"
+
+
+def declared_layers() -> dict[str, int]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    block = re.search(r"```layers\n(.*?)```", text, re.S).group(1)
+    return {name: i for i, line in enumerate(block.strip().splitlines()) for name in line.split()}
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        name = ".".join(p.relative_to(ROOT).with_suffix("").parts)
+        out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def imports(mods: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the minirl modules it imports (a name imported from a package counts as its submodule when
+    there is one)."""
+    edges = {}
+    for mod, path in mods.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    found.add(sub if sub in mods else target)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+        edges[mod] = {m for m in found if m in mods and m != mod}
+    return edges
+
+
+def component(mod: str) -> str:
+    parts = mod.split(".")
+    return parts[1] if len(parts) > 1 else "minirl"
+
+
+def cycles(nodes: set[str], edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in set(edges.get(v, ())) & nodes:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in sorted(nodes):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_is_placed_in_a_layer():
+    layers = declared_layers()
+    missing = sorted({component(m) for m in modules()} - set(layers))
+    assert not missing, f"place these in docs/architecture.md's layers block: {missing}"
+
+
+def against_layers(edges: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in edges.items() for b in targets
+                  if component(a) != component(b) and layers[component(b)] >= layers[component(a)])
+
+
+def test_nothing_imports_upward_or_sideways():
+    bad = against_layers(imports(modules()), declared_layers())
+    assert not bad, "imports against the layers in docs/architecture.md:\n" + "\n".join(bad)
+
+
+def test_no_package_imports_itself_in_a_circle():
+    """Within a package its submodules form no circle (its __init__, the package's front door, may re-export
+    them)."""
+    mods, edges = modules(), imports(modules())
+    packages = {m for m, p in mods.items() if p.name == "__init__.py"}
+    found = []
+    for pkg in packages:
+        inner = {m for m in mods if m.rpartition(".")[0] == pkg and m not in packages}
+        found += cycles(inner, edges)
+    assert not found, f"import circles: {found}"
+
+
+def test_the_checks_see_a_fault():
+    """Positive controls: an upward import and a circle planted in a copy of the graph are caught."""
+    layers = declared_layers()
+    assert layers["run"] > layers["types"]
+    assert cycles({"a", "b", "c"}, {"a": {"b"}, "b": {"c"}, "c": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a", "b"}, {"a": {"b"}}) == []
+    edges = imports(modules())
+    assert any(component(t) == "types" for t in edges["minirl.run"])  # the graph is read at all
+    assert against_layers({"minirl.types": {"minirl.run"}}, layers) == ["minirl.types -> minirl.run"]
+    assert against_layers({"minirl.trainer": {"minirl.sync"}}, layers) == ["minirl.trainer -> minirl.sync"]
