@@ -146,3 +146,24 @@ def test_bad_packing_and_checkpointing_settings_are_one_clear_line():
         Config(packing="fast")
     with pytest.raises(ConfigError, match="gradient_checkpointing"):
         Config(gradient_checkpointing="sometimes")
+
+
+@pytest.mark.parametrize("attn", ["eager", "flex_attention"])
+def test_attention_without_custom_masks_falls_back_to_padded(tiny_model, attn, monkeypatch, capsys):
+    """eager takes the additive mask (the same loss as padded); flex-attention is not given one: the trainer says
+    so in one line and trains padded."""
+    import transformers
+    real = transformers.AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: real(*a, **{**k, "attn_implementation": attn}))
+    head, steps = load_batches(DATA / "trainer_batches_tiny.json")
+    tr = _trainer(tiny_model, "shared-prefix", False, 0.0)
+    want = "padded" if attn == "flex_attention" else "shared-prefix"
+    assert tr.packing == want
+    said = capsys.readouterr().out
+    assert ("training uses packing 'padded'" in said) == (want == "padded")
+    if attn != "eager":  # flex-attention has no backward on CPU
+        return
+    m = tr.step(steps[0])
+    ref = _trainer(tiny_model, "padded", False, 0.0).step(steps[0])
+    assert m["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
