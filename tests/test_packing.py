@@ -144,8 +144,10 @@ def test_packed_logprobs_equal_padded_on_varied_lengths(tiny_model, budget):
 def test_bad_packing_and_checkpointing_settings_are_one_clear_line():
     with pytest.raises(ConfigError, match="packing='fast': use 'shared-prefix' or 'padded'"):
         Config(packing="fast")
-    with pytest.raises(ConfigError, match="gradient_checkpointing"):
+    with pytest.raises(ConfigError, match="gradient_checkpointing='sometimes': use 'auto', true or false"):
         Config(gradient_checkpointing="sometimes")
+    assert [Config(gradient_checkpointing=v).gradient_checkpointing for v in ("true", "no", "auto", False)] == [
+        True, False, "auto", False]  # a CLI flag or a quoted YAML value
 
 
 @pytest.mark.parametrize("attn", ["eager", "flex_attention"])
