@@ -9,6 +9,7 @@ the equal-math tests and this benchmark load the same ones. A stored file is
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -76,15 +77,23 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
                  gradient_checkpointing=gradient_checkpointing, kl_coef=kl_coef)
     sides = {name: Trainer(cfg.replace(packing=name)) for name in ("padded", "shared-prefix")}
     secs: dict[str, list[float]] = {n: [] for n in sides}
+    cuda = torch.cuda.is_available()
+    peak_mb: dict[str, float] = {}
     metrics: dict[str, dict] = {}
     order = []
     for r in range(rounds):
         names = list(sides) if r % 2 == 0 else list(sides)[::-1]
         order.append(names)
         for name in names:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
             for groups in steps:
                 metrics[name] = sides[name].step(groups)
+            if cuda:
+                torch.cuda.synchronize()
+                peak_mb[name] = max(peak_mb.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
             secs[name].append(time.perf_counter() - t0)
     med = {n: statistics.median(v) for n, v in secs.items()}
     return {
@@ -93,9 +102,12 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
         "settings": {"model": cfg.model, "token_budget": cfg.token_budget, "max_tokens": cfg.max_tokens,
                      "loss_agg": cfg.loss_agg, "gradient_checkpointing": gradient_checkpointing,
                      "kl_coef": kl_coef, "torch_threads": torch.get_num_threads()},
-        "machine": {"cpu": _cpu_model(), "cores": __import__("os").cpu_count()}, "commit": _commit(),
+        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
+                    "gpu": torch.cuda.get_device_name(0) if cuda else None}, "commit": _commit(),
         "seconds": secs, "median_s": med, "ratio_packed_over_padded": med["shared-prefix"] / med["padded"],
         "forward_tokens": {n: m.get("train/forward_tokens") for n, m in metrics.items()},
         "micro_batches": {n: m.get("train/micro_batches") for n, m in metrics.items()},
         "trained_tokens": {n: m.get("train/tokens") for n, m in metrics.items()},
+        "peak_cuda_mb": peak_mb or None, "device": sides["padded"].device,
+        "dtype": str(next(sides["padded"].model.parameters()).dtype),
     }
