@@ -24,17 +24,22 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=None, help="default: the captured run's")
     ap.add_argument("--gradient-checkpointing", action="store_true")
     ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--steps", type=int, default=None, help="only the first N stored steps (default: all)")
     ap.add_argument("--model", default=None, help="default: the captured run's model")
     ap.add_argument("--out", default="bench/trainer_step.json")
     a = ap.parse_args()
     if a.threads:
         import torch
         torch.set_num_threads(a.threads)
-    res = bench_trainer_step(a.batches, rounds=a.rounds, model=a.model, token_budget=a.token_budget,
-                             gradient_checkpointing=a.gradient_checkpointing, kl_coef=a.kl_coef)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2) + "\n")
+
+    def save(res: dict) -> None:  # after every round: a run cut short keeps its finished rounds
+        out.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"round {res['rounds']}: {res['median_s']}", flush=True)
+    res = bench_trainer_step(a.batches, rounds=a.rounds, model=a.model, token_budget=a.token_budget,
+                             gradient_checkpointing=a.gradient_checkpointing, kl_coef=a.kl_coef, steps=a.steps,
+                             progress=save)
     print(json.dumps({k: res[k] for k in ("median_s", "ratio_packed_over_padded", "forward_tokens", "micro_batches")}))
     print(f"wrote {out}")
 

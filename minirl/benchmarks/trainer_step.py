@@ -62,15 +62,18 @@ def _commit() -> str:
 
 
 def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = None, token_budget: int | None = None,
-                       gradient_checkpointing: bool = False, kl_coef: float = 0.0) -> dict:
+                       gradient_checkpointing: bool = False, kl_coef: float = 0.0, steps: int | None = None,
+                       progress=None) -> dict:
     """Time `Trainer.step` on every stored step, padded vs shared-prefix, in `rounds` interleaved rounds (the
     side that goes first alternates). Each side has its own trainer from the same seed; a side's time for a
-    round is the sum over the stored steps. Returns the settings, per-side seconds per round, medians and the
+    round is the sum over the stored steps (the first `steps` of them if given); `progress(result)` is called
+    with the partial result after each round. Returns the settings, per-side seconds per round, medians and the
     ratio packed / padded (medians)."""
     import torch
     from ..config import Config
     from ..trainer import Trainer
-    head, steps = load_batches(path)
+    head, all_steps = load_batches(path)
+    steps = all_steps[:steps] if steps else all_steps
     s = head.get("settings", {})
     cfg = Config(model=model or head["model"], backend="hf", seed=0, max_tokens=s.get("max_tokens", 48),
                  token_budget=token_budget or s.get("token_budget", 512), loss_agg=s.get("loss_agg", "token-mean"),
@@ -81,6 +84,26 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
     peak_mb: dict[str, float] = {}
     metrics: dict[str, dict] = {}
     order = []
+
+    def result() -> dict:
+        med = {n: statistics.median(v) for n, v in secs.items() if v}
+        return {
+            "what": "Trainer.step on stored batches, padded vs shared-prefix packed",
+            "batches": str(path), "steps_per_round": len(steps), "rounds": len(order), "order": order,
+            "settings": {"model": cfg.model, "token_budget": cfg.token_budget, "max_tokens": cfg.max_tokens,
+                         "loss_agg": cfg.loss_agg, "gradient_checkpointing": gradient_checkpointing,
+                         "kl_coef": kl_coef, "torch_threads": torch.get_num_threads()},
+            "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
+                        "gpu": torch.cuda.get_device_name(0) if cuda else None}, "commit": _commit(),
+            "seconds": secs, "median_s": med,
+            "ratio_packed_over_padded": med["shared-prefix"] / med["padded"] if len(med) == 2 else None,
+            "forward_tokens": {n: m.get("train/forward_tokens") for n, m in metrics.items()},
+            "micro_batches": {n: m.get("train/micro_batches") for n, m in metrics.items()},
+            "trained_tokens": {n: m.get("train/tokens") for n, m in metrics.items()},
+            "peak_cuda_mb": peak_mb or None, "device": sides["padded"].device,
+            "dtype": str(next(sides["padded"].model.parameters()).dtype),
+        }
+
     for r in range(rounds):
         names = list(sides) if r % 2 == 0 else list(sides)[::-1]
         order.append(names)
@@ -95,19 +118,6 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
                 torch.cuda.synchronize()
                 peak_mb[name] = max(peak_mb.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**20)
             secs[name].append(time.perf_counter() - t0)
-    med = {n: statistics.median(v) for n, v in secs.items()}
-    return {
-        "what": "Trainer.step on stored batches, padded vs shared-prefix packed",
-        "batches": str(path), "steps_per_round": len(steps), "rounds": rounds, "order": order,
-        "settings": {"model": cfg.model, "token_budget": cfg.token_budget, "max_tokens": cfg.max_tokens,
-                     "loss_agg": cfg.loss_agg, "gradient_checkpointing": gradient_checkpointing,
-                     "kl_coef": kl_coef, "torch_threads": torch.get_num_threads()},
-        "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
-                    "gpu": torch.cuda.get_device_name(0) if cuda else None}, "commit": _commit(),
-        "seconds": secs, "median_s": med, "ratio_packed_over_padded": med["shared-prefix"] / med["padded"],
-        "forward_tokens": {n: m.get("train/forward_tokens") for n, m in metrics.items()},
-        "micro_batches": {n: m.get("train/micro_batches") for n, m in metrics.items()},
-        "trained_tokens": {n: m.get("train/tokens") for n, m in metrics.items()},
-        "peak_cuda_mb": peak_mb or None, "device": sides["padded"].device,
-        "dtype": str(next(sides["padded"].model.parameters()).dtype),
-    }
+        if progress is not None:
+            progress(result())
+    return result()
