@@ -100,8 +100,7 @@ def measure(overrides: dict, steps: int) -> dict:
                 got.update(rss_mb=out.get("mem/rss_mb"), cuda_mb=out.get("mem/cuda_mb"))
             workers[0] = max(workers[0], children_rss_mb())
             return out
-        run.generator.generate, run.trainer.step = generate, train
-        run.rollouts = run.generator
+        run.generator.generate, run.trainer.step = generate, train  # the parts' rollouts is this generator
         model = model_mb(run.trainer.model)
         summary = run.run()
         hist = run.history

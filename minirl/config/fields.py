@@ -103,8 +103,9 @@ class Config:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
-    token_budget: int = 4096
-    """Micro-batch size in padded tokens (batch * longest sequence); gradients accumulate across micro-batches."""
+    token_budget: int | str = "auto"
+    """Micro-batch size in padded tokens (batch * longest sequence); gradients accumulate across micro-batches.
+    'auto': the memory plan's choice (`minirl plan CONFIG`): 512 on CPU, on a GPU the largest that fits."""
     ppo_epochs: int = 1
     """Passes over each batch; each pass is one optimizer step. >1 makes the clip ratio active."""
 

@@ -40,7 +40,8 @@ def validate(cfg) -> None:
     need(cfg.max_async_steps == "auto" or (isinstance(cfg.max_async_steps, int) and cfg.max_async_steps >= 0),
          f"max_async_steps={cfg.max_async_steps!r}: use 'auto' or an integer >= 0")
     need(cfg.max_staleness is None or cfg.max_staleness >= 0, "max_staleness must be >= 0 or None")
-    need(cfg.token_budget >= cfg.max_tokens, "token_budget must be at least max_tokens")
+    need(cfg.token_budget == "auto" or (isinstance(cfg.token_budget, int) and cfg.token_budget >= cfg.max_tokens),
+         f"token_budget={cfg.token_budget!r}: use 'auto' or an integer at least max_tokens ({cfg.max_tokens})")
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={cfg.dtype!r}: use auto/float32/bfloat16")
     need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.rewards),
          f"reward_weights has {len(cfg.reward_weights or [])} entries for {len(cfg.rewards)} rewards; give one per reward")
