@@ -55,7 +55,7 @@ BAD = [  # (what, files, argv, the line's content)
     ("no data file", {"c.yaml": "data: nope.jsonl\n"}, ["train", "c.yaml"], "data 'nope.jsonl': no such file"),
     ("reward module", {"c.yaml": "rewards: [nomod:f]\n"}, ["train", "c.yaml"], "reward 'nomod:f' cannot be imported"),
     ("unknown flag", {}, ["demo", "--stepz", "3"], "unrecognized arguments: --stepz (did you mean --steps?); see `minirl demo --help`"),
-    ("bad flag value", {}, ["demo", "--eval-fraction", "2"], "eval_fraction=2.0: use a fraction in [0, 1)"),
+    ("bad flag value", {}, ["demo", "--eval-fraction", "2"], "eval_fraction=2.0: accepted range [0, 1) (a fraction, e.g. 0.1)"),
     ("run exists", {"runs/demo/metrics.jsonl": "{}\n"}, ["demo"], "'runs/demo' already holds a run; continue it with --resume"),
     ("nothing to resume", {}, ["demo", "--resume"], "nothing to resume in 'runs/demo'"),
     ("tracker", {}, ["demo", "--report-to", "wandb"], "report_to='wandb': use 'trackio', 'tensorboard' or none"),
@@ -73,7 +73,7 @@ BAD = [  # (what, files, argv, the line's content)
 def test_bad_input_is_one_line_before_the_model_loads(what, files, argv, expect, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current directory on it
-    monkeypatch.setattr("minirl.run.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -96,7 +96,7 @@ def test_a_model_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("minirl.run.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
     t0 = time.time()
     assert main(["demo", "--model", "someone/no-such-model-here"]) == 2
     assert time.time() - t0 < 30  # a generous bound: the probe times out after 3 s

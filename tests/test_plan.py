@@ -66,7 +66,7 @@ def test_token_budget_auto_resolves_in_one_place(tmp_path):
     assert cfg.token_budget == "auto" and resolve_token_budget(cfg, "cpu") == 512
     assert resolve_token_budget(cfg.replace(token_budget=1024), "cpu") == 1024
     assert Config.from_dict({"token_budget": "2048"}).token_budget == 2048
-    with pytest.raises(ConfigError, match="token_budget=8: use 'auto' or an integer at least max_tokens"):
+    with pytest.raises(ConfigError, match="token_budget=8 is below max_tokens=48"):
         Config(token_budget=8)
 
 
