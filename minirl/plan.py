@@ -108,7 +108,7 @@ def model_config(cfg: Config) -> dict:
 class MemoryPlan:
     model: str
     device: str  # 'cuda' or 'cpu'
-    memory_gb: float | None  # the GPU's (or, on CPU, the machine's) memory the plan is held against
+    memory_gb: float | None  # the GPU's (or, on CPU, the machine's) memory the plan is held against, in GB (1e9)
     params_b: float  # billions
     backend: str
     colocated: bool
@@ -136,7 +136,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.memory_gb is None else self.peak_gb <= HEADROOM * self.memory_gb
+        return None if self.memory_gb is None else self.peak_gb * GiB <= HEADROOM * self.memory_gb * 1e9
 
     def line(self) -> str:
         where = f"{self.memory_gb:.1f} GB" if self.memory_gb else "unknown memory"
@@ -193,8 +193,9 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
         if four_bit:
             notes.append("the vLLM engine loads the base unquantized in the trainer's dtype (issue 36 item 7)")
         if device == "cuda" and memory_gb:
-            util = min(0.95, math.ceil(20 * sum(engine.values()) / memory_gb) / 20)
-            engine["engine KV cache"] = util * memory_gb - engine["engine weights"] - engine["engine overhead"]
+            gib = memory_gb * 1e9 / GiB
+            util = min(0.95, math.ceil(20 * sum(engine.values()) / gib) / 20)
+            engine["engine KV cache"] = util * gib - engine["engine weights"] - engine["engine overhead"]
         if colocated:
             gen.update(engine)
             if not engine_sleeps:
@@ -211,7 +212,7 @@ def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
                gradient_checkpointing: bool | None = None, engine_sleeps: bool = False,
                prompt_tokens: int | None = None) -> MemoryPlan:
     """The plan for `shape`: the fixed choices of `cfg` kept, the others picked. `token_budget` 'auto': the largest
-    budget (up to one step's tokens) that fits, without checkpointing if any budget >= 2048 fits so, else with it;
+    budget (up to one step's tokens) that fits; gradient checkpointing as the trainer sets it ('auto': on a GPU);
     4-bit is picked only where nothing fits in the trainer's dtype (a plan that needs it says so). On CPU (or with
     no memory figure) 'auto' is 512. `prompt_tokens`: a prompt's length (default min(max_prompt_tokens, 256))."""
     prompt = prompt_tokens or min(cfg.max_prompt_tokens, 256)
@@ -223,7 +224,10 @@ def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
         budgets = [CPU_BUDGET]
     else:
         budgets = sorted({min(x, max(512, 2 ** math.ceil(math.log2(step_tokens)))) for x in BUDGETS}, reverse=True)
-    ckpts = [gradient_checkpointing] if gradient_checkpointing is not None else [False, True]
+    if gradient_checkpointing is None:  # the trainer's rule (models.checkpointing_on): 'auto' is on a GPU only
+        gradient_checkpointing = device == "cuda" if cfg.gradient_checkpointing == "auto" else bool(
+            cfg.gradient_checkpointing)
+    ckpts = [gradient_checkpointing]
     bits = [True] if cfg.load_in_4bit else [False, True]
     first = None
     for four in bits:
@@ -231,9 +235,7 @@ def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
             for bud in budgets:
                 p = _estimate(cfg, shape, device, memory_gb, bud, ck, four, engine_sleeps, prompt)
                 first = first or p
-                good = p.fits is not False and (fixed or len(budgets) == 1 or not (ck is False and len(ckpts) > 1)
-                                                or bud >= min(2048, budgets[0]))
-                if good:
+                if p.fits is not False:
                     return p
     return first  # nothing fits: the plan of the config as given, which says so
 

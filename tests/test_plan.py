@@ -29,9 +29,10 @@ def _folder(tmp_path, name):
 def test_plan_picks_checkpointing_then_4bit_as_the_gpu_shrinks(tmp_path):
     cfg = Config(model=_folder(tmp_path, "qwen2.5-7b"), backend="hf", max_tokens=512)
     big, mid, small = (plan(cfg, gpu_gb=g) for g in (80, 24, 16))
-    assert big.fits and not big.load_in_4bit and not big.gradient_checkpointing and big.token_budget >= 2048
-    assert mid.fits and not mid.load_in_4bit and mid.gradient_checkpointing  # 14 GiB of bf16 weights
+    assert big.fits and not big.load_in_4bit and big.gradient_checkpointing and big.token_budget >= 4096  # 'auto'
+    assert mid.fits and not mid.load_in_4bit and mid.token_budget < big.token_budget  # 14 GiB of bf16 weights
     assert small.fits and small.load_in_4bit  # the bf16 weights alone leave no room on 16 GB
+    assert not plan(cfg.replace(gradient_checkpointing=False), gpu_gb=80).gradient_checkpointing
     ck = plan(cfg.replace(token_budget=4096), gpu_gb=80, gradient_checkpointing=True)
     no = plan(cfg.replace(token_budget=4096), gpu_gb=80, gradient_checkpointing=False)
     assert ck.train["activations"] < no.train["activations"] / 5 and ck.train["base weights"] == no.train["base weights"]

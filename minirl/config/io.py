@@ -22,6 +22,9 @@ def coerce_fields(cfg) -> None:
         k = getattr(cfg, name)
         if isinstance(k, str) and k.strip().lstrip("-").isdigit():
             object.__setattr__(cfg, name, int(k))
+    gc = cfg.gradient_checkpointing  # bool | 'auto': 'true' / 'false' (a CLI flag, a quoted YAML value) are bools
+    if isinstance(gc, str) and gc.strip().lower() in ("true", "false", "yes", "no"):
+        object.__setattr__(cfg, "gradient_checkpointing", gc.strip().lower() in ("true", "yes"))
 
 
 def to_yaml(cfg, path: str | Path | None = None) -> str:
