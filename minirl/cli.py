@@ -1,4 +1,4 @@
-"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl bench ...`.
+"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl bench ...`, `minirl plan CONFIG`.
 
 A bad input is one line on stderr (`minirl: error: ...`, exit code 2), never a traceback. `module:function`
 rewards are imported from the current directory, as a script's imports would be.
@@ -206,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                        "benchmark (default: each workload's own; sync, k1, k1_shared, k2, sync_vllm, k1_vllm)")
     bench.add_argument("--steps", type=int, default=None, help="steps per run (pipeline, memory)")
     bench.add_argument("--rounds", type=int, default=None, help="interleaved rounds (pipeline, memory)")
-    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench}
+    pl = sub.add_parser("plan", help="the memory plan of a YAML config, from the model's config.json alone")
+    pl.add_argument("config", help="YAML file with Config fields")
+    pl.add_argument("--gpu-gb", type=float, default=None, help="plan for a GPU of this many GB (default: this "
+                    "machine's GPU 0, or its RAM on CPU)")
+    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl}
     args, extra = p.parse_known_args(argv)
     if extra:  # named by the subcommand's parser, so the hint points at its --help
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
@@ -240,6 +244,9 @@ def _command(args: argparse.Namespace) -> int:
         _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
+    elif args.cmd == "plan":
+        from .plan import plan
+        print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb).table())
     elif args.cmd == "bench":
         from .benchmarks import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds") if (v := getattr(args, k)) is not None}

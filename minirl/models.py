@@ -208,6 +208,13 @@ def build_model(cfg, device: str, checkpointing: bool = False):
     return model
 
 
+def synthetic(name: str, path: str | Path | None = None, seed: int = 0, device: str = "cpu") -> Path:
+    """A randomly initialised model of a published shape (`minirl.shapes.NAMES`: Qwen2.5-0.5B/1.5B/7B,
+    Llama-3.2-1B, the tiny `qwen2-tiny`), saved as a Hugging Face folder; see `minirl.shapes.synthetic`."""
+    from .shapes import synthetic as build
+    return build(name, path, seed, device)
+
+
 def build_tiny_model(path: str | Path, vocab: int = 64, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
     """A tiny random Llama-style model with a small word-level tokenizer (digits, '+', words, chat markers),
     saved to `path`. For tests: trains in seconds, loads in transformers, peft and vLLM like a real one."""

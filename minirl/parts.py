@@ -15,6 +15,7 @@ from .episodes import make_runner
 from .generators import Generator, make_generator
 from .models import cpu_dtype_warning, resolve_model
 from .placement import CpuThreads, Placement
+from .plan import check_plan
 from .rewards import Scorer, check_columns
 from .sync import WeightSync
 from .tasks import TASKS, resolve_env
@@ -121,6 +122,7 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
         raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                          "backend finishes in-flight sequences on their adapter (inflight='continue')")
     resolve_model(c.model)  # a model that cannot be found fails here, within seconds
+    check_plan(c, place.cuda_devices)  # its line; a GPU run that cannot fit stops here, before loading
     if not place.cuda_devices and (note := cpu_dtype_warning(c.dtype)):
         print(note, flush=True)
     cpu.apply(place)

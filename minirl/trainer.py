@@ -15,6 +15,7 @@ from .loss import policy_loss
 from .metrics import memory_metrics
 from .models import build_model, checkpointing_on, load_tokenizer, resolve_model
 from .packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completion_logprobs
+from .plan import resolve_token_budget
 from .types import ScoredGroup
 
 class Trainer:
@@ -27,6 +28,7 @@ class Trainer:
         self.cfg = cfg
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = resolve_model(cfg.model)
+        self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
         self.tokenizer = load_tokenizer(cfg.model)
         torch.manual_seed(cfg.seed)
         self.checkpointing = checkpointing_on(cfg, self.device)
@@ -55,6 +57,7 @@ class Trainer:
     def reconfigure(self, cfg: Config) -> None:
         """Take a new config mid-run (`Run.set`): the loss settings from the next step, and its learning rate."""
         self.cfg = cfg
+        self.token_budget = resolve_token_budget(cfg, self.device)
         for g in self.opt.param_groups:
             g["initial_lr"] = cfg.lr
         self.sched.base_lrs = [cfg.lr for _ in self.sched.base_lrs]
@@ -74,9 +77,9 @@ class Trainer:
             return m
         batch = make_batch(samples, self.tokenizer.pad_token_id, c.loss_agg, c.max_tokens)
         if self.packing == "shared-prefix":
-            micro = [mb.to(self.device) for mb in pack(samples, batch, c.token_budget)]
+            micro = [mb.to(self.device) for mb in pack(samples, batch, self.token_budget)]
         else:
-            micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
+            micro = [mb.to(self.device) for mb in batch.micro_batches(self.token_budget)]
         olds: list[torch.Tensor] = []
         self.model.train()
         tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0,

@@ -103,8 +103,9 @@ class Config:
     """AdamW weight decay."""
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
-    token_budget: int = 4096
-    """Micro-batch size in tokens; gradients accumulate across micro-batches. With packing 'shared-prefix' it
+    token_budget: int | str = "auto"
+    """Micro-batch size in tokens; gradients accumulate across micro-batches. 'auto': the memory plan's choice
+    (`minirl plan CONFIG`): 512 on CPU, on a GPU the largest that fits. With packing 'shared-prefix' it
     counts the real tokens a micro-batch computes (each group's prompt once, plus its completions: no padding);
     with 'padded', rows * longest row (padding included)."""
     packing: str = "shared-prefix"

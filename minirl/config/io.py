@@ -18,9 +18,10 @@ def coerce_fields(cfg) -> None:
     hints = _hints(type(cfg))
     for f in dataclasses.fields(cfg):
         object.__setattr__(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), hints[f.name]))
-    k = cfg.max_async_steps  # int | 'auto': a number written as a string ('1', from a quoted YAML value) is K
-    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
-        object.__setattr__(cfg, "max_async_steps", int(k))
+    for name in ("max_async_steps", "token_budget"):  # int | 'auto': a number written as a string ('1') is a number
+        k = getattr(cfg, name)
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            object.__setattr__(cfg, name, int(k))
     gc = cfg.gradient_checkpointing  # bool | 'auto': 'true' / 'false' (a CLI flag, a quoted YAML value) are bools
     if isinstance(gc, str) and gc.strip().lower() in ("true", "false", "yes", "no"):
         object.__setattr__(cfg, "gradient_checkpointing", gc.strip().lower() in ("true", "yes"))

@@ -38,7 +38,7 @@ class Range:
 
 
 # One line per numeric field of Config (tests/test_config.py checks that every numeric field is here). None,
-# where a field allows it, and the string 'auto' of max_async_steps are checked elsewhere.
+# where a field allows it, and the string 'auto' of max_async_steps and token_budget are checked elsewhere.
 RANGES: dict[str, Range] = {
     "lora_rank": Range(1, why="the LoRA rank r"),
     "lora_alpha": Range(0, lo_open=True, why="the update is scaled by alpha / r"),
@@ -64,7 +64,7 @@ RANGES: dict[str, Range] = {
     "warmup_steps": Range(0),
     "weight_decay": Range(0),
     "max_grad_norm": Range(0, lo_open=True, why="the gradient norm is clipped to it"),
-    "token_budget": Range(1),
+    "token_budget": Range(1, why="or 'auto'"),
     "ppo_epochs": Range(1, why="passes over each batch"),
     "clip_low": Range(0, 1, hi_open=True, why="the ratio's lower bound 1 - clip_low must stay above 0"),
     "clip_high": Range(0),
@@ -136,8 +136,11 @@ def validate(cfg) -> None:
             int(a) <= int(b or a) for a, _, b in (p.removeprefix("cuda:").partition("-") for p in spec.split(","))
             if a.isdigit())
         need(ok, f"{name}={spec!r}: use {DEVICE_FORMS}")
-    need(cfg.token_budget >= cfg.max_tokens, f"token_budget={cfg.token_budget} is below max_tokens={cfg.max_tokens}: "
-         "a micro-batch must hold one completion; raise token_budget")
+    need(cfg.token_budget == "auto" or not isinstance(cfg.token_budget, str),
+         f"token_budget={cfg.token_budget!r}: use 'auto' or an integer >= max_tokens")
+    need(isinstance(cfg.token_budget, str) or cfg.token_budget >= cfg.max_tokens,
+         f"token_budget={cfg.token_budget} is below max_tokens={cfg.max_tokens}: a micro-batch must hold one "
+         "completion; raise token_budget (or 'auto')")
     need(cfg.packing in ("shared-prefix", "padded"), f"packing={cfg.packing!r}: use 'shared-prefix' or 'padded'")
     need(cfg.gradient_checkpointing == "auto" or isinstance(cfg.gradient_checkpointing, bool),
          f"gradient_checkpointing={cfg.gradient_checkpointing!r}: use 'auto', true or false")
