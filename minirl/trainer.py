@@ -23,7 +23,7 @@ class Trainer:
         self.cfg = cfg
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = resolve_model(cfg.model)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs)
         torch.manual_seed(cfg.seed)
         self.model = build_model(cfg, self.device)
         params = [p for p in self.model.parameters() if p.requires_grad]

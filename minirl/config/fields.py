@@ -29,7 +29,9 @@ class Config:
 
     # --- data and rewards ----------------------------------------------------------------------------------
     data: str = "arithmetic"
-    """Prompts: the built-in task 'arithmetic', or a JSONL file with a 'prompt' column (text or chat messages)."""
+    """Prompts (a 'prompt' column: text or chat messages): the built-in task 'arithmetic', a .jsonl, .json, .csv or
+    .parquet file, a folder written by `Dataset.save_to_disk`, or 'hf:NAME[:CONFIG][@SPLIT]' (a Hugging Face
+    dataset through `datasets.load_dataset`, split 'train' by default; offline, only what the local cache holds)."""
     prompt_column: str = "prompt"
     """Column holding the prompt; every other column reaches reward functions as a keyword argument."""
     system_prompt: str | None = None
@@ -50,14 +52,23 @@ class Config:
     reward_memory_mb: int = 2048
     """Memory limit of each reward worker process (a reward past it fails with MemoryError)."""
     eval_data: str | None = None
-    """Held-out prompts for greedy evaluation (the metric is the first reward function): a JSONL path, or
-    'arithmetic' (the built-in task's held-out problems). None: with the built-in task its own held-out problems,
+    """Held-out prompts for greedy evaluation (the metric is the first reward function): any source `data`
+    takes (a file, a saved folder, 'hf:openai/gsm8k:main@test'), or 'arithmetic' (the built-in task's held-out
+    problems). None: with the built-in task its own held-out problems,
     else a split carved from `data` (see eval_fraction), disjoint from training."""
     eval_fraction: float = 0.1
     """With no eval_data: the fraction of `data`'s distinct prompts held out for evaluation (chosen by seed, never
     trained on), at most eval_size of them."""
     eval_size: int = 64
     """At most this many held-out prompts are evaluated. 0 = no evaluation (the run says so in one line)."""
+
+    # --- data columns and model loading (issue 37: what a TRL / Unsloth user brings) --------------------------
+    answer_column: str | None = None
+    """A column of `data` / `eval_data` renamed 'answer' before rewards see it (e.g. 'solution'); None = as is."""
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the base model's `from_pretrained`, e.g. {attn_implementation: sdpa,
+    revision: main}; `revision` (and `trust_remote_code`) also reach the tokenizer. On the command line:
+    --model_kwargs '{attn_implementation: sdpa}'."""
 
     # --- sampling ------------------------------------------------------------------------------------------
     backend: str = "auto"
