@@ -208,8 +208,9 @@ class Config:
     keep_checkpoints: int = 2
     """How many of the latest checkpoints are kept in out_dir/checkpoints (older ones are deleted)."""
     report_to: str | None = None
-    """Also send every step's metrics (the names of metrics.jsonl) to a tracker: 'trackio' or 'tensorboard'
-    (pip install 'minirl[trackio]' / 'minirl[tensorboard]'). None = metrics.jsonl only."""
+    """Also send every step's metrics (the names of metrics.jsonl) to a tracker: 'trackio', 'tensorboard' or
+    'wandb' (pip install 'minirl[trackio]' / 'minirl[tensorboard]' / 'minirl[wandb]'; W&B follows its own
+    settings, e.g. WANDB_MODE=offline, WANDB_PROJECT). None = metrics.jsonl only."""
     log_samples: int = 4
     """Completions per step written to the log for the sample panel."""
 

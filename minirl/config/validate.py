@@ -55,8 +55,8 @@ def validate(cfg) -> None:
     need(cfg.eval_every >= 0, "eval_every must be >= 0")
     need(cfg.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = only at the end)")
     need(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
-    need(cfg.report_to in (None, "trackio", "tensorboard"),
-         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard' or none")
+    need(cfg.report_to in (None, "trackio", "tensorboard", "wandb"),
+         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard', 'wandb' or none")
 
 
 def parse_cores(spec: str) -> list[int]:
