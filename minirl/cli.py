@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import difflib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -179,8 +178,6 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.getcwd() not in sys.path and "" not in sys.path:  # the `minirl` script: find 'module:function' here
-        sys.path.insert(0, os.getcwd())
     p = _Parser(prog="minirl", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
@@ -217,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_interrupts():  # SIGTERM stops as Ctrl-C does: checkpoint, children closed, exit 143
             return _command(args)
     except (ConfigError, ValueError, RuntimeError, OSError) as e:
-        print(f"minirl: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:  # a ConfigError holds one line per bad setting
+            print(f"minirl: error: {line}", file=sys.stderr)
         return 2
     except Terminated:
         return 143  # 128 + SIGTERM, as a shell reports it

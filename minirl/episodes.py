@@ -30,21 +30,15 @@ import asyncio
 import contextlib
 import concurrent.futures as cf
 import dataclasses
-import hashlib
 import inspect
 import math
 from typing import Any, Callable, Sequence
 
 from .chat import ChatFormat
 from .envs import Env, EnvStep, plain_tool_prompt, tool_schema
+from .generators.base import request_seed
 from .generators.engine_thread import gather_or_cancel, in_finish_order
 from .types import Completion, Episode, Group, Prompt, SamplingParams
-
-
-def turn_seed(seed: int, *key: int) -> int:
-    """A deterministic seed for one turn of one episode (the generators' per-request seed)."""
-    digest = hashlib.blake2b(":".join(map(str, (seed, *key))).encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x3FFFFFFF
 
 
 def _one_line(e: BaseException) -> str:
@@ -228,7 +222,7 @@ class EpisodeRunner:
         turn = 0
         while live := [e for row in eps for e in row if e.end is None]:
             rooms = [self._room(e, params) for e in live]
-            seed = None if params.seed is None else turn_seed(params.seed, turn)
+            seed = None if params.seed is None else request_seed(params.seed, turn)
             asks = [Prompt(k, e.prompt.token_ids + tuple(e.ids), "") for k, e in enumerate(live)]
             groups = self.gen.generate(asks, 1, dataclasses.replace(params, max_tokens=max(rooms), seed=seed))
             for e, g, room in zip(live, groups, rooms):
@@ -255,7 +249,7 @@ class AsyncEpisodeRunner(EpisodeRunner):
         e = await loop.run_in_executor(None, self._start, prompt)
         turn = 0
         while e.end is None:
-            seed = None if params.seed is None else turn_seed(params.seed, i, j, turn)
+            seed = None if params.seed is None else request_seed(params.seed, i, j, turn)
             c = await self.gen.sample(prompt.token_ids + tuple(e.ids),
                                       dataclasses.replace(params, max_tokens=self._room(e, params)), seed)
             self._take_reply(e, c)

@@ -24,6 +24,18 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class AdapterUpdate:
+    """What a sync transport delivered, for a generator to serve as policy `version` (`update_adapter`): a peft
+    folder at `path` (files), or weights an engine worker installed from memory under LoRA id `slot`, with the
+    worker's install `report` (for in-place swaps: the tokens each request on that id had at the swap). Neither:
+    the base model (version 0), or a generator that took the bytes itself (the transformers process)."""
+    version: int
+    path: str | None = None
+    slot: int | None = None
+    report: dict | None = None
+
+
+@dataclass(frozen=True)
 class Prompt:
     """One prompt: its token ids after the chat template, its text, and the other dataset columns."""
     index: int

@@ -24,7 +24,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     from minirl.sync.senders import call_on_loop, rpc
     from minirl.sync.tensor import TensorSync
     from minirl.sync.wire import engine_kwargs
-    from minirl.sync.wire import lora_path_for
+    from minirl.types import AdapterUpdate
 
     path = resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
@@ -48,8 +48,7 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     def reserve():
         served[0] += 1
         v, lid = 10_000 + served[0], sync.lora_id
-        call_on_loop(gen, gen.serve_installed_async(lid, f"minirl-v{v}-{lid}", lora_path_for(lid, v), tr.version,
-                                                    None), 30)
+        gen.update_adapter(lambda: AdapterUpdate(v, slot=lid))  # a new name and path, as a push makes
     try:
         ts = []
         for _ in range(20):

@@ -85,7 +85,7 @@ def shared_vllm(embedded_model, _shared_vllm_store):
         g = _shared_vllm_store["gen"] = VLLMGenerator(embedded_model, max_lora_rank=8, max_model_len=512,
                                                       dtype="float32", kv_cache_gb=1, engine_kwargs=engine_kwargs())
     g.load_adapter(None, 0)
-    assert g.version == 0 and g.loaded_adapters() == set() and not g.abort_on_swap
+    assert g.version == 0 and g.loaded_adapters() == set() and g.policy == "continue"
     yield g
     if not g.closed:
         g.load_adapter(None, 0)

@@ -55,7 +55,7 @@ BAD = [  # (what, files, argv, the line's content)
     ("no data file", {"c.yaml": "data: nope.jsonl\n"}, ["train", "c.yaml"], "data 'nope.jsonl': no such file"),
     ("reward module", {"c.yaml": "rewards: [nomod:f]\n"}, ["train", "c.yaml"], "reward 'nomod:f' cannot be imported"),
     ("unknown flag", {}, ["demo", "--stepz", "3"], "unrecognized arguments: --stepz (did you mean --steps?); see `minirl demo --help`"),
-    ("bad flag value", {}, ["demo", "--eval-fraction", "2"], "eval_fraction=2.0: use a fraction in [0, 1)"),
+    ("bad flag value", {}, ["demo", "--eval-fraction", "2"], "eval_fraction=2.0: accepted range [0, 1) (a fraction, e.g. 0.1)"),
     ("run exists", {"runs/demo/metrics.jsonl": "{}\n"}, ["demo"], "'runs/demo' already holds a run; continue it with --resume"),
     ("nothing to resume", {}, ["demo", "--resume"], "nothing to resume in 'runs/demo'"),
     ("tracker", {}, ["demo", "--report-to", "mlflow"], "report_to='mlflow': use 'trackio', 'tensorboard', 'wandb' or none"),

@@ -1,4 +1,4 @@
-"""minirl's vLLM-CPU LoRA ops (`minirl.generators.cpu_lora`) against vLLM's own torch ops: the same product,
+"""minirl's vLLM-CPU LoRA ops (`minirl.cpu_lora`, put in place through `minirl.vllm_compat`) against vLLM's own torch ops: the same product,
 without the per-token copy of the adapter. The real engine runs them in every vLLM test (they are installed in its
 worker); `test_vllm.py::test_engine_uses_minirls_cpu_lora_ops` checks that they are the ones it runs."""
 import pytest
@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 from vllm.lora.ops.torch_ops import lora_ops  # noqa: E402
 from vllm.lora.punica_wrapper import punica_cpu  # noqa: E402
 
-from minirl.generators import cpu_lora  # noqa: E402
+from minirl import cpu_lora  # noqa: E402
 
 NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 ORIG = {n: getattr(lora_ops, n) for n in NAMES}
@@ -70,7 +70,7 @@ def test_install_replaces_vllms_cpu_ops_and_the_prefill_path_uses_them(monkeypat
     for module in (lora_ops, punica_cpu):
         for n in NAMES:
             monkeypatch.setattr(module, n, getattr(module, n))  # restored after the test
-    for flag in ("_minirl_cpu_lora", "_minirl_orig", "_minirl_fast"):
+    for flag in ("_minirl_cpu_lora", "_minirl_orig"):
         monkeypatch.setattr(lora_ops, flag, None, raising=False)
         monkeypatch.delattr(lora_ops, flag)
     monkeypatch.setenv("MINIRL_VLLM_CPU_LORA", "0")

@@ -118,4 +118,4 @@ def test_the_checks_see_a_fault():
     edges = imports(modules())
     assert any(component(t) == "types" for t in edges["minirl.run"])  # the graph is read at all
     assert against_layers({"minirl.types": {"minirl.run"}}, layers) == ["minirl.types -> minirl.run"]
-    assert against_layers({"minirl.trainer": {"minirl.sync"}}, layers) == ["minirl.trainer -> minirl.sync"]
+    assert against_layers({"minirl.sync": {"minirl.trainer"}}, layers) == ["minirl.sync -> minirl.trainer"]

@@ -364,14 +364,17 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
     # widen the window between a swap landing in the worker and its report reaching the generator (every 4th
     # report 0.6 s late: longer than an engine step here): requests that finish in it must wait for the report, or
     # their tokens after the swap would be tagged with the older version
-    end_swap, calls = gen.end_swap, []
+    update_adapter, calls = gen.update_adapter, []
 
-    def late_end_swap(*a):
-        calls.append(1)
-        if len(calls) % 4 == 0:
-            time.sleep(0.6)
-        end_swap(*a)
-    monkeypatch.setattr(gen, "end_swap", late_end_swap)
+    def late_report(deliver, in_place=False):
+        def delivered():
+            update = deliver()  # the swap landed in the worker; its report reaches the generator late
+            calls.append(1)
+            if len(calls) % 4 == 0:
+                time.sleep(0.6)
+            return update
+        return update_adapter(delivered, in_place)
+    monkeypatch.setattr(gen, "update_adapter", late_report)
     first = trainer.version
     prompts = [Prompt(i, tuple(tok(f"Write a short story about the number {i}.")["input_ids"]), "") for i in range(6)]
     sp = SamplingParams(temperature=1.0, max_tokens=32)
@@ -470,7 +473,7 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
     sync.push(trainer, gen)
     old = trainer.version
     ids = tok("Write a long story about a dragon who learns to count.")["input_ids"]
-    gen.abort_on_swap, before = True, gen.resubmitted
+    gen.policy, before = "abort", gen.resubmitted
     try:
         fut = gen.submit([Prompt(0, tuple(ids), "story")], 3, SamplingParams(temperature=1.0, max_tokens=40, seed=3))
         t0 = time.perf_counter()
@@ -481,7 +484,7 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
         sync.push(trainer, gen)
         group = fut.result(timeout=120)[0]
     finally:
-        gen.abort_on_swap = False
+        gen.policy = "continue"
         sync.close()
     assert gen.resubmitted > before
     lp = {}

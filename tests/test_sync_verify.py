@@ -339,8 +339,7 @@ def test_a_faulty_engine_fails_the_check(gen, trainer, probe, far, ipc, fault):
     """The engine keeps the previous adapter, serves the base model, gets half of the new one (the first half of
     the flat buffer), does not take the push, or serves old weights while the generator records the new version:
     each fails the check with one line; the right push then passes and is told apart from the previous."""
-    from minirl.sync.senders import call_on_loop
-    from minirl.sync.wire import adapter_name, lora_path_for
+    from minirl.types import AdapterUpdate
 
     def to(i: int) -> None:
         trainer.flat.copy_(far[i])
@@ -356,8 +355,7 @@ def test_a_faulty_engine_fails_the_check(gen, trainer, probe, far, ipc, fault):
         trainer.version = v - 1
         ipc.push(trainer, gen)
         trainer.version = v
-        call_on_loop(gen, gen.serve_installed_async(ipc.lora_id, adapter_name(ipc.lora_id, v),
-                                                    lora_path_for(ipc.lora_id, v), v), 30)
+        gen.update_adapter(lambda: AdapterUpdate(v, slot=ipc.lora_id))
         assert gen.version == v
     elif fault != "not applied":  # the engine gets (part of) the wrong weights, as version v
         _faulty(trainer.flat, old, fault, _first_b(adapter_params(trainer.model)))

@@ -195,7 +195,7 @@ def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
 
 
 def test_the_engine_runs_minirls_cpu_lora_ops(gen):
-    """The worker runs `minirl.generators.cpu_lora`'s ops (installed on import of the worker extension), so the
+    """The worker runs `minirl.cpu_lora`'s ops (installed on import of the worker extension), so the
     adapter logprobs compared with transformers above are theirs (tests/test_cpu_lora.py: the ops themselves)."""
     from minirl.sync.senders import call_on_loop, rpc
     if not gen.on_cpu:

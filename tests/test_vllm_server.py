@@ -49,7 +49,7 @@ def _spoil(folder, out):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_run_on_two_servers_survives_a_killed_server(tmp_path):
     from minirl import Config, Run
-    from minirl.generators.server_api import adapter_name
+    from minirl.sync.wire import adapter_name
     from minirl.generators.vllm_server import ServerError, ServerGenerator
     from minirl.sync import SyncVerificationError, verify
     from minirl.types import SamplingParams

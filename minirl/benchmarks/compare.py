@@ -57,3 +57,8 @@ def interleaved(sides: Mapping[str, Callable[[], Tokens]], rounds: int,
             f"{a}_s_per_round": round(secs[a] / rounds, 3), f"{b}_s_per_round": round(secs[b] / rounds, 3),
             "identical_fraction": round(n_same / n_all, 4) if n_all else 1.0, "identical_fraction_rounds": same,
             "tokens": toks, "tok_s_rounds": rates, "rounds": rounds, "order": order}
+
+
+def empty_prefix_cache(gen) -> None:
+    """Drop the engine's cached KV blocks: the next requests pay their prefills."""
+    gen.call(gen.engine.reset_prefix_cache())

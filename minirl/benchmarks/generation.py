@@ -16,7 +16,7 @@ LoRA, float32 on CPU) and the vLLM engine and sync `make_generator` gives a run 
                    merge is recomputed inside the timed transformers side, as in a run. The two draw from different
                    random streams, so their tokens differ (`identical_fraction` ~ 0 by construction): tokens/s is
                    the figure.
-  cpu_lora         vLLM's CPU LoRA ops (a copy of the adapter per token) vs minirl's (`generators.cpu_lora`, the
+  cpu_lora         vLLM's CPU LoRA ops (a copy of the adapter per token) vs minirl's (`minirl.cpu_lora`, the
                    default in minirl's engines), swapped on the same engine: the demo's step with the adapter, the
                    same seed, the prefix cache emptied before each side; and the sync check's `score` of the probe.
   hf_merge         `HFGenerator` merged (the CPU default) vs unmerged on the trainer's model, the demo's step, a
@@ -44,7 +44,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..types import Prompt, SamplingParams
-from .compare import interleaved, sequences
+from .compare import empty_prefix_cache, interleaved, sequences
 
 
 def bench_prompts(tokenizer, count: int) -> list[Prompt]:
@@ -75,11 +75,6 @@ def fake_step(trainer, scale: float = 1e-3) -> None:
             if "lora_B" in name:
                 p.add_(torch.randn(p.shape, generator=g).to(p) * scale)
     trainer.version += 1
-
-
-def empty_prefix_cache(gen) -> None:
-    """Drop the engine's cached KV blocks: the next requests pay their prefills."""
-    gen.call(gen.engine.reset_prefix_cache())
 
 
 def raw_generate(gen, prompts, n: int, params: SamplingParams, seed: int) -> list[tuple[int, ...]]:
@@ -152,7 +147,7 @@ def bench_vllm_vs_hf(trainer, gen, sync, prompts, n: int, params: SamplingParams
 
 def bench_cpu_lora(trainer, gen, sync, prompts, n: int, params: SamplingParams, rounds: int = 4,
                    seed: int = 0) -> dict:
-    """vLLM's own CPU LoRA ops vs minirl's (`generators.cpu_lora`), swapped in and out of the same engine between
+    """vLLM's own CPU LoRA ops vs minirl's (`minirl.cpu_lora`), swapped in and out of the same engine between
     sides (`minirl_cpu_lora`): the demo's step with the adapter served, pushed as a run pushes it (a fake step and
     a push before each round), the same seed and the prefix cache emptied before each side; then, interleaved the
     same way, the engine's part of the sync check (`score` of the run's 32-token probe, `make_probe`)."""

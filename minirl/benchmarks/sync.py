@@ -198,8 +198,7 @@ def latencies(tr, gen, check: Check, rank: int, rounds: int, per_round: int, pat
 def generation_blocks(tr, gen, check: Check, tok, steps: int, pairs: int, max_tokens: int = 24,
                       per_step: int = 8) -> dict:
     """Generation tokens/s without and with a push per step (see the module's docstring)."""
-    from .compare import identical_fraction
-    from .generation import empty_prefix_cache
+    from .compare import empty_prefix_cache, identical_fraction
     syncs = {"continue": make_path_sync("ipc", "continue"), "inflight": make_path_sync("ipc", "inflight")}
     rounds_ = story_rounds(tok, steps, per_step)
     push_ms = {k: [] for k in BLOCKS[1:]}

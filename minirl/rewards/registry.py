@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-from typing import Any, Callable, Protocol, Sequence
+import os
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 
 class RewardFn(Protocol):
@@ -23,13 +26,40 @@ def reward(fn: Callable | None = None, *, name: str | None = None):
     return wrap(fn) if fn is not None else wrap
 
 
+@contextmanager
+def working_folder_last() -> Iterator[None]:
+    """The working folder on `sys.path` after everything else (site-packages included), only inside the block: a
+    'module:function' in it can be imported, while a file there named like an installed package (a `cloudpickle.py`)
+    cannot shadow that package, then or later. Where the interpreter already put it first ('' in `python -c`, a
+    notebook) nothing changes."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            del sys.path[len(sys.path) - 1 - sys.path[::-1].index(cwd)]
+
+
 def import_ref(ref: str, what: str, form: str) -> tuple[str, Any]:
-    """(attr, object) for 'module:attr' (a reward, an env), or one line naming what could not be imported."""
+    """(attr, object) for 'module:attr' (a reward, an env), or one line naming the reference and what went wrong:
+    not importable, or the module raised while importing (SyntaxError, NameError, KeyError, RuntimeError...)."""
     mod, _, attr = ref.partition(":")
     try:
-        return attr, getattr(importlib.import_module(mod), attr)
+        with working_folder_last():
+            module = importlib.import_module(mod)
+        return attr, getattr(module, attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} {ref!r} cannot be imported ({e}); check the {form!r} path") from None
+        raise ValueError(f"{what} {ref!r} cannot be imported ({_one_line(e)}); check the {form!r} path") from None
+    except Exception as e:  # noqa: BLE001 - the module's own code failed; named, without a traceback
+        raise ValueError(f"{what} {ref!r}: importing module {mod!r} raised {type(e).__name__}: {_one_line(e)}; "
+                         "fix the module (import it in Python to see the traceback)") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or repr(e)
 
 
 def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:

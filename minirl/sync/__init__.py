@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -67,10 +66,14 @@ def make_sync(transport: str, generator, trainer_device="cpu", inflight: bool = 
               timeout_s: float = 30.0) -> tuple[WeightSync, str]:
     """The `WeightSync` for a vLLM generator and a config value, and why: 'files' → FileSync; 'ipc' /
     'collective' → TensorSync; 'auto' → in-memory when the engine has the receiver, else files."""
+    from .. import vllm_compat
     from .files import FileSync
     from .tensor import TensorSync, pick_transport
     if transport == "files":
         return FileSync(), "sync_transport='files'"
+    if not vllm_compat.vllm_hooks():  # warned once: another vLLM release than the hooks were checked against
+        return FileSync(), (f"vLLM {vllm_compat.vllm_version()} is not a release minirl's in-memory sync was checked "
+                            f"against ({', '.join(vllm_compat.VLLM_CHECKED)}): files")
     if transport == "auto":
         name, why = pick_transport(generator, trainer_device)
         if name == "files":
@@ -162,7 +165,7 @@ def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence
     `previous`: the last check's result (None at the first, before any push). Returns this check's result, the
     next check's `previous`. It proves what the engine computes for new requests on one fixed probe; it proves
     nothing about tokens outside the probe or sequences already running, nor about a single 16-bit step."""
-    served = _served_version(generator)
+    served = generator.served_version()
     head = f"sync check after the push of version {version}"
     if served != version:
         raise SyncVerificationError(f"{head}: the engine serves version {served} (asked from the engine), so the "
@@ -200,25 +203,6 @@ def numerics(generator, trainer_dtype: str) -> str:
         return "same code"
     dtypes = {str(d).removeprefix("torch.") for d in (trainer_dtype, getattr(generator, "dtype", "float32"))}
     return "float32" if dtypes == {"float32"} else "16-bit"
-
-
-def _served_version(generator) -> int | None:
-    """The adapter version `generator` serves new requests with, asked from the engine (None: the engine holds
-    nothing under the LoRA id they carry)."""
-    from .wire import MEM_SCHEME
-    ask = getattr(generator, "served_version", None)
-    if ask is not None:  # the transformers generator process
-        return ask()
-    lora = generator.serving  # vLLM: the LoRARequest new requests carry (None: the base model)
-    if lora is None:
-        return 0
-    if str(lora.lora_path).startswith(MEM_SCHEME):  # in memory: what the worker installed under that id
-        from .senders import call_on_loop, rpc
-        return call_on_loop(generator, rpc(generator, "minirl_versions", timeout_s=30.0), 30.0).get(lora.lora_int_id)
-    if lora.lora_int_id not in generator.loaded_adapters():  # files: the engine holds that id (asked from it) ...
-        return None
-    m = re.fullmatch(r"minirl-v(\d+)-\d+", lora.lora_name)  # ... loaded as the version `load_adapter` named it
-    return int(m.group(1)) if m else None
 
 
 def _rms(a: Sequence[float], b: Sequence[float]) -> float:

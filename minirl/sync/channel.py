@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .. import vllm_compat as compat
 from ..adapter import torch_dtype
 from .wire import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, open_group
 
@@ -125,7 +126,7 @@ class Channel:
         elif self.kind == "cuda_ipc":
             h = source["handle"]
             torch.cuda.set_device(int(h[0]))  # the sender's device; the mapping is readable from ours
-            storage = torch.UntypedStorage._new_shared_cuda(*h)
+            storage = compat.open_cuda(h)
             raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{int(h[0])}").set_(storage, 0, (nbytes,), (1,))
         elif self.kind == "collective":
             self.store, self.group = open_group(source["rdv_dir"], 1, source["backend"], float(source["timeout_s"]))

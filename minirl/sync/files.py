@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .. import lifecycle
+from ..types import AdapterUpdate
 from . import SyncStats
 
 
@@ -19,7 +20,8 @@ def tmpfs_dir() -> Path:
 
 
 class FileSync:
-    """Save to tmpfs, `generator.load_adapter(path, version)`; keeps only the last `keep` folders."""
+    """Save to tmpfs, then the generator serves that folder (`update_adapter`); keeps only the last `keep`
+    folders."""
     transport = "files"
 
     def __init__(self, keep: int = 3):
@@ -29,8 +31,9 @@ class FileSync:
 
     def push(self, trainer, generator) -> SyncStats:
         t0 = time.perf_counter()
-        path = trainer.save_adapter(self.root / f"v{trainer.version}")
-        generator.load_adapter(str(path), trainer.version)
+        version = trainer.version
+        path = trainer.save_adapter(self.root / f"v{version}")
+        generator.update_adapter(lambda: AdapterUpdate(version, path=str(path)))
         ms = (time.perf_counter() - t0) * 1e3
         self._dirs.append(path)
         while len(self._dirs) > self.keep:

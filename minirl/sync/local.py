@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from ..types import AdapterUpdate
 from . import SyncStats
 
 
@@ -25,8 +26,10 @@ class ShmSync:
 
     def push(self, trainer, generator) -> SyncStats:
         t0 = time.perf_counter()
-        generator.push(trainer.version)
-        return SyncStats(trainer.version, (time.perf_counter() - t0) * 1e3, generator.nbytes, self.transport)
+        version = trainer.version
+        update = generator.update_adapter(lambda: AdapterUpdate(version))  # it packs its mapped buffer
+        nbytes = (update.report or {}).get("bytes", 0)
+        return SyncStats(version, (time.perf_counter() - t0) * 1e3, nbytes, self.transport)
 
     def close(self) -> None:
         pass

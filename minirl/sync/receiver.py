@@ -40,7 +40,7 @@ import time
 from .channel import Channel, Doorbell, Gate
 from .slots import Built, SlotPlan, StoredAdapter, build_lora, plan_slot
 from .wire import MEM_SCHEME, InstallRequest, lora_path_for
-from ..generators import cpu_lora
+from .. import cpu_lora, vllm_compat as compat
 
 cpu_lora.install_default()  # vLLM-CPU's LoRA ops without a copy of the adapter per token, in this (the worker's) process
 
@@ -59,7 +59,7 @@ class Receiver:
 
     def __init__(self, worker):
         self.worker = worker
-        self.wm = getattr(worker.model_runner, "lora_manager", None)  # vLLM's worker LoRA manager
+        self.wm = compat.worker_lora_manager(worker)
         if self.wm is None:
             raise RuntimeError("minirl adapter receiver: the engine has no LoRA manager (start it with "
                                "enable_lora=True)")
@@ -84,13 +84,15 @@ class Receiver:
         """Wrap the worker LoRA manager: `minirl-mem://` adapters load from the store; the slots written by fast
         installs are flushed before an adapter is loaded, activated or evicted; removal frees the id's state."""
         wm = self.wm
-        load, add, remove = wm._load_adapter, wm.add_adapter, wm.remove_adapter
-        mgr = wm._adapter_manager
+        add, remove = wm.add_adapter, wm.remove_adapter
+        mgr = compat.adapter_manager(wm)
 
-        def _load_adapter(lora_request):
-            if str(lora_request.lora_path).startswith(MEM_SCHEME):
-                return self.build(lora_request.lora_int_id)
-            return load(lora_request)
+        def wrap(load):
+            def _load_adapter(lora_request):
+                if str(lora_request.lora_path).startswith(MEM_SCHEME):
+                    return self.build(lora_request.lora_int_id)
+                return load(lora_request)
+            return _load_adapter
 
         def add_adapter(lora_request) -> bool:
             lid = lora_request.lora_int_id
@@ -104,7 +106,8 @@ class Receiver:
                 state.pop(adapter_id, None)
             return remove(adapter_id)
 
-        wm._load_adapter, wm.add_adapter, wm.remove_adapter = _load_adapter, add_adapter, remove_adapter
+        compat.wrap_load_adapter(wm, wrap)
+        wm.add_adapter, wm.remove_adapter = add_adapter, remove_adapter
 
     def _gate_worker_calls(self) -> None:
         """Engine steps and the worker's LoRA calls pass the gate, so that a doorbell install never lands inside
@@ -150,18 +153,12 @@ class Receiver:
     def _record_starts(self) -> None:
         """Record the adapter version each request starts on (the first time the worker is given the request), so
         that per-token versions stay exact across in-place swaps."""
-        runner = self.worker.model_runner
-        update = getattr(runner, "_update_states", None)
-        if update is None:
-            return
-
-        def _update_states(scheduler_output, *a, **kw):
+        def note(scheduler_output) -> None:
             for nr in getattr(scheduler_output, "scheduled_new_reqs", ()):
                 lr = getattr(nr, "lora_request", None)
                 if lr is not None and lr.lora_int_id in self.versions:
                     self.started.setdefault(lr.lora_int_id, []).append((nr.req_id, self.versions[lr.lora_int_id]))
-            return update(scheduler_output, *a, **kw)
-        runner._update_states = _update_states
+        compat.wrap_update_states(self.worker.model_runner, note)
 
     # ---- the adapters --------------------------------------------------------------------------------------
 
@@ -186,7 +183,7 @@ class Receiver:
 
     def plan(self, lora_id: int) -> SlotPlan | None:
         """The fast in-place copy plan of the active adapter `lora_id`, or None (vLLM's reload path is used)."""
-        mgr = self.wm._adapter_manager
+        mgr = compat.adapter_manager(self.wm)
         built, lora = self.built.get(lora_id), mgr.get_adapter(lora_id)
         if built is None or lora is None or built.lora is not lora or lora_id not in mgr.lora_index_to_id:
             return None
@@ -202,7 +199,7 @@ class Receiver:
         """Output tokens produced so far by each request the worker holds on `lora_id` (between two steps these
         were all sampled with the weights in place until now)."""
         out = {}
-        for rid, rs in getattr(self.worker.model_runner, "requests", {}).items():
+        for rid, rs in compat.runner_requests(self.worker.model_runner).items():
             lr = getattr(rs, "lora_request", None)
             if lr is not None and lr.lora_int_id == lora_id:
                 out[rid] = len(rs.output_token_ids)
@@ -308,7 +305,7 @@ class Receiver:
     def info(self) -> dict:
         import os
         wm, dev = self.wm, self.worker.device
-        mgr = wm._adapter_manager
+        mgr = compat.adapter_manager(wm)
         return {"pid": os.getpid(), "device": str(dev), "loras": sorted(wm.list_adapters()),
                 "slots": list(mgr.lora_index_to_id), "stored": sorted(self.store), "channels": sorted(self.channels),
                 "lora_dtype": str(wm.lora_config.lora_dtype), "max_lora_rank": wm.lora_config.max_lora_rank,
@@ -330,7 +327,7 @@ class AdapterReceiver:
         return self._minirl().info()
 
     def minirl_cpu_lora(self, on: bool) -> bool:
-        """minirl's CPU LoRA ops (True) or vLLM's (False) from the next engine step (`minirl.generators.cpu_lora`)."""
+        """minirl's CPU LoRA ops (True) or vLLM's (False) from the next engine step (`minirl.cpu_lora`)."""
         return cpu_lora.install(on)
 
     def minirl_open_channel(self, channel: str, layout: dict, source: dict) -> dict:

@@ -29,19 +29,19 @@ import uuid
 
 import torch
 
-from .. import lifecycle
+from .. import lifecycle, vllm_compat as compat
 from ..adapter import Packer, make_layout, move_into, prescaled_config, uniform
 from . import CollectiveError, SyncError, SyncTimeout
-from .wire import (PROGRESS_BITS, PROGRESS_MASK, InstallRequest, adapter_name, broadcast, finish, lora_path_for,
+from .wire import (PROGRESS_BITS, PROGRESS_MASK, EngineHost, InstallRequest, adapter_name, broadcast, finish,
                    open_group, rendezvous_dir)
 
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
 
-def _llm(generator):
-    llm = getattr(generator, "engine", None)
+def _llm(generator: "EngineHost"):
+    llm = generator.engine
     if llm is None:
-        raise SyncError("the generator has no running vLLM engine (closed, or not a VLLMGenerator)")
+        raise SyncError("the generator's vLLM engine is not running (closed)")
     return llm
 
 
@@ -65,18 +65,16 @@ def call_on_loop(generator, coro, timeout_s: float):
 
 async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0,
                   seq: int | None = None) -> dict:
-    """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id`, then new requests use it. With
-    `seq`, the worker reads the bytes as the sender's push number `seq` marks them packed (see `IpcSender`)."""
-    name = adapter_name(lora_id, version)
-    info = await rpc(generator, "minirl_install", channel, lora_id, version, name, timeout_s, True, seq,
-                     timeout_s=timeout_s + 2)  # the worker's own wait ends first: its error says why
-    await generator.serve_installed_async(lora_id, name, lora_path_for(lora_id, version), version, info)
-    return info
+    """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id` (the generator then serves it:
+    `update_adapter`). With `seq`, the worker reads the bytes as the sender's push number `seq` marks them packed
+    (see `IpcSender`)."""
+    return await rpc(generator, "minirl_install", channel, lora_id, version, adapter_name(lora_id, version),
+                     timeout_s, True, seq, timeout_s=timeout_s + 2)  # the worker's own wait ends first: its error says why
 
 
 class _Install:
-    """One install request in flight: rung on the channel's doorbell (`ring`: straight to the worker's thread, the
-    report handed to the generator from here) or sent as vLLM's engine call (`install`, on the engine loop)."""
+    """One install request in flight: rung on the channel's doorbell (`ring`: straight to the worker's thread) or
+    sent as vLLM's engine call (`install`, on the engine loop)."""
 
     def __init__(self, sender: "Sender", lora_id: int, version: int, seq: int | None, ring: bool,
                  chunk: int | None = None):
@@ -86,9 +84,7 @@ class _Install:
             self.fut = asyncio.run_coroutine_threadsafe(
                 install(gen, sender.channel, lora_id, version, sender.timeout_s, seq=seq), gen.loop)
             return
-        self.swap = (lora_id, name, lora_path_for(lora_id, version), version)
         self.t_ring = time.monotonic()
-        gen.begin_swap()
         try:
             sender.bell.send(InstallRequest(sender.channel, lora_id, version, name, sender.timeout_s, seq=seq,
                                             chunk=chunk))
@@ -113,13 +109,11 @@ class _Install:
             report.update(t_ring=self.t_ring, t_answered=time.monotonic())
             return report
         finally:
-            self.sender.generator.end_swap(*self.swap, report)
             if report is None:
                 self.sender.drop_bell()  # no stale answer can be read by a later push: it goes by engine call
 
     def cancel(self) -> None:
         if self.ring:
-            self.sender.generator.end_swap(*self.swap, None)
             self.sender.drop_bell()
         else:
             self.fut.cancel()
@@ -182,7 +176,7 @@ class Sender:
         self.closed = True
         self.drop_bell()
         try:
-            if not getattr(self.generator, "closed", True):
+            if not self.generator.closed:
                 call_on_loop(self.generator, rpc(self.generator, "minirl_close_channel", self.channel,
                                                  timeout_s=5.0), 5.0)
         except Exception:
@@ -194,7 +188,7 @@ def shared_buffer(nbytes: int, device: torch.device) -> tuple[torch.Tensor, dict
     allocation shared by its IPC handle on GPU, a shared-memory file on CPU."""
     if device.type == "cuda":
         raw = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return raw, {"kind": "cuda_ipc", "handle": list(raw.untyped_storage()._share_cuda_())}, None
+        return raw, {"kind": "cuda_ipc", "handle": compat.share_cuda(raw)}, None
     path = lifecycle.private_file("ipc", nbytes)  # 0600, a new random name, removed if we die
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8), {"kind": "shm", "path": path}, path
 
@@ -304,7 +298,7 @@ class CollectiveSender(Sender):
                  chunk_bytes: int = 4 << 20):
         super().__init__(generator, tensors, peft_config, timeout_s, scales)
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))
-        on_gpu = self.device.type == "cuda" and not getattr(generator, "on_cpu", True)
+        on_gpu = self.device.type == "cuda" and not generator.on_cpu
         self.backend = "nccl" if on_gpu else "gloo"
         self.device = self.device if on_gpu else torch.device("cpu")
         self.raw = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import vllm_compat as compat
 from ..adapter import unpack
 
 
@@ -99,18 +100,18 @@ class SlotPlan:
             done, j = ready(c.ends[i]), i
             while j < len(c.ends) and c.ends[j] <= done:
                 j += 1
-            torch._foreach_copy_(c.dst[i:j], c.src[i:j])
+            compat.foreach_copy(c.dst[i:j], c.src[i:j])
             i = j
         t_copy = time.perf_counter()
         for sc, ds in self.scaled:
-            torch._foreach_mul_(ds, sc)
+            compat.foreach_mul(ds, sc)
         if flat.is_cuda:  # done reading the sender's buffer before it may be packed again
             torch.cuda.current_stream(flat.device).synchronize()
         return t_copy
 
     def flush(self) -> None:
         """Bring the LoRAModel's own tensors up to the slot (before anything reads them or reuses the slot)."""
-        torch._foreach_copy_(self.own, self.dst)
+        compat.foreach_copy(self.own, self.dst)
 
 
 def build_lora(wm, lora_id: int, flat: torch.Tensor, layout: dict) -> Built:
@@ -120,7 +121,7 @@ def build_lora(wm, lora_id: int, flat: torch.Tensor, layout: dict) -> Built:
     from vllm.lora.peft_helper import PEFTHelper
     helper = PEFTHelper.from_dict({**layout["peft_config"], "vllm_max_position_embeddings": wm.max_position_embeddings})
     helper.validate_legal(wm.lora_config)
-    model = wm._adapter_manager.model
+    model = compat.adapter_manager(wm).model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     if mapper is not None:
         mapper = mapper.get_rename_mapper()
@@ -152,7 +153,7 @@ def plan_slot(mgr, built: Built, slot: int) -> SlotPlan | None:
         return None
     dst, src = [], []
     for name, module in mgr.modules.items():
-        lw = mgr._get_lora_layer_weights(built.lora, name)
+        lw = compat.layer_weights(mgr, built.lora, name)
         if lw is None:
             continue
         a_st, b_st = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)

