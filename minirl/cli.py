@@ -1,4 +1,4 @@
-"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl bench ...`.
+"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl export`, `minirl bench ...`.
 
 A bad input is one line on stderr (`minirl: error: ...`, exit code 2), never a traceback. `module:function`
 rewards are imported from the current directory, as a script's imports would be.
@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="greedy held-out accuracy of a model (+ optional adapter)")
     ev.add_argument("--adapter", default=None, help="peft adapter folder to evaluate")
     add_cli_args(ev)
+    export = sub.add_parser("export", help="a run's adapter merged into its base model, for serving")
+    export.add_argument("run_dir", help="the run's out_dir (its config.yaml and adapter/)")
+    export.add_argument("--merged", required=True, metavar="OUT", help="new folder for the merged model + tokenizer")
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
     bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning", "memory"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                        "benchmark (default: each workload's own; sync, k1, k1_shared, k2, sync_vllm, k1_vllm)")
     bench.add_argument("--steps", type=int, default=None, help="steps per run (pipeline, memory)")
     bench.add_argument("--rounds", type=int, default=None, help="interleaved rounds (pipeline, memory)")
-    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench}
+    parsers = {"demo": demo, "train": train, "eval": ev, "export": export, "bench": bench}
     args, extra = p.parse_known_args(argv)
     if extra:  # named by the subcommand's parser, so the hint points at its --help
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
@@ -240,6 +243,9 @@ def _command(args: argparse.Namespace) -> int:
         _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
+    elif args.cmd == "export":
+        from .export import export_merged
+        print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
     elif args.cmd == "bench":
         from .benchmarks import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds") if (v := getattr(args, k)) is not None}
