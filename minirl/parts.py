@@ -15,7 +15,7 @@ from .episodes import make_runner
 from .generators import Generator, make_generator
 from .models import cpu_dtype_warning, resolve_model
 from .placement import CpuThreads, Placement
-from .rewards import Scorer, check_columns
+from .rewards import Scorer, check_columns, check_data_columns
 from .sync import WeightSync
 from .tasks import TASKS, resolve_env
 from .trackers import check_tracker
@@ -96,6 +96,7 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     cols = [k for k in (D.arithmetic_rows(1, 0) if builtin else data)[0] if k != c.prompt_column]
     if env is not None:  # an episode's reward keywords: its transcript and env reward
         cols += list(Episode((), (), 0).columns())
+    cols = check_data_columns(cols)  # + completion_tokens and finish_reason
     for name, fn in scorer.rewards:
         check_columns(fn, name, cols)
     sp = D.make_splits(data, eval_data, prompt_column=c.prompt_column, eval_fraction=c.eval_fraction,

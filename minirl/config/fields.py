@@ -37,7 +37,11 @@ class Config:
     system_prompt: str | None = None
     """Optional system message put before each prompt by the chat template."""
     rewards: list[str] = field(default_factory=lambda: ["arithmetic_correct"])
-    """Reward functions: registered names (see `minirl.reward`) or 'module:function' paths."""
+    """Reward functions: registered names (see `minirl.reward`) or 'module:function' paths, each optionally with
+    keyword arguments fixed as `name(key=value, ...)` (Python literals), e.g. "overlong_penalty(max_length=48,
+    cache_length=16)" (DAPO's soft length penalty) or "format_match(pattern='^<think>')" (1 if the regex is
+    found). Besides the data's columns every reward may take `completion_tokens` and `finish_reason` ('stop' |
+    'length'); each gets only the keywords its signature names (all with **kwargs)."""
     reward_weights: list[float] | None = None
     """One weight per reward (default all 1). Weight 0 = logged only, not trained on."""
     reward_timeout_s: float = 10.0
