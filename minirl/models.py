@@ -177,8 +177,17 @@ def train_dtype(cfg):
     return getattr(torch, cfg.dtype)
 
 
-def build_model(cfg, device: str):
-    """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it."""
+def checkpointing_on(cfg, device: str) -> bool:
+    """Whether the trainer uses gradient checkpointing: `cfg.gradient_checkpointing`, 'auto' = on a GPU only."""
+    if cfg.gradient_checkpointing == "auto":
+        return str(device).startswith("cuda")
+    return bool(cfg.gradient_checkpointing)
+
+
+def build_model(cfg, device: str, checkpointing: bool = False):
+    """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it.
+    `checkpointing`: the decoder layers recompute their activations in backward (non-reentrant, so the frozen
+    embeddings need no grad; it acts only in training mode, so generation and no-grad forwards are unchanged)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from .adapter import make_contiguous
@@ -195,6 +204,8 @@ def build_model(cfg, device: str):
     if not cfg.load_in_4bit:
         base = base.to(device)
     base.config.use_cache = False
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.target_modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)

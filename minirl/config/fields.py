@@ -119,7 +119,18 @@ class Config:
     max_grad_norm: float = 1.0
     """Gradient clipping by global norm."""
     token_budget: int = 4096
-    """Micro-batch size in padded tokens (batch * longest sequence); gradients accumulate across micro-batches."""
+    """Micro-batch size in tokens; gradients accumulate across micro-batches. With packing 'shared-prefix' it
+    counts the real tokens a micro-batch computes (each group's prompt once, plus its completions: no padding);
+    with 'padded', rows * longest row (padding included)."""
+    packing: str = "shared-prefix"
+    """How the trainer lays out a batch: 'shared-prefix' (each group's prompt once, its completions after it,
+    each attending to the prompt and itself only; groups packed without padding) or 'padded' (one right-padded
+    row per completion: the reference path, and the one used where the attention implementation cannot take a
+    custom mask, e.g. flash-attention). Both give the same loss and gradients."""
+    gradient_checkpointing: bool | str = "auto"
+    """Recompute each decoder layer's activations in backward instead of keeping them: much less memory per
+    token for ~30% more training compute. 'auto': on when training on a GPU (as TRL and Unsloth default), off on
+    CPU (where memory is rarely the limit and time is); true / false force it."""
     ppo_epochs: int = 1
     """Passes over each batch; each pass is one optimizer step. >1 makes the clip ratio active."""
 

@@ -21,6 +21,9 @@ def coerce_fields(cfg) -> None:
     k = cfg.max_async_steps  # int | 'auto': a number written as a string ('1', from a quoted YAML value) is K
     if isinstance(k, str) and k.strip().lstrip("-").isdigit():
         object.__setattr__(cfg, "max_async_steps", int(k))
+    gc = cfg.gradient_checkpointing  # bool | 'auto': 'true' / 'false' (a CLI flag, a quoted YAML value) are bools
+    if isinstance(gc, str) and gc.strip().lower() in ("true", "false", "yes", "no"):
+        object.__setattr__(cfg, "gradient_checkpointing", gc.strip().lower() in ("true", "yes"))
 
 
 def to_yaml(cfg, path: str | Path | None = None) -> str:
