@@ -28,6 +28,7 @@ from .rollout import Pipeline
 from .run_dir import RunDir
 from .sync import SyncStats
 from .sync_check import SyncCheck
+from .export import export_merged
 from .trackers import scalars
 from .types import ScoredGroup
 
@@ -278,6 +279,10 @@ class Run(Background):
             self.pipeline.interrupt()
 
     SAFE_KNOBS = ("lr", "temperature", "max_staleness", "top_p", "kl_coef", "tis_cap", "clip_low", "clip_high")
+
+    def export(self, out: str) -> dict:
+        """The adapter merged into the base model, a transformers folder with the tokenizer at `out` (export.py)."""
+        return export_merged(self.out, out)
 
     def set(self, **knobs: Any) -> None:
         """Change safe knobs mid-run (from the next step): lr, temperature, max_staleness, ... The new values are

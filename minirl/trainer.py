@@ -29,7 +29,7 @@ class Trainer:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = resolve_model(cfg.model)
         self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs)
         torch.manual_seed(cfg.seed)
         self.checkpointing = checkpointing_on(cfg, self.device)
         self.model = build_model(cfg, self.device, checkpointing=self.checkpointing)

@@ -147,8 +147,8 @@ def validate(cfg) -> None:
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={cfg.dtype!r}: use auto/float32/bfloat16")
     need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.rewards),
          f"reward_weights has {len(cfg.reward_weights or [])} entries for {len(cfg.rewards)} rewards; give one per reward")
-    need(cfg.report_to in (None, "trackio", "tensorboard"),
-         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard' or none")
+    need(cfg.report_to in (None, "trackio", "tensorboard", "wandb"),
+         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard', 'wandb' or none")
     if problems:
         raise ConfigError("\n".join(problems))
 
