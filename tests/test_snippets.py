@@ -23,6 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = {"python", "yaml", "bash", "sh"}
+NOT_RUN = {"", "text", "layers"}  # output, diagrams, the layer list of architecture.md
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```\s*$", re.S | re.M)
 FILE_COMMENT = re.compile(r"#\s*([\w.-]+\.(?:py|yaml|yml))\s*$")
 
@@ -56,6 +57,13 @@ def test_every_skip_entry_names_one_block():
     for (name, needle), why in SKIP.items():
         found = [c for p in PAGES if p.name == name for kind, c in blocks(p) if kind in RUN and needle in c]
         assert len(found) == 1, f"SKIP entry {(name, needle)} ({why}) matches {len(found)} blocks"
+
+
+def test_no_block_escapes_by_its_tag():
+    """A block tagged `py`, `shell` or `console` would silently not run: only the tags above are allowed."""
+    for page in PAGES:
+        odd = sorted({kind for kind, _ in blocks(page)} - RUN - NOT_RUN)
+        assert not odd, f"{page.name}: code blocks tagged {odd}; use python/yaml/bash (run) or text (not run)"
 
 
 def test_the_pages_have_snippets_to_run():
