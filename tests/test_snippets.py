@@ -110,3 +110,18 @@ def test_snippets_run(page, tiny_model, tmp_path):
         ran += 1
     if ran == 0:
         pytest.skip(f"{page.name} has no block to run")
+
+
+def test_a_snippet_that_drifted_fails(tmp_path):
+    """The runner itself: a python block that fails, a bash command that fails and a YAML field that no longer
+    exists each fail the page; a `# name.py` block is written where the next block finds it."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    from minirl import ConfigError
+    with pytest.raises(AssertionError, match="exit 1"):
+        _run_block("python", "import minirl\nminirl.Config(stepz=3)\n", tmp_path, env)
+    with pytest.raises(AssertionError, match="exit 1"):
+        _run_block("bash", "false\necho never", tmp_path, env)
+    with pytest.raises(ConfigError, match="stepz"):
+        _run_block("yaml", "stepz: 3\n", tmp_path, env)
+    _run_block("python", "# helper.py\nX = 41\n", tmp_path, env)
+    _run_block("python", "import helper\nassert helper.X == 41\n", tmp_path, env)
