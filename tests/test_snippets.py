@@ -125,3 +125,25 @@ def test_a_snippet_that_drifted_fails(tmp_path):
         _run_block("yaml", "stepz: 3\n", tmp_path, env)
     _run_block("python", "# helper.py\nX = 41\n", tmp_path, env)
     _run_block("python", "import helper\nassert helper.X == 41\n", tmp_path, env)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's ids of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    heads = re.findall(r"^#+\s+(.*)$", FENCE.sub("", page.read_text(encoding="utf-8")), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_every_relative_link_and_anchor_exists():
+    tutorials = sorted((ROOT / "tutorials").glob("*.md"))
+    for page in [*PAGES, *tutorials]:
+        for target in LINK.findall(page.read_text(encoding="utf-8")):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            assert dest.exists(), f"{page.name}: link to {target}: no such file"
+            if anchor and dest.suffix == ".md":
+                assert anchor in _anchors(dest), f"{page.name}: link to {target}: no such heading"
