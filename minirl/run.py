@@ -91,7 +91,6 @@ class Run(Background):
         """Check the inputs and load the model, the prompts and the generator, from the checkpoint being resumed
         if any (`parts.build_parts`), then check the sync once. Writes nothing."""
         c = self.cfg
-        print(self.placement.line(), flush=True)
         self.parts = build_parts(c, self._reward_refs, self._env, self._data, self._eval_data, self.placement,
                                  self._cpu, self.checkpoint)
         position = self.checkpoint.state["data_position"] if self.checkpoint else 0
@@ -105,6 +104,7 @@ class Run(Background):
                     async_why=self.async_why, placement=self.placement.to_dict(), **self.parts.describe(),
                     **({"checkpoint": self.checkpoint and str(self.checkpoint.path)} if self.resuming else {}))
         self.history, self._acc_before = self.dir.claim(self.cfg, self.start_step, self.trainer.version, info)
+        print(self.placement.line() + "\n" + self.parts.plan.line(), flush=True)
         if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
             self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
 
