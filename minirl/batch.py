@@ -123,6 +123,13 @@ def completion_logprobs(model, batch: Batch, temperature: float | None = None, w
         temp_N = batch.temp_B[:, None].expand(pick.shape)[pick].to(h_N_H.device)
     else:
         temp_N = torch.full(targets_N.shape, float(temperature), device=h_N_H.device)
+    return hidden_logprobs(h_N_H, targets_N, temp_N, head, batch.tgt_mask_B_L, with_entropy, recompute)
+
+
+def hidden_logprobs(h_N_H, targets_N, temp_N, head, tgt_mask_B_L, with_entropy: bool = False, recompute: bool = True):
+    """Logprobs of `targets_N` from the final hidden states that predict them, by lm_head chunks, scattered into
+    the (B, L) layout of `tgt_mask_B_L` (row-major order), plus their summed entropy (the shared tail of the padded
+    and the packed path)."""
     recompute = recompute and torch.is_grad_enabled() and h_N_H.requires_grad
     logps, ent = [], 0.0
     for s in range(0, h_N_H.shape[0], LOGIT_CHUNK):
@@ -135,8 +142,8 @@ def completion_logprobs(model, batch: Batch, temperature: float | None = None, w
         logps.append(lp)
         ent += e
     logp_N = torch.cat(logps) if logps else h_N_H.new_zeros(0)
-    out = torch.zeros(batch.tgt_mask_B_L.shape, dtype=logp_N.dtype, device=logp_N.device)
-    out = out.masked_scatter(batch.tgt_mask_B_L.to(out.device), logp_N)
+    out = torch.zeros(tgt_mask_B_L.shape, dtype=logp_N.dtype, device=logp_N.device)
+    out = out.masked_scatter(tgt_mask_B_L.to(out.device), logp_N)
     return out, ent
 
 

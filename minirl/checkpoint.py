@@ -9,9 +9,13 @@
         trainer.pt    optimizer and scheduler state, the torch (CPU and CUDA) and Python RNG states
         state.json    next step, policy version, data position, data fingerprint, the live config
 
-Files are written under a temporary name in their folder and renamed over the target; a checkpoint is written
-to a temporary folder and renamed into place. A rename is atomic, so a kill at any instant leaves the old file or
-the new one, never a mixture, and a checkpoint folder either is complete or does not exist.
+Files are written under a temporary name in their folder, fsynced, and renamed over the target, then the folder
+is fsynced; a checkpoint is written to a temporary folder, fsynced (files and folder) and renamed into place. A
+rename is atomic, so a kill at any instant leaves the old file or the new one, never a mixture, and a checkpoint
+folder either is complete or does not exist; the fsyncs make the same hold after a power loss (no empty
+`trainer.pt` under a renamed name). A checkpoint of a step that exists already (a resumed run's re-done step)
+replaces it by: rename the old one aside, rename the new one in, delete the old one; a failure in between puts
+the old one back, and a crash in between leaves it aside, where the next listing finds it.
 
 What a checkpoint does not hold: rollouts generated ahead of the trainer (K >= 1). They are regenerated on resume,
 for the same steps from the same prompts with the same per-step seeds, under the restored policy: the prompts
@@ -21,6 +25,7 @@ depends on timing, so an uninterrupted run is not reproducible token for token e
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -46,6 +51,11 @@ RESUME_FREE = frozenset({"steps", "eval_every", "checkpoint_every", "keep_checkp
                          "sync_transport", "verify_sync", "reward_timeout_s", "inflight", "max_async_steps"})
 
 
+# written when a run claims its out_dir: --overwrite deletes run files only in a folder that carries it
+MARKER = ".minirl-run"
+ASIDE = ".aside-"  # an old checkpoint of the same step, renamed aside while its replacement is renamed in
+
+
 class RunExists(ConfigError):
     """out_dir already holds a run, and neither resume nor overwrite was asked for."""
 
@@ -59,11 +69,30 @@ def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> Path:
     tmp = _temp_name(path.parent, path.stem, path.suffix)  # created by `write`: the usual permissions (umask)
     try:
         write(tmp)
+        _fsync(tmp)
         os.replace(tmp, path)
+        _fsync(path.parent)
     finally:
         if tmp.exists():
             tmp.unlink()
     return path
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (the renames in it), to the disk."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Every file in `folder`, then the folder itself."""
+    for f in folder.iterdir():
+        if f.is_file():
+            _fsync(f)
+    _fsync(folder)
 
 
 def _temp_name(folder: Path, stem: str, suffix: str = "") -> Path:
@@ -102,8 +131,10 @@ def save_adapter(trainer, path: str | Path) -> Path:
     try:
         trainer.save_adapter(tmp)
         _usual_permissions(tmp)
+        _fsync_tree(tmp)
         for f in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):
             os.replace(f, path / f.name)
+        _fsync(path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return path
@@ -115,14 +146,24 @@ def holds_run(out: Path) -> bool:
     return any((out / name).exists() for name in RUN_FILES)
 
 
+def mark_run(out: Path) -> None:
+    """Mark `out` as a minirl run's folder (a run does this when it claims it), which --overwrite requires."""
+    atomic_text(out / MARKER, "This folder holds a minirl run; `--overwrite` may delete its run files.\n")
+
+
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse, in one line, to start a new run over an existing one, or to resume where there is none."""
+    """Refuse, in one line, to start a new run over an existing one, to overwrite a folder no run claimed (a
+    user's own config.yaml there is not a run), or to resume where there is none."""
     if resume and overwrite:
         raise ConfigError("resume and overwrite exclude each other: resume continues the run in out_dir, "
                           "overwrite replaces it")
     if resume and not (out / "metrics.jsonl").exists():
         raise ConfigError(f"nothing to resume in {str(out)!r}: no run there; start one without --resume, or point "
                           "out_dir at the run to continue")
+    if overwrite and holds_run(out) and not (out / MARKER).exists():
+        found = ", ".join(n for n in RUN_FILES if (out / n).exists())
+        raise RunExists(f"{str(out)!r} holds {found} but no minirl run (no {MARKER} marker), so nothing there is "
+                        "deleted by --overwrite; move those files out yourself, or choose another out_dir")
     if not resume and not overwrite and holds_run(out):
         raise RunExists(f"{str(out)!r} already holds a run; continue it with --resume (resume=True), replace it "
                         "with --overwrite (overwrite=True), or choose another out_dir")
@@ -132,7 +173,14 @@ def lock_out_dir(out: Path):
     """Hold `out` for this process until the returned file is closed (or the process dies, even by SIGKILL): a
     second run into the same out_dir while one is going, e.g. a --resume started too early, stops in one line."""
     import fcntl
-    f = open(out / ".lock", "a+")
+    try:  # O_NOFOLLOW: a symbolic link planted as .lock would make this truncate and write the file it points at
+        fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise ConfigError(f"{str(out / '.lock')!r} is a symbolic link, not the run's lock file; remove it "
+                          "(or choose another out_dir)") from None
+    f = os.fdopen(fd, "r+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -149,7 +197,10 @@ def lock_out_dir(out: Path):
 
 
 def clear_run(out: Path) -> None:
-    """Remove what a run wrote into `out` (for overwrite); other files are left alone."""
+    """Remove what a run wrote into `out` (for overwrite); other files are left alone. Only in a folder that a
+    run marked as its own (`mark_run`)."""
+    if holds_run(out) and not (out / MARKER).exists():
+        raise RunExists(f"{str(out)!r} carries no {MARKER} marker: not deleting its files")
     for name in RUN_FILES:
         p = out / name
         if p.is_dir():
@@ -232,9 +283,21 @@ def save_checkpoint(out: Path, trainer, state: dict, keep: int) -> Path | None:
         torch.save({"trainer": trainer.state_dict(), "rng": rng_state()}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
         _usual_permissions(tmp)
+        _fsync_tree(tmp)
+        _recover_aside(root)
+        aside = None
         if final.exists():  # the same step again (a resumed run's re-done step): the newer one wins
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+            aside = root / f"{ASIDE}{final.name}"
+            os.rename(final, aside)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            if aside is not None:
+                os.rename(aside, final)
+            raise
+        _fsync(root)
+        if aside is not None:
+            shutil.rmtree(aside)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for old in checkpoints(out)[:-keep]:
@@ -242,13 +305,36 @@ def save_checkpoint(out: Path, trainer, state: dict, keep: int) -> Path | None:
     return final
 
 
+def _recover_aside(root: Path) -> None:
+    """A checkpoint renamed aside by a replace that a crash interrupted: back in place if the new one never
+    arrived, else deleted."""
+    for aside in root.glob(f"{ASIDE}step-*"):
+        final = root / aside.name[len(ASIDE):]
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(aside, final)
+
+
 def checkpoints(out: Path) -> list[Checkpoint]:
-    """The complete checkpoints in `out`, oldest first (temporary folders of an interrupted write are not)."""
+    """The complete checkpoints in `out`, oldest first (temporary folders of an interrupted write are not). A
+    state.json that is not JSON, or has no whole-number `step`, is one ConfigError naming the file."""
+    root = out / "checkpoints"
+    if root.is_dir():
+        _recover_aside(root)
     found = []
-    for p in sorted((out / "checkpoints").glob("step-*")):
-        if (p / "state.json").exists():
-            state = json.loads((p / "state.json").read_text())
-            found.append(Checkpoint(p, int(state["step"]), state))
+    for p in sorted(root.glob("step-*")):
+        f = p / "state.json"
+        if f.exists():
+            try:
+                state = json.loads(f.read_text(encoding="utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ConfigError(f"{f}: not valid JSON ({e}); this checkpoint is damaged: delete {str(p)!r} to "
+                                  "resume from the one before it") from None
+            if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+                raise ConfigError(f"{f}: no whole-number 'step'; this checkpoint is damaged: delete {str(p)!r} to "
+                                  "resume from the one before it")
+            found.append(Checkpoint(p, state["step"], state))
     return sorted(found, key=lambda c: c.step)
 
 

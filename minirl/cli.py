@@ -1,4 +1,5 @@
-"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl bench ...`.
+"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl export`, `minirl bench ...`,
+`minirl plan CONFIG`.
 
 A bad input is one line on stderr (`minirl: error: ...`, exit code 2), never a traceback. `module:function`
 rewards are imported from the current directory, as a script's imports would be.
@@ -9,7 +10,6 @@ import argparse
 import dataclasses
 import difflib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -179,8 +179,6 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if os.getcwd() not in sys.path and "" not in sys.path:  # the `minirl` script: find 'module:function' here
-        sys.path.insert(0, os.getcwd())
     p = _Parser(prog="minirl", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
@@ -196,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="greedy held-out accuracy of a model (+ optional adapter)")
     ev.add_argument("--adapter", default=None, help="peft adapter folder to evaluate")
     add_cli_args(ev)
+    export = sub.add_parser("export", help="a run's adapter merged into its base model, for serving")
+    export.add_argument("run_dir", help="the run's out_dir (its config.yaml and adapter/)")
+    export.add_argument("--merged", required=True, metavar="OUT", help="new folder for the merged model + tokenizer")
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
     bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning", "memory"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
@@ -209,7 +210,11 @@ def main(argv: list[str] | None = None) -> int:
                        "benchmark (default: each workload's own; sync, k1, k1_shared, k2, sync_vllm, k1_vllm)")
     bench.add_argument("--steps", type=int, default=None, help="steps per run (pipeline, memory)")
     bench.add_argument("--rounds", type=int, default=None, help="interleaved rounds (pipeline, memory)")
-    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench}
+    pl = sub.add_parser("plan", help="the memory plan of a YAML config, from the model's config.json alone")
+    pl.add_argument("config", help="YAML file with Config fields")
+    pl.add_argument("--gpu-gb", type=float, default=None, help="plan for a GPU of this many GB (default: this "
+                    "machine's GPU 0, or its RAM on CPU)")
+    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl, "export": export}
     args, extra = p.parse_known_args(argv)
     if extra:  # named by the subcommand's parser, so the hint points at its --help
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_interrupts():  # SIGTERM stops as Ctrl-C does: checkpoint, children closed, exit 143
             return _command(args)
     except (ConfigError, ValueError, RuntimeError, OSError) as e:
-        print(f"minirl: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:  # a ConfigError holds one line per bad setting
+            print(f"minirl: error: {line}", file=sys.stderr)
         return 2
     except Terminated:
         return 143  # 128 + SIGTERM, as a shell reports it
@@ -242,6 +248,12 @@ def _command(args: argparse.Namespace) -> int:
         _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
+    elif args.cmd == "plan":
+        from .plan import plan
+        print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb).table())
+    elif args.cmd == "export":
+        from .export import export_merged
+        print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
     elif args.cmd == "bench":
         from .benchmarks import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds") if (v := getattr(args, k)) is not None}

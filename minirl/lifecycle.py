@@ -5,8 +5,10 @@ the ends no code of ours survives (SIGKILL of the trainer, a notebook kernel kil
 one small watchdog process per trainer process holds the read end of a pipe that only the trainer writes to. When
 the trainer dies, the kernel closes the pipe; the watchdog then ends every process it was told about (`adopt`)
 and their descendants (SIGTERM, then SIGKILL after a grace period), removes the files and folders it was told
-about (`keep_tidy`) and the /dev/shm files those processes mapped that were made while it watched (vLLM's
-message queues, 160-240 MB each, stay behind a killed engine otherwise), and exits. While the trainer lives, the
+about (`keep_tidy`) and the /dev/shm files those processes mapped that this run made (vLLM's message queues,
+160-240 MB each, stay behind a killed engine otherwise): a file that was not in /dev/shm (that name, that inode)
+when the watchdog started, and that no process outside the run maps or holds open; a file that merely changed
+while it watched (a write updates its ctime) stays. Then it exits. While the trainer lives, the
 watchdog samples the descendants of the adopted processes (and their mappings) every `POLL_S`, so grandchildren
 (a vLLM engine core's own workers, say) are known before they are orphaned. A pid is matched with its start time, so a pid reused by an unrelated process is never touched.
 
@@ -23,11 +25,13 @@ children that vLLM starts itself.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import secrets
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -45,9 +49,11 @@ def _send(line: str) -> None:
     with _lock:
         if _watchdog is None or _watchdog.poll() is not None:
             _watchdog = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(POLL_S), str(GRACE_S)],
-                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+                [sys.executable, "-I", "-S", _WATCHDOG, str(os.getpid()), str(POLL_S), str(GRACE_S)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
                 start_new_session=True)  # its own session: a Ctrl-C to the terminal's job does not reach it
+            _watchdog.stdout.readline()  # its /dev/shm snapshot is taken: whatever this run makes next is after it
+            _watchdog.stdout.close()
         try:
             _watchdog.stdin.write((line + "\n").encode())
             _watchdog.stdin.flush()
@@ -92,6 +98,7 @@ def adopting():
     if not sys.platform.startswith("linux"):
         yield
         return
+    _send("watch")  # the watchdog starts now: its /dev/shm snapshot precedes what the block's children make
     seen = children()
     done = threading.Event()
 
@@ -113,6 +120,9 @@ def adopting():
         sweep()
 
 
+_held: dict[str, int] = {}  # private file or folder -> the descriptor whose shared flock says "its owner lives"
+
+
 def keep_tidy(path: str | os.PathLike) -> None:
     """Remove `path` (a file or a folder) if this process dies before `tidied(path)`."""
     if sys.platform.startswith("linux"):
@@ -120,7 +130,10 @@ def keep_tidy(path: str | os.PathLike) -> None:
 
 
 def tidied(path: str | os.PathLike) -> None:
-    """`path` was removed (or handed over): the watchdog forgets it."""
+    """`path` was removed (or handed over): the watchdog forgets it, and its life lock is released."""
+    fd = _held.pop(os.fspath(path), None)
+    if fd is not None:
+        os.close(fd)
     if sys.platform.startswith("linux") and _watchdog is not None:
         _send(f"unpath {os.fspath(path)}")
 
@@ -130,43 +143,78 @@ def shm_dir() -> str | None:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
 
 
-def private_file(tag: str, nbytes: int) -> str:
-    """A new file of `nbytes` zero bytes in /dev/shm (else the temp folder) that only this user can open: created
-    with O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600 under a random name (never an existing file or a planted
-    link), and removed by the watchdog if this process dies first. The caller unlinks it and calls `tidied`."""
-    folder = shm_dir() or tempfile.gettempdir()
+def _publish(tmp: str, folder: str, tag: str, fd: int, is_dir: bool) -> str:
+    """Hold a shared flock on the new file or folder `tmp` (open as `fd`) for its life, then give it its sweepable
+    `minirl-TAG-PID-RANDOM` name: `sweep_stale` never sees one whose lock is not held yet."""
+    fcntl.flock(fd, fcntl.LOCK_SH)
     while True:
         path = os.path.join(folder, f"minirl-{tag}-{os.getpid()}-{secrets.token_hex(6)}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            if is_dir:  # (a rename would replace an empty folder: the 48 random bits are what keep the name new)
+                if os.path.lexists(path):
+                    continue
+                os.rename(tmp, path)
+            else:
+                os.link(tmp, path)  # never over an existing name
+                os.unlink(tmp)
+            break
+        except FileExistsError:
+            continue
+    _held[path] = fd
+    keep_tidy(path)
+    return path
+
+
+def private_file(tag: str, nbytes: int) -> str:
+    """A new file of `nbytes` zero bytes in /dev/shm (else the temp folder) that only this user can open: created
+    with O_CREAT | O_EXCL | O_NOFOLLOW and mode 0600 under a random name (never an existing file or a planted
+    link), locked (a shared flock) until `tidied`, and removed by the watchdog if this process dies first. The
+    caller unlinks it and calls `tidied`."""
+    folder = shm_dir() or tempfile.gettempdir()
+    while True:
+        tmp = os.path.join(folder, f".minirl-new-{os.getpid()}-{secrets.token_hex(6)}")
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             break
         except FileExistsError:
             continue
     try:
+        path = _publish(tmp, folder, tag, fd, is_dir=False)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    try:
         os.ftruncate(fd, nbytes)
     except BaseException:
         os.unlink(path)
+        tidied(path)
         raise
-    finally:
-        os.close(fd)
-    keep_tidy(path)
     return path
 
 
 def private_dir(tag: str) -> str:
-    """A new folder (0700) in /dev/shm (else the temp folder), removed by the watchdog if this process dies first."""
-    path = tempfile.mkdtemp(prefix=f"minirl-{tag}-{os.getpid()}-", dir=shm_dir())
-    keep_tidy(path)
-    return path
+    """A new folder (0700) in /dev/shm (else the temp folder), locked until `tidied` as `private_file` is, and
+    removed by the watchdog if this process dies first."""
+    folder = shm_dir() or tempfile.gettempdir()
+    tmp = tempfile.mkdtemp(prefix=f".minirl-new-{os.getpid()}-", dir=folder)
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _publish(tmp, folder, tag, fd, is_dir=True)
+    except BaseException:
+        os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 _OURS = re.compile(r"^minirl-[a-z]+-(\d+)-")
 
 
 def sweep_stale() -> list[str]:
-    """Remove what killed minirl processes of this user left in /dev/shm and the temp folder (files and folders
-    named by `private_file` / `private_dir` whose process is gone, when even the watchdog could not clean up).
-    Returns the removed paths."""
+    """Remove what killed minirl processes of this user left in /dev/shm and the temp folder: files and folders
+    named by `private_file` / `private_dir` whose life lock nobody holds. Proof of death is the lock, not a
+    missing /proc/PID: a run in another PID namespace (a container sharing /dev/shm) has no /proc entry here, but
+    its lock is seen. The sweep holds the lock exclusively while it removes. Returns the removed paths."""
     removed = []
     for folder in {shm_dir() or tempfile.gettempdir(), tempfile.gettempdir()}:
         try:
@@ -174,14 +222,23 @@ def sweep_stale() -> list[str]:
         except OSError:
             continue
         for name in names:
-            m, path = _OURS.match(name), os.path.join(folder, name)
+            path = os.path.join(folder, name)
             try:
-                if not m or os.lstat(path).st_uid != os.getuid() or os.path.exists(f"/proc/{m[1]}"):
+                st = os.lstat(path)
+                if not _OURS.match(name) or st.st_uid != os.getuid() or stat.S_ISLNK(st.st_mode):
                     continue
-                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+                is_dir = stat.S_ISDIR(st.st_mode)
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECTORY if is_dir else 0))
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while its owner (anywhere) holds it
+                shutil.rmtree(path) if is_dir else os.unlink(path)
                 removed.append(path)
             except OSError:
                 pass
+            finally:
+                os.close(fd)
     return removed
 
 
@@ -214,98 +271,6 @@ def watchdog_pid() -> int | None:
     return _watchdog.pid if _watchdog is not None and _watchdog.poll() is None else None
 
 
-# The watchdog's program: standard library only, run with -I -S (no site, no minirl, no torch: starts in ~20 ms).
-_WATCHDOG = r'''
-import os, select, shutil, signal, sys, time
-parent, poll_s, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-adopted, known, paths, mapped = {}, {}, set(), set()
-born = time.time()
+# The watchdog's program, run by path (standard library only, `-I -S`: starts in ~20 ms)
+_WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog_main.py")
 
-def stat(pid):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            rest = f.read().rsplit(b")", 1)[1].split()
-        return int(rest[1]), rest[19].decode(), rest[0] == b"Z"
-    except (OSError, IndexError, ValueError):
-        return None
-
-def alive(pid, start):
-    s = stat(pid)
-    return s is not None and s[1] == start and not s[2]
-
-def scan():
-    for pid, start in list(adopted.items()) + list(known.items()):
-        if not alive(pid, start):
-            adopted.pop(pid, None); known.pop(pid, None)
-    tree = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit() and (s := stat(int(d))) is not None:
-            tree.setdefault(s[0], []).append((int(d), s[1]))
-    todo = list(adopted)
-    while todo:
-        for pid, start in tree.get(todo.pop(), ()):
-            if pid not in known and pid not in adopted:
-                known[pid] = start
-                todo.append(pid)
-    for pid in list(adopted) + list(known):  # their shared-memory files (vLLM's message queues, say)
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    i = line.find(" /dev/shm/")
-                    if i >= 0 and not line.endswith("(deleted)\n"):
-                        mapped.add(line[i + 1:].rstrip("\n"))
-        except OSError:
-            pass
-
-def end_all():
-    scan()
-    victims = {**known, **adopted}
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid, start in victims.items():
-            if alive(pid, start):
-                try:
-                    os.kill(pid, sig)
-                except OSError:
-                    pass
-        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5)
-        while time.monotonic() < deadline and any(alive(p, s) for p, s in victims.items()):
-            time.sleep(0.05)
-    for p in mapped:  # made during this run (never an older file that one of them happened to map)
-        try:
-            if os.stat(p).st_ctime >= born - 1:
-                os.unlink(p)
-        except OSError:
-            pass
-    for p in paths:
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
-        else:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
-
-buf = b""
-while True:
-    ready, _, _ = select.select([0], [], [], poll_s)
-    if ready:
-        data = os.read(0, 65536)
-        if not data:
-            break
-        buf += data
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            kind, _, rest = line.decode().partition(" ")
-            if kind == "pid":
-                pid, start = rest.split()
-                if int(pid) != os.getpid():
-                    adopted[int(pid)] = start
-            elif kind == "path":
-                paths.add(rest)
-            elif kind == "unpath":
-                paths.discard(rest)
-    scan()
-    if os.getppid() != parent:
-        break
-end_all()
-'''

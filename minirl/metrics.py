@@ -54,6 +54,8 @@ METRICS: dict[str, str] = {
     "time/step_s": "wall seconds of this step",
     "time/gen_s": "generation seconds in this step",
     "time/train_s": "training seconds in this step",
+    "train/forward_tokens": "tokens one forward pass over the batch computes: padding included (packing 'padded'), "
+                            "each segment's prompt once ('shared-prefix'); train/tokens counts those trained on",
     "train/skipped_nonfinite": "optimizer updates skipped because the loss or gradients were not finite",
     "mem/rss_mb": "peak resident memory (MB) of the trainer's process since the previous step: this step's "
                   "generation and training (reward workers and a generator process of its own not included)",

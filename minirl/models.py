@@ -135,9 +135,13 @@ def _hub_model(name: str) -> str:
     return name
 
 
-def load_tokenizer(name: str):
+TOKENIZER_KWARGS = ("revision", "trust_remote_code")  # the `model_kwargs` that the tokenizer's loading takes too
+
+
+def load_tokenizer(name: str, model_kwargs: dict | None = None):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    kw = {k: v for k, v in (model_kwargs or {}).items() if k in TOKENIZER_KWARGS}
+    tok = AutoTokenizer.from_pretrained(resolve_model(name), **kw)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -173,8 +177,17 @@ def train_dtype(cfg):
     return getattr(torch, cfg.dtype)
 
 
-def build_model(cfg, device: str):
-    """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it."""
+def checkpointing_on(cfg, device: str) -> bool:
+    """Whether the trainer uses gradient checkpointing: `cfg.gradient_checkpointing`, 'auto' = on a GPU only."""
+    if cfg.gradient_checkpointing == "auto":
+        return str(device).startswith("cuda")
+    return bool(cfg.gradient_checkpointing)
+
+
+def build_model(cfg, device: str, checkpointing: bool = False):
+    """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it.
+    `checkpointing`: the decoder layers recompute their activations in backward (non-reentrant, so the frozen
+    embeddings need no grad; it acts only in training mode, so generation and no-grad forwards are unchanged)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from .adapter import make_contiguous
@@ -186,15 +199,25 @@ def build_model(cfg, device: str):
         from transformers import BitsAndBytesConfig
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg))
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg), **kw)
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg),
+                                                **{**cfg.model_kwargs, **kw})
     if not cfg.load_in_4bit:
         base = base.to(device)
     base.config.use_cache = False
+    if checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=cfg.target_modules, task_type="CAUSAL_LM")
     model = get_peft_model(base, lora)
     make_contiguous(model)  # one buffer for the whole adapter: a sync packs it with one copy
     return model
+
+
+def synthetic(name: str, path: str | Path | None = None, seed: int = 0, device: str = "cpu") -> Path:
+    """A randomly initialised model of a published shape (`minirl.shapes.NAMES`: Qwen2.5-0.5B/1.5B/7B,
+    Llama-3.2-1B, the tiny `qwen2-tiny`), saved as a Hugging Face folder; see `minirl.shapes.synthetic`."""
+    from .shapes import synthetic as build
+    return build(name, path, seed, device)
 
 
 def build_tiny_model(path: str | Path, vocab: int = 64, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:

@@ -94,6 +94,10 @@ class Timeline:
         gen = list(self.gen) + ([(self._gen_since, self.now())] if self._gen_active else [])
         return {"gen": gen, "train": list(self.train)}
 
+    def intervals(self) -> list[tuple[str, tuple[float, float]]]:
+        """(side, (start, end)) for every busy interval so far, generation's first."""
+        return [(side, iv) for side, ivs in self.snapshot().items() for iv in ivs]
+
     def add_train(self, start: float, end: float) -> None:
         """A training interval, in `time.perf_counter()` seconds."""
         self.train.append((start - self.t0, end - self.t0))

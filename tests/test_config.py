@@ -107,3 +107,61 @@ def test_a_run_resolves_auto_k_before_loading_and_records_why(toy_cfg):
     assert run.cfg.max_async_steps == 0 and run.async_why.startswith("auto:")
     run = Run(toy_cfg.replace(max_async_steps=1, backend="hf"))
     assert run.cfg.max_async_steps == 1 and run.async_why == "max_async_steps=1"
+
+
+def _numeric(hint) -> bool:
+    import types
+    import typing
+    args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType, list) else (hint,)
+    return any(a in (int, float) or (typing.get_origin(a) is list and _numeric(a)) for a in args)
+
+
+def test_every_numeric_field_has_a_range_and_each_range_rejects_its_outside():
+    """The range table covers every numeric field of Config; a value just outside each range (and NaN, inf) is
+    one line naming the field and the accepted range; several bad values are one line each."""
+    import math
+    import typing
+
+    import pytest
+    from minirl.config import ConfigError
+    from minirl.config.validate import RANGES
+    hints = typing.get_type_hints(Config)
+    numeric = {f.name for f in dataclasses.fields(Config) if _numeric(hints[f.name])}
+    assert numeric - set(RANGES) == set() and set(RANGES) - numeric == set()
+    Config()  # the defaults are inside every range
+    for name, rng in RANGES.items():
+        is_int = int in typing.get_args(hints[name]) or hints[name] is int
+        outside = [v for v in ((rng.lo - (0 if rng.lo_open else 1)) if rng.lo is not None else None,
+                               (rng.hi + (0 if rng.hi_open else 1)) if rng.hi is not None else None) if v is not None]
+        if not is_int:
+            outside += [math.nan, math.inf]
+        assert outside, name
+        for v in outside:
+            value = [v] if name == "reward_weights" else v
+            with pytest.raises(ConfigError) as e:
+                Config(**{name: value})
+            line = str(e.value).splitlines()[0]  # (a cross-field line may follow: token_budget < max_tokens)
+            assert line.startswith(f"{name}") and f"accepted range {rng.text()}" in line, line
+    issue = dict(lora_rank=0, ppo_epochs=0, top_k=-5, clip_low=2, kl_coef=-1, max_grad_norm=math.nan,
+                 gpu_memory_utilization=1.5, max_prompt_tokens=-1, reward_memory_mb=-1)
+    with pytest.raises(ConfigError) as e:
+        Config(**issue)
+    lines = str(e.value).splitlines()
+    assert [ln.split("=")[0] for ln in lines] == [n for n in RANGES if n in issue]
+
+
+def test_a_device_spec_that_is_not_one_names_the_field_and_the_forms():
+    import subprocess
+    import sys
+
+    import pytest
+    from minirl.config import ConfigError
+    for bad in ("abc", "cuda:x", "3-1", "0,,1", "-1"):
+        with pytest.raises(ConfigError, match=f"train_devices={bad!r}: use 'auto', 'cuda', GPU ids"):
+            Config(train_devices=bad)
+    assert Config(train_devices=1, gen_devices="0-3").train_devices == "1"  # `--train-devices 1`
+    assert Config(gen_devices="cuda:1,2").gen_devices == "cuda:1,2"
+    p = subprocess.run([sys.executable, "-m", "minirl.cli", "demo", "--train-devices", "abc"],
+                       capture_output=True, text=True)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "train_devices='abc'" in lines[0] and "CPU cores" in lines[0]

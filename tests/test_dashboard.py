@@ -214,3 +214,23 @@ def test_rescore_cached_rollouts_of_a_run_records_the_new_reward_version(finishe
 
 def test_panels_list_is_the_documented_one():
     assert PANELS[-1] == "timeline" and len(PANELS) == len(set(PANELS))
+
+
+def test_a_crafted_metrics_log_injects_no_html_into_the_notebook(tmp_path):
+    """Every value the samples panel and the status line show from metrics.jsonl is escaped: step numbers, reward
+    names, rewards, advantages, failures. The log is a file anyone may have written (a shared run folder)."""
+    import json
+    evil = "<img src=x onerror=alert(1)>"
+    events = [
+        {"event": "start", "config": {"rewards": [evil], "steps": 3}},
+        {"event": "step", "step": 1, "reward/mean": 0.5, "time/step_s": evil},
+        {"event": "samples", "step": evil, "samples": [
+            {"prompt": "p", "completion": "c", "reward": evil, "per_reward": {evil: 1.0, "ok": evil},
+             "advantage": evil, "failures": [{"reward": evil, "reason": evil}, "not a dict"]}, "not a dict"]},
+        {"event": "samples", "step": 2, "samples": evil},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    dash = Dashboard(tmp_path)
+    shown = dash.samples_box.value + dash.status.value + dash.doctor_box.value
+    assert "<img" not in shown and "&lt;img src=x onerror=alert(1)&gt;" in dash.samples_box.value
+    assert samples_html(events[2:]).count("&lt;img") == 7  # step, reward, per-reward name and value, adv, failure

@@ -113,3 +113,35 @@ def test_stop_strings_go_through_generate(trainer, monkeypatch):
     gen.generate(_prompts(trainer)[:1], 2, SamplingParams(max_tokens=4, stop=("zzz",), seed=0))
     gen.generate(_prompts(trainer)[:1], 2, SamplingParams(max_tokens=4, seed=0))
     assert calls == ["generate", "decode"]
+
+
+def test_one_prefill_per_prompt_samples_what_one_prefill_per_sample_did(trainer):
+    """`generate(prompts, n)` prefills each prompt once and gives its KV cache to its n samples: the first forward
+    has one row per prompt, then n per prompt; same seed, the same tokens and logprobs as prefilling every sample
+    (`decode` on the prompts repeated, n=1: the previous way)."""
+    gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
+    prompts = _prompts(trainer)
+    params = SamplingParams(temperature=0.9, max_tokens=8, seed=5)
+    sizes = []
+    hook = trainer.model.register_forward_pre_hook(lambda m, a, kw: sizes.append(kw["input_ids"].shape),
+                                                   with_kwargs=True)
+    try:
+        groups = gen.generate(prompts, 3, params)
+    finally:
+        hook.remove()
+    assert sizes[0][0] == 4 and sizes[0][1] > 1 and sizes[1] == (12, 1)  # 4 prefills, then 12 rows decode
+    ids = [list(p.token_ids) for p in prompts for _ in range(3)]
+    width = max(map(len, ids))
+    pad = trainer.tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+    attn = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    torch.manual_seed(5)
+    trainer.model.eval()
+    with H.merged_lora(trainer.model, {}, 0):
+        toks, lps = H.decode(trainer.model, input_ids, attn, params, trainer.tokenizer.eos_token_id)
+    eos = trainer.tokenizer.eos_token_id
+    got = [c for g in groups for c in g.completions]
+    for c, t, lp in zip(got, toks, lps):
+        t = t[: t.index(eos) + 1] if eos in t else t
+        assert list(c.token_ids) == t
+        assert list(c.logprobs) == pytest.approx(lp[: len(t)], abs=1e-5)

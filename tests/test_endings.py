@@ -80,11 +80,23 @@ class Watch:
         return time.monotonic() - t0
 
 
-def _lines(stream) -> list[str]:
-    """The lines of `stream`, read by a thread as they come."""
-    out: list[str] = []
-    threading.Thread(target=lambda: out.extend(stream), daemon=True).start()
-    return out
+class _Lines(list):
+    """The lines of a stream, read by a thread as they come; `finish()` once the process ended waits for the
+    last ones (the thread ends at the stream's end)."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self._reader = threading.Thread(target=lambda: self.extend(stream), daemon=True)
+        self._reader.start()
+
+    def finish(self) -> "_Lines":
+        self._reader.join(WAIT_S)
+        assert not self._reader.is_alive(), "the stream never ended"
+        return self
+
+
+def _lines(stream) -> _Lines:
+    return _Lines(stream)
 
 
 def _until(child: subprocess.Popen, watch: Watch, ready, lines: list[str]) -> None:
@@ -140,7 +152,7 @@ def test_sigterm_stops_the_cli_cleanly(tiny_model, tmp_path):
     child.send_signal(getattr(signal, sig))
     assert child.wait(WAIT_S) == 128 + getattr(signal, sig), "".join(lines)[-3000:]
     took = watch.assert_all_gone()
-    time.sleep(0.2)  # the reader thread takes the last lines
+    lines.finish()
     last, done = lines[-1].strip(), latest_checkpoint(tmp_path / "runs/my").step
     assert done >= 2 and last.startswith("minirl: interrupted after") and "(SIGTERM)" in last
     assert last.endswith(f"`minirl train my.yaml --resume` continues after step {done} (the latest checkpoint)")
@@ -163,7 +175,7 @@ def test_a_kill_during_set_up_leaves_nothing(tiny_model, tmp_path, sig):
     code = child.wait(WAIT_S)
     took = watch.assert_all_gone()
     if sig != "SIGKILL":
-        time.sleep(0.2)
+        lines.finish()
         why = {"SIGINT": "Ctrl-C", "SIGTERM": "SIGTERM"}[sig]
         assert code == 128 + getattr(signal, sig), "".join(lines)[-3000:]
         assert lines[-1].startswith(f"minirl: stopped during set-up ({why}); nothing was written"), lines[-3:]

@@ -118,4 +118,24 @@ def test_the_checks_see_a_fault():
     edges = imports(modules())
     assert any(component(t) == "types" for t in edges["minirl.run"])  # the graph is read at all
     assert against_layers({"minirl.types": {"minirl.run"}}, layers) == ["minirl.types -> minirl.run"]
-    assert against_layers({"minirl.trainer": {"minirl.sync"}}, layers) == ["minirl.trainer -> minirl.sync"]
+    assert against_layers({"minirl.sync": {"minirl.trainer"}}, layers) == ["minirl.sync -> minirl.trainer"]
+
+
+PRIVATE_HOOKS = {"_load_adapter", "_adapter_manager", "_update_states", "lora_ops", "_Options", "_timeout",
+                 "_devices", "_share_cuda_", "_new_shared_cuda", "_get_lora_layer_weights", "punica_cpu"}
+
+
+def private_accesses(tree: ast.AST) -> list[str]:
+    return [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in PRIVATE_HOOKS]
+
+
+def test_private_vllm_and_torch_hooks_only_in_the_compatibility_module():
+    found = {str(p.relative_to(ROOT)): got for p in PKG.rglob("*.py") if p.name != "vllm_compat.py"
+             if (got := private_accesses(ast.parse(p.read_text())))}
+    assert not found, f"private hooks outside minirl/vllm_compat.py: {found}"
+    assert private_accesses(ast.parse((PKG / "vllm_compat.py").read_text()))  # positive control: it sees them
+
+
+def test_no_module_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long

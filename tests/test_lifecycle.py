@@ -135,7 +135,8 @@ def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_pat
         import importlib.util, json, subprocess, sys, time
         spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
         lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
-        lc.adopt(0)  # starts the watchdog (pid 0 is never a process)
+        with lc.adopting():  # starts the watchdog
+            pass
         time.sleep(1.5)
         child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], stdout=subprocess.PIPE)
         child.stdout.readline()
@@ -157,3 +158,52 @@ def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_pat
     finally:
         older.unlink(missing_ok=True)
         Path(made).unlink(missing_ok=True)
+
+
+def test_the_watchdog_removes_only_shared_memory_this_run_made(tmp_path):
+    """A child maps three /dev/shm files: one it made (removed with it), one older than the run that it writes to
+    (its ctime is then newer than the run: it stays), and one an unrelated live process made during the run and
+    still maps (it stays)."""
+    import minirl.lifecycle as lifecycle
+    if not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    made, older, shared = (f"/dev/shm/minirl-test-{k}-{tag}" for k in ("made", "older", "shared"))
+    Path(older).write_bytes(b"\0" * 4096)
+    mapper = ("import mmap, os, sys\n"
+              "maps = []\n"
+              "for p in sys.argv[1:]:\n"
+              "    if not os.path.exists(p):\n"
+              "        open(p, 'wb').truncate(4096)\n"
+              "    f = open(p, 'r+b'); m = mmap.mmap(f.fileno(), 4096); m[0] = 1; maps.append(m)\n"
+              "print('mapped', flush=True); import signal; signal.pause()\n")  # until it is killed
+    script = textwrap.dedent(f"""
+        import importlib.util, subprocess, sys
+        spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
+        lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
+        with lc.adopting():  # as vLLM's engine is started; the watchdog's snapshot is taken on entry
+            child = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]], stdout=subprocess.PIPE)
+            child.stdout.readline()
+        print(child.pid, lc.watchdog_pid(), flush=True)
+        sys.stdin.read()
+    """)
+    other = subprocess.Popen([sys.executable, "-c", mapper, shared], stdout=subprocess.PIPE)
+    parent = None
+    try:
+        parent = subprocess.Popen([sys.executable, "-c", script, mapper, made, older, shared], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert other.stdout.readline() == b"mapped\n"
+        child, watchdog = map(int, parent.stdout.readline().split())
+        assert os.path.exists(made) and Path(older).read_bytes()[0] == 1  # the child wrote to the older file
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        _gone_within([child, watchdog], [made], 10)  # the watchdog has finished
+        assert os.path.exists(older) and os.path.exists(shared)
+    finally:
+        other.kill()
+        other.wait()
+        if parent is not None:
+            parent.kill()
+            parent.wait()
+        for p in (made, older, shared):
+            Path(p).unlink(missing_ok=True)

@@ -35,7 +35,7 @@ def test_explicit_gpu_ids_in_either_form():
 
 
 @pytest.mark.parametrize("field,value,gpus,match", [
-    ("train_devices", "abc", 0, r"^train_devices='abc': on CPU give cores"),
+    ("train_devices", "abc", 0, r"^train_devices='abc': use 'auto', 'cuda', GPU ids"),  # the form: Config itself
     ("train_devices", "99", 0, r"^train_devices='99': on CPU give cores below"),
     ("gen_devices", "0-", 0, r"^gen_devices='0-'"),
     ("train_devices", "0,1", 2, r"^train_devices='0,1': .* give one GPU below 2"),

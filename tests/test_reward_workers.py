@@ -193,11 +193,13 @@ def test_closures_lambdas_and_columns_arrive_working():
 
 
 def test_a_module_function_from_the_current_directory_arrives(tmp_path, monkeypatch):
+    from minirl.rewards import resolve_reward
     (tmp_path / "wt_rewards_mod.py").write_text("ANSWER = 42\n\ndef exact(prompt, completion, **_):\n"
                                                 "    return 1.0 if completion == str(ANSWER) else 0.0\n")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    exact = getattr(importlib.import_module("wt_rewards_mod"), "exact")  # how the CLI resolves 'module:function'
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    _, exact = resolve_reward("wt_rewards_mod:exact")  # how the CLI resolves 'module:function'
+    assert str(tmp_path) not in sys.path  # the working folder is on sys.path only while importing
     with pool({"exact": exact}) as rw:
         assert [o.value for o in rw.call_many([RewardCall("exact", "p", "42"), RewardCall("exact", "p", "7")])] == \
             [1.0, 0.0]

@@ -179,7 +179,7 @@ def test_old_versions_unloaded_and_folders_removed(gen, prompts, adapters, tmp_p
             return Path(path)
     trainer, sync = Trainer(), ServerSync(tmp_path / "shared")
     listed = lambda: [sorted(r.served_version() for r in gen.replicas), sorted(  # noqa: E731
-        d.name for d in (tmp_path / "shared").iterdir())]
+        d.name for d in sync.root.iterdir())]  # this run's own folder under the shared one
     trainer.version = 1
     sync.push(trainer, gen)
     gen.restart_seeds()

@@ -78,11 +78,22 @@ def model_mb(model) -> float:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
 
 
+def micro_tokens(trainer, groups) -> int:
+    """The padded tokens (rows x longest row) of the step's largest micro-batch, as the trainer splits it: what
+    the activations of a training step scale with (the memory plan's calibration reads it)."""
+    from ..batch import make_batch, samples_from_groups
+    samples = samples_from_groups(groups, keep_zero_adv=trainer.cfg.kl_coef > 0)
+    if not samples:
+        return 0
+    batch = make_batch(samples, 0, "token-mean", 1)
+    return max(int(mb.input_ids_B_L.numel()) for mb in batch.micro_batches(trainer.token_budget))
+
+
 def measure(overrides: dict, steps: int) -> dict:
     """One row, in this process: the demo config with `overrides`, `steps` steps, peaks by phase."""
     from ..config import DEMO, Config
     from ..run import Run
-    peaks, workers = PhasePeaks(), [0.0]
+    peaks, workers, micro = PhasePeaks(), [0.0], []
     with tempfile.TemporaryDirectory(prefix="minirl-mem-") as tmp:
         cfg = Config(**{**DEMO, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "out_dir": tmp, **overrides})
         run = Run(cfg, overwrite=True)
@@ -95,13 +106,13 @@ def measure(overrides: dict, steps: int) -> dict:
                 return gen(*a, **kw)
 
         def train(*a, **kw):
+            micro.append(micro_tokens(run.trainer, a[0] if a else kw["groups"]))
             with peaks.phase("train") as got:
                 out = step(*a, **kw)
                 got.update(rss_mb=out.get("mem/rss_mb"), cuda_mb=out.get("mem/cuda_mb"))
             workers[0] = max(workers[0], children_rss_mb())
             return out
-        run.generator.generate, run.trainer.step = generate, train
-        run.rollouts = run.generator
+        run.generator.generate, run.trainer.step = generate, train  # the parts' rollouts is this generator
         model = model_mb(run.trainer.model)
         summary = run.run()
         hist = run.history
@@ -112,7 +123,7 @@ def measure(overrides: dict, steps: int) -> dict:
            "step_s": [round(h["time/step_s"], 3) for h in hist],
            "train_s": [round(h["time/train_s"], 3) for h in hist],
            "gen_s": [round(h["time/gen_s"], 3) for h in hist],
-           "train_tokens": [h["train/tokens"] for h in hist],
+           "train_tokens": [h["train/tokens"] for h in hist], "micro_tokens": micro,
            "adapter_finite": run.trainer.adapter_is_finite()}
     if peaks.cuda_mb:
         res["peak_cuda_mb"] = round(max(peaks.cuda_mb.values()), 1)

@@ -18,9 +18,13 @@ def coerce_fields(cfg) -> None:
     hints = _hints(type(cfg))
     for f in dataclasses.fields(cfg):
         object.__setattr__(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), hints[f.name]))
-    k = cfg.max_async_steps  # int | 'auto': a number written as a string ('1', from a quoted YAML value) is K
-    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
-        object.__setattr__(cfg, "max_async_steps", int(k))
+    for name in ("max_async_steps", "token_budget"):  # int | 'auto': a number written as a string ('1') is a number
+        k = getattr(cfg, name)
+        if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+            object.__setattr__(cfg, name, int(k))
+    gc = cfg.gradient_checkpointing  # bool | 'auto': 'true' / 'false' (a CLI flag, a quoted YAML value) are bools
+    if isinstance(gc, str) and gc.strip().lower() in ("true", "false", "yes", "no"):
+        object.__setattr__(cfg, "gradient_checkpointing", gc.strip().lower() in ("true", "yes"))
 
 
 def to_yaml(cfg, path: str | Path | None = None) -> str:
@@ -123,6 +127,13 @@ def _coerce(name: str, v: Any, hint: Any) -> Any:
         if isinstance(v, str):
             return [v]
         raise ConfigError(f"{name}: expected a list, got {v!r} ({_kind(v)})")
+    if origin is str and isinstance(v, int) and not isinstance(v, bool):
+        return str(v)  # `--train-devices 1`, YAML `gen_devices: 0`
     if origin is str:
         raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
+    if origin is dict:
+        d = yaml.safe_load(v) if isinstance(v, str) else v  # a mapping written as text: the command line
+        if not isinstance(d, dict) or not all(isinstance(key, str) for key in d):
+            raise ConfigError(f"{name}: expected a mapping such as {{attn_implementation: sdpa}}, got {v!r}")
+        return dict(d)
     return v

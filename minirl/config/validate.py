@@ -1,30 +1,122 @@
-"""Config checks: each bad setting is one `ConfigError` naming the field and the fix, raised before anything loads."""
+"""Config checks, all made before anything loads: every numeric field's accepted range in one table (`RANGES`),
+then the choices and the checks across fields. Every violation is one line naming the field and what it accepts;
+`validate` raises one `ConfigError` holding all of them."""
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 
 from .errors import ConfigError
 
 
+@dataclass(frozen=True)
+class Range:
+    """An accepted interval for a number (each item of a list of numbers): `lo`/`hi` are bounds (None: none),
+    closed unless `lo_open`/`hi_open`. Every value must also be finite. `why` says what the bound is for."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    why: str = ""
+
+    def accepts(self, v: float) -> bool:
+        if not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def text(self) -> str:
+        if self.lo is not None and self.hi is not None:
+            return f"{'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}{')' if self.hi_open else ']'}"
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        if self.hi is not None:
+            return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+        return "any finite number"
+
+
+# One line per numeric field of Config (tests/test_config.py checks that every numeric field is here). None,
+# where a field allows it, and the string 'auto' of max_async_steps and token_budget are checked elsewhere.
+RANGES: dict[str, Range] = {
+    "lora_rank": Range(1, why="the LoRA rank r"),
+    "lora_alpha": Range(0, lo_open=True, why="the update is scaled by alpha / r"),
+    "lora_dropout": Range(0, 1, hi_open=True, why="a dropout probability"),
+    "reward_weights": Range(why="one finite weight per reward"),
+    "reward_timeout_s": Range(0, lo_open=True, why="seconds"),
+    "reward_workers": Range(0, why="0 = rewards run in the trainer's process"),
+    "reward_clip": Range(0, lo_open=True, why="the largest reward magnitude accepted"),
+    "reward_memory_mb": Range(1, why="MiB per reward worker; there is no 'unlimited'"),
+    "eval_fraction": Range(0, 1, hi_open=True, why="a fraction, e.g. 0.1"),
+    "eval_size": Range(0, why="0 = no held-out evaluation"),
+    "prompts_per_step": Range(1),
+    "group_size": Range(2, why="group-relative advantages need at least 2 completions per prompt"),
+    "max_tokens": Range(1),
+    "temperature": Range(0, lo_open=True, why="use eval for greedy decoding"),
+    "top_p": Range(0, 1, lo_open=True),
+    "top_k": Range(0, why="0 = off"),
+    "max_prompt_tokens": Range(1),
+    "max_turns": Range(1, why="model replies per episode"),
+    "max_episode_tokens": Range(1),
+    "steps": Range(0),
+    "lr": Range(0, lo_open=True),
+    "warmup_steps": Range(0),
+    "weight_decay": Range(0),
+    "max_grad_norm": Range(0, lo_open=True, why="the gradient norm is clipped to it"),
+    "token_budget": Range(1, why="or 'auto'"),
+    "ppo_epochs": Range(1, why="passes over each batch"),
+    "clip_low": Range(0, 1, hi_open=True, why="the ratio's lower bound 1 - clip_low must stay above 0"),
+    "clip_high": Range(0),
+    "tis_cap": Range(1, why="a cap on pi_trainer / pi_behaviour; None = no correction"),
+    "opsm_delta": Range(0, why="a mean |log ratio|; None = off"),
+    "kl_coef": Range(0, why="0 = off"),
+    "max_async_steps": Range(0, why="or 'auto'"),
+    "max_staleness": Range(0, why="or None = keep all"),
+    "gpu_memory_utilization": Range(0, 1, lo_open=True, why="vLLM's share of GPU memory"),
+    "kv_cache_gb": Range(0, lo_open=True),
+    "num_servers": Range(1, why="start at least 1 server, or give server_urls"),
+    "server_timeout_s": Range(0, lo_open=True, why="seconds"),
+    "seed": Range(0, 2**32 - 1),
+    "eval_every": Range(0, why="0 = only before and after"),
+    "checkpoint_every": Range(0, why="0 = only at the end"),
+    "keep_checkpoints": Range(1),
+    "log_samples": Range(0),
+}
+
+# gen_devices / train_devices: 'auto', 'cuda', or a comma list of GPU ids ('1', 'cuda:1') or cores ('0', '0-3').
+DEVICES = re.compile(r"auto|cuda|(?:(?:cuda:)?\d+(?:-\d+)?)(?:,(?:cuda:)?\d+(?:-\d+)?)*")
+DEVICE_FORMS = "'auto', 'cuda', GPU ids ('1', 'cuda:1', '1,2') or CPU cores ('0', '0-3', '0,2-3')"
+
+
+def range_problems(cfg) -> list[str]:
+    """One line per numeric field outside its accepted range."""
+    out = []
+    for name, rng in RANGES.items():
+        v = getattr(cfg, name)
+        values = v if isinstance(v, list) else [v]
+        for i, x in enumerate(values):
+            if x is None or isinstance(x, str):
+                continue
+            if not rng.accepts(x):
+                label = f"{name}[{i}]" if isinstance(v, list) else name
+                note = f" ({rng.why})" if rng.why else ""
+                out.append(f"{label}={x!r}: accepted range {rng.text()}{note}")
+    return out
+
+
 def validate(cfg) -> None:
-    """Raise one ConfigError, naming the field and the fix, for the first bad setting."""
+    """Raise one ConfigError holding a line per bad setting, each naming the field and what it accepts."""
+    problems = range_problems(cfg)
+
     def need(ok: bool, msg: str) -> None:
         if not ok:
-            raise ConfigError(msg)
-    need(cfg.group_size >= 2, f"group_size={cfg.group_size}: group-relative advantages need at least "
-         "2 completions per prompt; set group_size >= 2")
-    need(cfg.prompts_per_step >= 1, "prompts_per_step must be >= 1")
-    need(cfg.max_tokens >= 1, "max_tokens must be >= 1")
-    need(cfg.temperature > 0, "temperature must be > 0 (use eval for greedy decoding)")
-    need(0 < cfg.top_p <= 1, "top_p must be in (0, 1]")
-    need(cfg.steps >= 0, "steps must be >= 0")
-    need(cfg.lr > 0, "lr must be > 0")
+            problems.append(msg)
     need(cfg.lr_schedule in ("constant", "cosine"), f"lr_schedule={cfg.lr_schedule!r}: use 'constant' or 'cosine'")
     need(cfg.loss_agg in ("token-mean", "seq-mean", "constant"),
          f"loss_agg={cfg.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
     need(cfg.backend in ("auto", "vllm", "vllm-server", "hf"),
          f"backend={cfg.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
-    need(cfg.num_servers >= 1, f"num_servers={cfg.num_servers}: start at least 1 server, or give server_urls")
     for i, url in enumerate(cfg.server_urls):
         need(re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url) is not None,
              f"server_urls[{i}]={url!r}: give the server's address as http://HOST:PORT")
@@ -32,31 +124,33 @@ def validate(cfg) -> None:
          f"server_urls needs backend='vllm-server' (got backend={cfg.backend!r})")
     need(not (cfg.restart_servers and cfg.server_urls), "restart_servers restarts servers minirl started; it "
          "cannot restart yours (server_urls): drop one of the two")
-    need(cfg.server_timeout_s > 0, "server_timeout_s must be > 0 seconds")
     need(cfg.inflight in ("continue", "abort", "inflight"),
          f"inflight={cfg.inflight!r}: use 'continue', 'abort' or 'inflight'")
     need(cfg.sync_transport in ("auto", "ipc", "collective", "files"),
          f"sync_transport={cfg.sync_transport!r}: use 'auto', 'ipc', 'collective' or 'files'")
-    need(cfg.max_async_steps == "auto" or (isinstance(cfg.max_async_steps, int) and cfg.max_async_steps >= 0),
+    need(not isinstance(cfg.max_async_steps, str) or cfg.max_async_steps == "auto",
          f"max_async_steps={cfg.max_async_steps!r}: use 'auto' or an integer >= 0")
-    need(cfg.max_staleness is None or cfg.max_staleness >= 0, "max_staleness must be >= 0 or None")
-    need(cfg.token_budget >= cfg.max_tokens, "token_budget must be at least max_tokens")
+    for name in ("gen_devices", "train_devices"):
+        spec = getattr(cfg, name)
+        ok = DEVICES.fullmatch(spec) is not None and all(
+            int(a) <= int(b or a) for a, _, b in (p.removeprefix("cuda:").partition("-") for p in spec.split(","))
+            if a.isdigit())
+        need(ok, f"{name}={spec!r}: use {DEVICE_FORMS}")
+    need(cfg.token_budget == "auto" or not isinstance(cfg.token_budget, str),
+         f"token_budget={cfg.token_budget!r}: use 'auto' or an integer >= max_tokens")
+    need(isinstance(cfg.token_budget, str) or cfg.token_budget >= cfg.max_tokens,
+         f"token_budget={cfg.token_budget} is below max_tokens={cfg.max_tokens}: a micro-batch must hold one "
+         "completion; raise token_budget (or 'auto')")
+    need(cfg.packing in ("shared-prefix", "padded"), f"packing={cfg.packing!r}: use 'shared-prefix' or 'padded'")
+    need(cfg.gradient_checkpointing == "auto" or isinstance(cfg.gradient_checkpointing, bool),
+         f"gradient_checkpointing={cfg.gradient_checkpointing!r}: use 'auto', true or false")
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={cfg.dtype!r}: use auto/float32/bfloat16")
     need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.rewards),
          f"reward_weights has {len(cfg.reward_weights or [])} entries for {len(cfg.rewards)} rewards; give one per reward")
-    need(cfg.tis_cap is None or cfg.tis_cap >= 1, "tis_cap must be >= 1 or None")
-    need(cfg.reward_workers >= 0, "reward_workers must be >= 0 (0 = rewards run in the trainer's process)")
-    need(cfg.reward_timeout_s > 0, "reward_timeout_s must be > 0 seconds")
-    need(cfg.reward_clip > 0, "reward_clip must be > 0")
-    need(cfg.max_turns >= 1, "max_turns must be >= 1 (model replies per episode)")
-    need(cfg.max_episode_tokens >= 1, "max_episode_tokens must be >= 1")
-    need(cfg.eval_size >= 0, "eval_size must be >= 0 (0 = no held-out evaluation)")
-    need(0 <= cfg.eval_fraction < 1, f"eval_fraction={cfg.eval_fraction}: use a fraction in [0, 1), e.g. 0.1")
-    need(cfg.eval_every >= 0, "eval_every must be >= 0")
-    need(cfg.checkpoint_every >= 0, "checkpoint_every must be >= 0 (0 = only at the end)")
-    need(cfg.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
-    need(cfg.report_to in (None, "trackio", "tensorboard"),
-         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard' or none")
+    need(cfg.report_to in (None, "trackio", "tensorboard", "wandb"),
+         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard', 'wandb' or none")
+    if problems:
+        raise ConfigError("\n".join(problems))
 
 
 def parse_cores(spec: str) -> list[int]:

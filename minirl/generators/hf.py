@@ -68,8 +68,12 @@ def merged_lora(model, cache: dict, version: int = 0):
 
 
 @torch.no_grad()
-def decode(model, input_ids, attn, params: SamplingParams, eos: int) -> tuple[list[list[int]], list[list[float]]]:
-    """Sample up to `params.max_tokens` tokens per row of the left-padded `input_ids`, each row ending at `eos`,
+def decode(model, input_ids, attn, params: SamplingParams, eos: int,
+           n: int = 1) -> tuple[list[list[int]], list[list[float]]]:
+    """Sample `n` rows per prompt of the left-padded `input_ids` (prompt i's samples are rows i*n .. i*n+n-1):
+    each prompt is prefilled once and its KV cache and last logits repeated for its `n` samples (the same tensors
+    as prefilling it `n` times, so the same tokens for a seed). Up to `params.max_tokens` tokens per row, each row
+    ending at `eos`,
     with every finished row dropped from the batch and its KV cache at once. transformers' `generate` keeps a
     finished row in the batch (it emits padding) until the last row ends, so on a long tail (most answers short, a
     few running to `max_tokens`) most of its work is padding; here the work is what the live rows need. The same
@@ -89,17 +93,22 @@ def decode(model, input_ids, attn, params: SamplingParams, eos: int) -> tuple[li
     if not greedy and params.top_p < 1.0:
         warp.append(TopPLogitsWarper(params.top_p))
     dev = model.device
-    rows, attn = torch.arange(input_ids.shape[0]), attn.to(dev)
-    toks: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
-    logps: list[list[float]] = [[] for _ in range(input_ids.shape[0])]
+    B = input_ids.shape[0] * n
+    rows, attn = torch.arange(B), attn.to(dev)
+    toks: list[list[int]] = [[] for _ in range(B)]
+    logps: list[list[float]] = [[] for _ in range(B)]
     cache = DynamicCache()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     step_ids = input_ids.to(dev)
     for t in range(params.max_tokens):
         out = model(input_ids=step_ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
-        scores = warp(step_ids, out.logits[:, -1].float())
+        logits = out.logits[:, -1].float()
         del out
+        if t == 0 and n > 1:  # the prompts' one prefill: each sample gets its prompt's cache and logits
+            cache.batch_repeat_interleave(n)
+            logits, attn, pos, step_ids = (x.repeat_interleave(n, 0) for x in (logits, attn, pos, step_ids))
+        scores = warp(step_ids, logits)
         nxt = scores.argmax(-1) if greedy else torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
         lp = torch.log_softmax(scores, -1).gather(-1, nxt[:, None]).squeeze(1)
         for r, tk, l in zip(rows.tolist(), nxt.tolist(), lp.tolist()):
@@ -183,7 +192,8 @@ class HFGenerator:
         """temperature 0 = greedy decoding (logprobs are then reported as 0)."""
         greedy = params.temperature == 0
         version = self.version
-        ids = [list(p.token_ids) for p in prompts for _ in range(n)]
+        compact = self.compact and not params.stop
+        ids = [list(p.token_ids) for p in prompts for _ in range(1 if compact else n)]  # decode prefills once
         width = max(len(x) for x in ids)
         pad = self.tok.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
@@ -195,8 +205,8 @@ class HFGenerator:
         eos = self.tok.eos_token_id
         try:
             with merged_lora(self.model, self._merge_cache, version) if self.merge else nullcontext():
-                if self.compact and not params.stop:
-                    rows, row_lp = decode(self.model, input_ids, attn, params, eos)
+                if compact:
+                    rows, row_lp = decode(self.model, input_ids, attn, params, eos, n)
                 else:
                     rows, row_lp = self._generate(input_ids, attn, params)
         finally:

@@ -102,6 +102,19 @@ def _error_message(r) -> str:
     return str(j.get("message", j)) if isinstance(j, dict) else str(j)
 
 
+def is_loopback(url: str) -> bool:
+    """Whether `url` names this machine's loopback interface (127.0.0.0/8, ::1 or localhost)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class ServerAPI:
     """An async HTTP client for one server (`httpx`, created on the loop that uses it). Connection failures and
     timeouts raise `ServerDown`; error statuses `ServerRejected`."""
@@ -110,7 +123,9 @@ class ServerAPI:
         import httpx
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.AsyncClient(base_url=self.url, headers=headers,
+        # trust_env=False on loopback: a proxy from HTTP_PROXY / ALL_PROXY would receive the API key, and could not
+        # reach this machine's 127.0.0.1 anyway
+        self._client = httpx.AsyncClient(base_url=self.url, headers=headers, trust_env=not is_loopback(self.url),
                                          timeout=httpx.Timeout(None, connect=connect_timeout_s),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 

@@ -111,6 +111,11 @@ class Fleet:
             if s.proc is not None and (code := s.proc.exit_code()) is not None:
                 raise ServerError(f"{s.where()} exited with code {code} while starting; the end of its log:\n"
                                   f"{s.proc.log_tail()}")
+            if s.proc is not None and not s.proc.listening():  # no request (no key) to a port it does not hold
+                if time.monotonic() > deadline:
+                    raise ServerError(f"{s.where()} did not listen on its port within {limit:.0f} s")
+                await asyncio.sleep(0.5)
+                continue
             try:
                 base = base_model_name(await s.api.models(timeout_s=10.0))
                 self.base = self.base or base

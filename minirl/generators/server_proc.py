@@ -129,6 +129,10 @@ class ServerProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def listening(self) -> bool:
+        """Whether this server (a process of its group) listens on its port: only then may it get the key."""
+        return listening_in_group(self.port, self.proc.pid)
+
     def exit_code(self) -> int | None:
         """None while it runs (read without reaping it: its pid, the group's id, stays ours until `stop`)."""
         if self.proc.returncode is not None:
@@ -173,6 +177,34 @@ class ServerProcess:
         deadline = time.monotonic() + 30  # SIGKILLed members (the engine core) take a moment to exit: wait, so that
         while group_members(self.proc.pid) and time.monotonic() < deadline:  # `close` returns with them gone
             time.sleep(0.05)
+
+
+def listening_in_group(port: int, pgid: int) -> bool:
+    """Whether a process of group `pgid` holds the socket listening on 127.0.0.1:`port` (the socket's inode in
+    /proc/net/tcp, found among the group's open files). Checked before the run's API key is sent to a server minirl
+    started: its port was free when chosen, but another local user may bind it before vLLM does, and must not
+    receive the key. Once the server listens there, no one else can."""
+    want, inodes = f"0100007F:{port:04X}", set()
+    try:
+        with open("/proc/net/tcp") as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[1] == want and fields[3] == "0A":  # 0A: LISTEN
+                    inodes.add(f"socket:[{fields[9]}]")
+    except (OSError, IndexError):
+        return False
+    for pid in group_members(pgid) if inodes else ():
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return True
+            except OSError:
+                pass
+    return False
 
 
 def group_members(pgid: int) -> list[int]:

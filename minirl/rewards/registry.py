@@ -1,11 +1,21 @@
 """The reward registry: a reward is a plain function `(prompt, completion, **columns) -> float | None`, registered by
-name with `@minirl.reward`, or given as a callable or a 'module:function' path."""
+name with `@minirl.reward`, or given as a callable or a 'module:function' path.
+
+Besides the dataset's columns every reward may take `completion_tokens` (the completion's sampled tokens) and
+`finish_reason` ('stop', or 'length' when cut by max_tokens); a reward receives only the keywords its signature
+accepts (all of them with `**kwargs`). A reward's keyword arguments can be fixed by name: `name(key=value, ...)` in
+a config's `rewards` (values are Python literals), `bind_reward(name_or_fn, key=value)` in Python; a fixed keyword
+is no longer filled from a column."""
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import inspect
-from typing import Any, Callable, Protocol, Sequence
+import os
+import sys
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 
 class RewardFn(Protocol):
@@ -23,16 +33,88 @@ def reward(fn: Callable | None = None, *, name: str | None = None):
     return wrap(fn) if fn is not None else wrap
 
 
+@contextmanager
+def working_folder_last() -> Iterator[None]:
+    """The working folder on `sys.path` after everything else (site-packages included), only inside the block: a
+    'module:function' in it can be imported, while a file there named like an installed package (a `cloudpickle.py`)
+    cannot shadow that package, then or later. Where the interpreter already put it first ('' in `python -c`, a
+    notebook) nothing changes."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            del sys.path[len(sys.path) - 1 - sys.path[::-1].index(cwd)]
+
+
 def import_ref(ref: str, what: str, form: str) -> tuple[str, Any]:
-    """(attr, object) for 'module:attr' (a reward, an env), or one line naming what could not be imported."""
+    """(attr, object) for 'module:attr' (a reward, an env), or one line naming the reference and what went wrong:
+    not importable, or the module raised while importing (SyntaxError, NameError, KeyError, RuntimeError...)."""
     mod, _, attr = ref.partition(":")
     try:
-        return attr, getattr(importlib.import_module(mod), attr)
+        with working_folder_last():
+            module = importlib.import_module(mod)
+        return attr, getattr(module, attr)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"{what} {ref!r} cannot be imported ({e}); check the {form!r} path") from None
+        raise ValueError(f"{what} {ref!r} cannot be imported ({_one_line(e)}); check the {form!r} path") from None
+    except Exception as e:  # noqa: BLE001 - the module's own code failed; named, without a traceback
+        raise ValueError(f"{what} {ref!r}: importing module {mod!r} raised {type(e).__name__}: {_one_line(e)}; "
+                         "fix the module (import it in Python to see the traceback)") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or repr(e)
+
+
+COMPLETION_KEYWORDS = ("completion_tokens", "finish_reason")  # what every reward may take besides the columns
+
+
+class BoundReward:
+    """A reward with some keyword arguments fixed (`overlong_penalty(max_length=48, cache_length=16)`). Its
+    signature is the reward's without them, so no column of the same name reaches it."""
+
+    def __init__(self, fn: Callable, params: dict[str, Any], name: str):
+        sig = inspect.signature(fn)
+        takes = [p.name for p in list(sig.parameters.values())[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [k for k in params if k not in takes]
+        if unknown:
+            raise ValueError(f"reward {name!r}: no parameter(s) {unknown}; it takes {takes}")
+        self.fn, self.params, self.__name__ = fn, dict(params), name
+        self.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in params])
+
+    def __call__(self, prompt: str, completion: str, **columns: Any) -> Any:
+        return self.fn(prompt, completion, **{**columns, **self.params})
+
+
+def bind_reward(ref: str | Callable, **params: Any) -> BoundReward:
+    """A reward (a name, a 'module:function' path or a callable) with `params` fixed: the Python form of
+    `name(key=value)` in a config's `rewards`."""
+    name, fn = resolve_reward(ref)
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
+    return BoundReward(fn, params, f"{name}({shown})")
+
+
+def _parse_call(ref: str) -> tuple[str, dict[str, Any]]:
+    """'name(key=value, ...)' -> (name, {key: value}); values are Python literals."""
+    head = ref[:ref.index("(")].strip()
+    try:
+        call = ast.parse(f"_f{ref[ref.index('('):]}", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args:
+            raise ValueError("give key=value pairs only")
+        return head, {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError) as e:
+        raise ValueError(f"reward {ref!r}: cannot read its parameters ({_one_line(e)}); write "
+                         "name(key=value, ...) with literal values, e.g. format_match(pattern='^<answer>')") from None
 
 
 def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:
+    if isinstance(ref, str) and ref.rstrip().endswith(")") and "(" in ref:
+        name, params = _parse_call(ref)
+        _, fn = resolve_reward(name)
+        return ref, BoundReward(fn, params, ref)
     if callable(ref):
         return getattr(ref, "__name__", repr(ref)), ref
     if ref in REGISTRY:
@@ -52,6 +134,27 @@ def source_hash(fn: Callable) -> str:
     return hashlib.sha1(src.encode()).hexdigest()[:10]
 
 
+def accepted_keywords(fn: Callable) -> set[str] | None:
+    """The keywords a reward takes after (prompt, completion); None: any (it has **kwargs, or no signature)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_data_columns(columns: Sequence[str]) -> list[str]:
+    """The keywords rewards can take (the columns and COMPLETION_KEYWORDS); a column named like one of
+    COMPLETION_KEYWORDS is an error (it would hide what the completion was)."""
+    clash = [c for c in columns if c in COMPLETION_KEYWORDS]
+    if clash:
+        raise ValueError(f"the data has column(s) {clash}, the name(s) of what every reward receives about its "
+                         f"completion ({', '.join(COMPLETION_KEYWORDS)}); rename the column(s)")
+    return list(columns) + list(COMPLETION_KEYWORDS)
+
+
 def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
     """Fail before training when a reward needs a keyword the data does not have."""
     sig = inspect.signature(fn)
@@ -63,4 +166,5 @@ def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
     missing = [n for n in needed if n not in columns]
     if missing:
         raise ValueError(f"reward {name!r} needs column(s) {missing} that the data lacks "
-                         f"(columns: {sorted(columns)}); add them to the dataset or give them defaults")
+                         f"(columns: {sorted(columns)}); add them to the dataset, give them defaults, or fix them in "
+                         f"`rewards` as {name.partition('(')[0]}({missing[0]}=...)")

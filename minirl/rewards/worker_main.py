@@ -89,6 +89,10 @@ def serve(fd: int, parent_pid: int) -> None:
         limit = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     fns = {}
+    cwd = os.getcwd()  # as in the trainer (registry.working_folder_last): after site-packages, only while loading
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
     for name, blob in init["rewards"]:
         try:
             fns[name] = pickle.loads(blob)
@@ -96,6 +100,8 @@ def serve(fd: int, parent_pid: int) -> None:
             send_frame(sock, pickle.dumps((None, f"reward {name!r} cannot be loaded in a worker process ({reason(e)}); "
                                             "make its module importable from the trainer's sys.path")))
             return
+    if added:
+        sys.path.remove(cwd)
     send_frame(sock, pickle.dumps((None, None)))
     while (msg := recv_frame(sock)) is not None:
         name, prompt, completion, columns = pickle.loads(msg)

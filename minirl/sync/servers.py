@@ -1,7 +1,9 @@
 """`ServerSync`: the adapter to vLLM servers (`generators/vllm_server.py`) — written once per version, in peft
 format, to a folder every server reads at the same path, then loaded on each through `/v1/load_lora_adapter`.
 
-The folder of a version appears whole or not at all (saved under a temporary name, then renamed), so a server
+Each run writes into a folder of its own under `root` (`run-<random>`): two runs given the same `adapter_dir`
+never overwrite each other's versions, and pruning removes only version folders this run wrote (never a user's
+`v3` beside them, nor another run's). The folder of a version appears whole or not at all (saved under a temporary name, then renamed), so a server
 never reads a half-written adapter, on a shared mount either. A version's folder is removed once no server holds
 that version any more (the generator unloads a version when no request in flight uses it), so a server that
 evicted an adapter from its cache can still reload it while it is in use.
@@ -9,7 +11,7 @@ evicted an adapter from its cache can still reload it while it is in use.
 from __future__ import annotations
 
 import os
-import re
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -30,14 +32,25 @@ class ServerTarget(Protocol):
 
 
 class ServerSync:
-    """`root`: the shared folder (created if missing); None: a fresh tmpfs folder (servers on this machine),
-    removed at close. `last`: the save and load milliseconds of the latest push."""
+    """`root`: the shared folder (created if missing), in which this run writes to a new folder of its own
+    (`self.root`, removed at close); None: a fresh tmpfs folder (servers on this machine), removed at close.
+    `last`: the save and load milliseconds of the latest push."""
     transport = "server-files"
 
     def __init__(self, root: str | Path | None = None):
         self.owned = root is None
-        self.root = Path(lifecycle.private_dir("serveradapters") if root is None else root)  # private: 0700, tidied
-        self.root.mkdir(parents=True, exist_ok=True)
+        if root is None:
+            self.root = Path(lifecycle.private_dir("serveradapters"))  # private: 0700, tidied
+        else:
+            Path(root).mkdir(parents=True, exist_ok=True)
+            while True:
+                self.root = Path(root) / f"run-{secrets.token_hex(6)}"
+                try:
+                    self.root.mkdir()  # new: never a folder another run (or the user) has
+                    break
+                except FileExistsError:
+                    continue
+        self.written: set[int] = set()  # the versions this run wrote (the only folders it prunes)
         self.last: dict[str, float] = {}
 
     def push(self, trainer, generator: "ServerTarget") -> SyncStats:
@@ -50,6 +63,7 @@ class ServerSync:
         if final.exists():  # the same version pushed again (a resumed run): replace it whole
             shutil.rmtree(final)
         os.rename(tmp, final)
+        self.written.add(version)
         t1 = time.perf_counter()
         generator.update_adapter(lambda: AdapterUpdate(version, path=str(final)))
         t2 = time.perf_counter()
@@ -59,12 +73,19 @@ class ServerSync:
         return SyncStats(version, (t2 - t0) * 1e3, nbytes, self.transport)
 
     def _prune(self, in_use: set[int]) -> None:
-        for d in self.root.iterdir():
-            m = re.fullmatch(r"v(\d+)", d.name)
-            if m and int(m.group(1)) not in in_use:
-                shutil.rmtree(d, ignore_errors=True)
+        for version in sorted(self.written - in_use):
+            shutil.rmtree(self.root / f"v{version}", ignore_errors=True)
+            self.written.discard(version)
 
     def close(self) -> None:
         if self.owned:
             shutil.rmtree(self.root, ignore_errors=True)
             lifecycle.tidied(self.root)
+            return
+        for version in sorted(self.written):
+            shutil.rmtree(self.root / f"v{version}", ignore_errors=True)
+        self.written.clear()
+        try:
+            self.root.rmdir()  # empty unless someone else put files in it: then it stays, with them
+        except OSError:
+            pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -70,6 +71,22 @@ def rendezvous_dir() -> str:
     return lifecycle.private_dir("rdv")
 
 
+@contextmanager
+def _nccl_on_loopback():
+    """NCCL_SOCKET_IFNAME=lo while this group's NCCL communicator is built (eagerly, inside the block), then removed:
+    NCCL reads the setting only from the environment, and only when a communicator is made, so it is set for that
+    moment instead of for the rest of the process's life. A value the user set is left as it is. (NCCL keeps the
+    interface it chose for later communicators of the process; nothing else sees the variable.)"""
+    if "NCCL_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+    try:
+        yield
+    finally:
+        os.environ.pop("NCCL_SOCKET_IFNAME", None)
+
+
 def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
     """A two-process torch.distributed group (rank 0 = trainer, rank 1 = engine worker) that does not touch the
     default group (vLLM has its own). The peers meet through a file store in `rdv_dir` (`rendezvous_dir`); gloo's
@@ -84,9 +101,11 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
         if backend == "gloo":
             pg = compat.gloo_group(store, rank, 2, timeout)
         elif backend == "nccl":
-            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-            pg = compat.nccl_group(store, rank, 2, timeout)
-            store.set("joined", "1") if rank == 0 else store.get("joined")  # NCCL connects lazily: meet here
+            import torch
+            with _nccl_on_loopback():
+                pg = compat.nccl_group(store, rank, 2, timeout)
+                store.set("joined", "1") if rank == 0 else store.get("joined")  # meet here, then connect
+                pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
         else:
             raise ValueError(f"unknown collective backend {backend!r}")
     except ValueError:

@@ -24,9 +24,11 @@ from .panels import PANELS, View, figure, png_bytes
 # --- HTML pieces (shared by the widget and by notebooks) ----------------------------------------------------
 
 def _fmt(x: Any) -> str:
+    """A value from metrics.jsonl as HTML text: a float in 3 digits, anything else escaped (the log is a file
+    anyone could have written: no value from it reaches the notebook as markup)."""
     if isinstance(x, float):
         return f"{x:.3g}"
-    return html.escape(str(x))
+    return html.escape(str(x), quote=True)
 
 
 def alerts_html(alerts: Sequence[Alert]) -> str:
@@ -44,7 +46,10 @@ def samples_html(samples_events: Sequence[dict], limit: int = 6, width: int = 90
     """The most recent logged completions with their scores, newest first."""
     rows = []
     for e in reversed(samples_events):
-        for x in e.get("samples", []):
+        samples = e.get("samples") if isinstance(e, dict) else None
+        for x in samples if isinstance(samples, list) else []:
+            if not isinstance(x, dict):
+                continue
             rows.append((e.get("step"), x))
             if len(rows) >= limit:
                 break
@@ -55,17 +60,20 @@ def samples_html(samples_events: Sequence[dict], limit: int = 6, width: int = 90
 
     def cut(t: str) -> str:
         t = " ".join(str(t).split())
-        return html.escape(t if len(t) <= width else t[: width - 1] + "…")
+        return html.escape(t if len(t) <= width else t[: width - 1] + "…", quote=True)
 
     head = ("<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th><th>per reward</th>"
             "<th>adv</th><th>failures</th></tr>")
     body = []
     for step, x in rows:
-        per = ", ".join(f"{k}={_fmt(v)}" for k, v in (x.get("per_reward") or {}).items())
-        fails = "; ".join(f"{f.get('reward')}: {f.get('reason')}" for f in x.get("failures") or [])
-        body.append(f"<tr><td>{step}</td><td>{cut(x.get('prompt', ''))}</td><td><code>{cut(x.get('completion', ''))}"
+        per_reward = x.get("per_reward")
+        per = ", ".join(f"{_fmt(k)}={_fmt(v)}" for k, v in (per_reward.items() if isinstance(per_reward, dict) else ()))
+        failures = x.get("failures")
+        fails = "; ".join(f"{f.get('reward')}: {f.get('reason')}" for f in
+                          (failures if isinstance(failures, list) else []) if isinstance(f, dict))
+        body.append(f"<tr><td>{_fmt(step)}</td><td>{cut(x.get('prompt', ''))}</td><td><code>{cut(x.get('completion', ''))}"
                     f"</code></td><td>{_fmt(x.get('reward'))}</td><td>{per}</td><td>{_fmt(x.get('advantage'))}</td>"
-                    f"<td style='color:#b00020'>{html.escape(fails)}</td></tr>")
+                    f"<td style='color:#b00020'>{_fmt(fails)}</td></tr>")
     return ("<table style='font-size:11px;border-collapse:collapse' border='1' cellpadding='3'>"
             f"{head}{''.join(body)}</table>")
 
@@ -206,7 +214,7 @@ class Dashboard:
         parts = [self._state(), f"step {max(n, 0)}" + (f" / {total}" if total else "")]
         if last:
             parts.append(f"reward {_fmt(last.get('reward/mean'))}")
-            if last.get("time/step_s") is not None:
+            if isinstance(last.get("time/step_s"), (int, float)):
                 parts.append(f"{last['time/step_s']:.1f} s/step")
         parts.append(f"{time.time() - self._t0:.0f} s since the dashboard opened")
         out = getattr(self.run, "out", None)

@@ -1,0 +1,66 @@
+"""Published model shapes kept in the package, and randomly initialised models of those shapes.
+
+Each `<name>.json` holds the `config.json` values of a published model (Qwen2.5-0.5B/1.5B/7B-Instruct,
+Llama-3.2-1B-Instruct) and `qwen2-tiny` a few-layer Qwen2 for tests. `synthetic(name, path)` builds a model of that
+shape with random weights and saves it as a normal Hugging Face folder (safetensors + tokenizer), so the memory and
+speed of a real size can be measured without a hub. The tokenizer is the small byte-level BPE committed in
+`tokenizer/` (1024 tokens, `scripts/make_synthetic_tokenizer.py`); the published vocabulary size is kept (it is
+part of the memory), and sampled ids beyond the tokenizer decode to nothing. Random weights: the text is noise, and
+rewards are ~0 -- the shapes are for memory, speed and plumbing, not learning.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).parent
+TOKENIZER = HERE / "tokenizer"
+NAMES = tuple(sorted(p.stem for p in HERE.glob("*.json")))
+
+
+def shape_config(name: str) -> dict:
+    """The config.json values of shape `name` (one of NAMES)."""
+    if name not in NAMES:
+        raise ValueError(f"unknown model shape {name!r}: use one of {', '.join(NAMES)}")
+    return json.loads((HERE / f"{name}.json").read_text())
+
+
+def _default_dir() -> Path:
+    return Path(os.environ.get("MINIRL_CACHE", Path.home() / ".cache" / "minirl")) / "synthetic"
+
+
+def synthetic(name: str, path: str | Path | None = None, seed: int = 0, device: str = "cpu") -> Path:
+    """Build (once) a randomly initialised model of shape `name` in `path` (default: the cache dir's
+    `synthetic/<name>`), in the shape's dtype, with the committed tokenizer; return the folder. `device` is where
+    the random init runs ('cuda' is much faster at 1B+); the folder is the same either way up to the RNG."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path) if path is not None else _default_dir() / name
+    if (path / "config.json").exists():
+        return path
+    values = shape_config(name)
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    ids = dict(bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = AutoConfig.for_model(**{**values, **ids})
+    dtype = getattr(torch, values.get("torch_dtype", "float32"))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.generation_config.do_sample = False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
+    try:
+        model.to("cpu").save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another builder won the race
+            if not (path / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path

@@ -1,0 +1,79 @@
+"""The memory plan (issue 36 item 4): from config.json alone, its parts, its choices, the stop before loading, and
+its calibration against recorded `minirl bench memory` rows."""
+import json
+
+import pytest
+
+from minirl import Config
+from minirl.config import ConfigError
+from minirl.plan import Shape, check_plan, plan, resolve_token_budget
+from minirl.shapes import NAMES, shape_config
+
+@pytest.mark.parametrize("name", NAMES)
+def test_parameter_count_from_config_json_alone_is_exact(name):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape_config(name)))
+    assert Shape.from_config(shape_config(name)).params() == sum(p.numel() for p in model.parameters())
+
+
+def _folder(tmp_path, name):
+    """A model folder with a config.json and no weights: a plan must not need them."""
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(shape_config(name)))
+    return str(d)
+
+
+def test_plan_picks_checkpointing_then_4bit_as_the_gpu_shrinks(tmp_path):
+    cfg = Config(model=_folder(tmp_path, "qwen2.5-7b"), backend="hf", max_tokens=512)
+    big, mid, small = (plan(cfg, gpu_gb=g) for g in (80, 24, 16))
+    assert big.fits and not big.load_in_4bit and big.gradient_checkpointing and big.token_budget >= 4096  # 'auto'
+    assert mid.fits and not mid.load_in_4bit and mid.token_budget < big.token_budget  # 14 GiB of bf16 weights
+    assert small.fits and small.load_in_4bit  # the bf16 weights alone leave no room on 16 GB
+    assert not plan(cfg.replace(gradient_checkpointing=False), gpu_gb=80).gradient_checkpointing
+    ck = plan(cfg.replace(token_budget=4096), gpu_gb=80, gradient_checkpointing=True)
+    no = plan(cfg.replace(token_budget=4096), gpu_gb=80, gradient_checkpointing=False)
+    assert ck.train["activations"] < no.train["activations"] / 5 and ck.train["base weights"] == no.train["base weights"]
+    assert "activations" in big.table() and "peak" in big.table()
+
+
+def test_engine_share_and_sleep_wake(tmp_path):
+    cfg = Config(model=_folder(tmp_path, "qwen2.5-1.5b"), backend="vllm", max_tokens=256)
+    p = plan(cfg, gpu_gb=48, engine_sleeps=True)
+    awake = plan(cfg, gpu_gb=48, engine_sleeps=False)
+    assert 0 < p.gpu_memory_utilization < 1 and p.sleep_wake_gb == pytest.approx(2 * p.generate["engine weights"])
+    assert "engine weights" not in p.train and awake.train["engine weights"] == p.generate["engine weights"]
+
+
+def test_a_gpu_run_that_cannot_fit_stops_in_one_line_and_cpu_warns(tmp_path, capsys):
+    cfg = Config(model=_folder(tmp_path, "qwen2.5-7b"), backend="hf", load_in_4bit=True, token_budget=8192,
+                 max_tokens=1024, prompts_per_step=64, group_size=16)
+    with pytest.raises(ConfigError, match=r"^minirl: the memory plan does not fit: peak .* of 8.0 GB") as e:
+        check_plan(cfg, cuda_devices=1, gpu_gb=8)
+    assert "\n" not in str(e.value)
+    import minirl
+    huge = Config(model=_folder(tmp_path, "qwen2.5-1.5b"), token_budget=4096, max_tokens=1024, prompts_per_step=512,
+                  group_size=64, out_dir=str(tmp_path / "run"))
+    with pytest.raises(Exception):  # the folder has no weights: loading fails, after the plan's warning
+        minirl.Run(huge).setup()
+    out = capsys.readouterr().out
+    assert "minirl: plan:" in out and "minirl: warning: the memory plan does not fit" in out
+
+
+def test_token_budget_auto_resolves_in_one_place(tmp_path):
+    cfg = Config()
+    assert cfg.token_budget == "auto" and resolve_token_budget(cfg, "cpu") == 512
+    assert resolve_token_budget(cfg.replace(token_budget=1024), "cpu") == 1024
+    assert Config.from_dict({"token_budget": "2048"}).token_budget == 2048
+    with pytest.raises(ConfigError, match="token_budget=8 is below max_tokens=48"):
+        Config(token_budget=8)
+
+
+def test_cli_plan_prints_the_table(tmp_path, capsys):
+    from minirl.cli import main
+    (tmp_path / "c.yaml").write_text(f"model: {_folder(tmp_path, 'qwen2.5-0.5b')}\nbackend: hf\n")
+    assert main(["plan", str(tmp_path / "c.yaml"), "--gpu-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "minirl: plan:" in out and "fits" in out and "base weights" in out
