@@ -43,7 +43,7 @@ class RunParts:
         gen = self.generator
         return dict(transport=self.sync.transport, transport_why=self.sync_why, reward_versions=self.scorer.versions,
                     train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
-                    **({"servers": gen.servers()} if hasattr(gen, "servers") else {}))
+                    **gen.describe())
 
     def close(self) -> list[tuple[str, BaseException]]:
         """Close the generator, the sync and the reward workers, each whatever the others do; (what, error) for

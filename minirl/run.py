@@ -104,9 +104,9 @@ class Run(Background):
                     async_why=self.async_why, placement=self.placement.to_dict(), **self.parts.describe(),
                     **({"checkpoint": self.checkpoint and str(self.checkpoint.path)} if self.resuming else {}))
         self.history, self._acc_before = self.dir.claim(self.cfg, self.start_step, self.trainer.version, info)
-        print(self.placement.line() + "\n" + self.parts.plan.line(), flush=True)
-        if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
-            self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
+        print(self.placement.line() + "
+" + self.parts.plan.line(), flush=True)
+        self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)  # servers: down, restarted
 
     def close(self) -> None:
         """Close what `load` opened (after a failed set-up, or an evaluation without a run: `minirl eval`)."""
@@ -168,7 +168,7 @@ class Run(Background):
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts), "eval": self.splits.note,
             **({"resumed_from_step": self.start_step} if self.resuming else {}),
             "placement": self.placement.to_dict(),
-            **(self.generator.stats() if hasattr(self.generator, "stats") else {}),  # vLLM servers: count, restarts
+            **self.generator.stats(),  # vLLM servers: count, restarts
         })
         return self.summary
 
