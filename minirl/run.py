@@ -104,8 +104,7 @@ class Run(Background):
                     async_why=self.async_why, placement=self.placement.to_dict(), **self.parts.describe(),
                     **({"checkpoint": self.checkpoint and str(self.checkpoint.path)} if self.resuming else {}))
         self.history, self._acc_before = self.dir.claim(self.cfg, self.start_step, self.trainer.version, info)
-        print(self.placement.line() + "
-" + self.parts.plan.line(), flush=True)
+        print(self.placement.line() + "\n" + self.parts.plan.line(), flush=True)
         self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)  # servers: down, restarted
 
     def close(self) -> None:
