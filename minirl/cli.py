@@ -112,7 +112,6 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
         raise
     print(f"minirl: model={run.cfg.model} backend={run.backend} ({run.backend_why}) transport={run.sync.transport} "
           f"steps={run.cfg.steps} out={run.cfg.out_dir}", flush=True)
-    print(f"minirl: max_async_steps={run.cfg.max_async_steps} ({run.async_why})", flush=True)
     print(f"minirl: {len(run.train_prompts)} training prompts; eval: {run.splits.note}"
           + (f"; resuming after step {run.start_step}" if resume else ""), flush=True)
     progress = _Progress(run.cfg.steps, run.start_step)

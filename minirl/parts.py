@@ -15,7 +15,7 @@ from .episodes import make_runner
 from .generators import Generator, make_generator
 from .models import cpu_dtype_warning, resolve_model
 from .placement import CpuThreads, Placement
-from .plan import check_plan
+from .plan import MemoryPlan, check_plan
 from .rewards import Scorer, check_columns, check_data_columns
 from .sync import WeightSync
 from .tasks import TASKS, resolve_env
@@ -36,13 +36,14 @@ class RunParts:
     rollouts: Any = None  # what samples the groups: the generator, or (env runs) the episode runner on it
     train_prompts: Sequence[Prompt] = ()
     eval_prompts: Sequence[Prompt] = ()
+    plan: MemoryPlan | None = None  # the memory plan made before loading
 
     def describe(self) -> dict[str, Any]:
         """What the run's start event records about its parts."""
         gen = self.generator
         return dict(transport=self.sync.transport, transport_why=self.sync_why, reward_versions=self.scorer.versions,
                     train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
-                    **({"servers": gen.servers()} if hasattr(gen, "servers") else {}))
+                    **gen.describe())
 
     def close(self) -> list[tuple[str, BaseException]]:
         """Close the generator, the sync and the reward workers, each whatever the others do; (what, error) for
@@ -123,7 +124,7 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
         raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                          "backend finishes in-flight sequences on their adapter (inflight='continue')")
     resolve_model(c.model)  # a model that cannot be found fails here, within seconds
-    check_plan(c, place.cuda_devices)  # its line; a GPU run that cannot fit stops here, before loading
+    parts.plan = check_plan(c, place.cuda_devices)  # a GPU run that cannot fit stops here, before loading
     if not place.cuda_devices and (note := cpu_dtype_warning(c.dtype)):
         print(note, flush=True)
     cpu.apply(place)

@@ -91,7 +91,6 @@ class Run(Background):
         """Check the inputs and load the model, the prompts and the generator, from the checkpoint being resumed
         if any (`parts.build_parts`), then check the sync once. Writes nothing."""
         c = self.cfg
-        print(self.placement.line(), flush=True)
         self.parts = build_parts(c, self._reward_refs, self._env, self._data, self._eval_data, self.placement,
                                  self._cpu, self.checkpoint)
         position = self.checkpoint.state["data_position"] if self.checkpoint else 0
@@ -105,8 +104,8 @@ class Run(Background):
                     async_why=self.async_why, placement=self.placement.to_dict(), **self.parts.describe(),
                     **({"checkpoint": self.checkpoint and str(self.checkpoint.path)} if self.resuming else {}))
         self.history, self._acc_before = self.dir.claim(self.cfg, self.start_step, self.trainer.version, info)
-        if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
-            self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
+        print(self.placement.line() + "\n" + self.parts.plan.line(), flush=True)
+        self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)  # servers: down, restarted
 
     def close(self) -> None:
         """Close what `load` opened (after a failed set-up, or an evaluation without a run: `minirl eval`)."""
@@ -168,7 +167,7 @@ class Run(Background):
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts), "eval": self.splits.note,
             **({"resumed_from_step": self.start_step} if self.resuming else {}),
             "placement": self.placement.to_dict(),
-            **(self.generator.stats() if hasattr(self.generator, "stats") else {}),  # vLLM servers: count, restarts
+            **self.generator.stats(),  # vLLM servers: count, restarts
         })
         return self.summary
 

@@ -68,7 +68,7 @@ class Trainer:
         c = self.cfg
         loss_settings = c.loss_settings()
         t0 = time.perf_counter()
-        samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0)
+        samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0, drop_truncated=c.mask_truncated)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1

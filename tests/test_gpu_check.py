@@ -1,23 +1,41 @@
 """scripts/gpu_check.sh in its CPU-twin mode: the same code as on a GPU (gloo for NCCL), so the script is known to
 work before a GPU machine is lent for a few minutes."""
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).parent.parent
 
 
-def test_gpu_check_cpu_twin_passes_and_writes_json(tmp_path):
-    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-twin", "--out", str(tmp_path),
-                        "--only", "env,collective"], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    res = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert res["env"]["ok"] and res["env"]["device"] == "cpu"
-    assert res["collective"] == {**res["collective"], "ok": True, "backend": "gloo", "equal": True}
+MISSING = ("vllm", "bitsandbytes", "datasets", "gguf")  # what the GPU image lacks
+
+
+def test_gpu_check_cpu_twin_without_the_images_missing_packages(tmp_path):
+    """The twin with vllm, bitsandbytes, datasets and gguf unimportable (a sitecustomize puts None in sys.modules:
+    `import` fails and `find_spec` says None, in every process the script starts): each section that needs one
+    says `skipped: <package> not installed`, every other section passes."""
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(f"import sys\nfor m in {MISSING!r}:\n    sys.modules[m] = None\n")
+    env = {**os.environ, "PYTHONPATH": str(block), "PYTHON": sys.executable}
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-twin", "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=400, env=env)
+    res = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert not any(res["env"]["packages"][m] for m in ("vllm", "bitsandbytes", "gguf"))
+    assert {k: v.get("skipped") for k, v in res.items() if "skipped" in v} == {
+        "vllm": "vllm not installed", "qlora": "bitsandbytes not installed", "embedded": "gguf not installed"}
+    assert all(v["ok"] for v in res.values()) and res["placement"]["line"].startswith("minirl: placement:")
+    for run in (res["train"]["plain"], res["train"]["checkpointing"]):
+        assert run["steps"] == 3 and run["adapter_finite"] and run["losses"]
+    assert res["ipc"]["receiver_copy_equals_trainer"] and res["collective"]["equal"]
 
 
 def test_gpu_check_reports_a_failing_section(tmp_path):
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-twin", "--out", str(tmp_path),
-                        "--only", "env,nosuchsection"], capture_output=True, text=True, timeout=120)
+                        "--only", "env,nosuchsection"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHON": sys.executable})
     assert p.returncode == 1 and "FAILED nosuchsection" in p.stdout
     assert json.loads((tmp_path / "gpu_check.json").read_text())["env"]["ok"]

@@ -99,3 +99,24 @@ def test_a_bound_builtin_in_a_run_with_reward_workers(toy_cfg):
     for e in steps:  # max_tokens = 6: a cut completion (6 tokens) gets -1, a 5-token one -0.5
         assert -1.0 <= e[key] <= 0.0
     assert any(e[key] < 0 for e in steps)
+
+
+def test_mask_truncated_gives_a_cut_completion_no_loss(tiny_model):
+    """Two groups whose only non-zero advantages are on cut completions (finish_reason 'length'): with
+    mask_truncated the step trains on no sample and leaves the adapter as it was; without it, it trains on them."""
+    import torch
+    from minirl.batch import samples_from_groups
+    from minirl.trainer import Trainer
+    from minirl.types import ScoredGroup
+    cut, done = _completion(4, "length"), _completion(3, "stop")
+    g = Group(Prompt(0, (1, 2, 3), "q"), (cut, cut, done))
+    scored = [ScoredGroup(g, (1.0, 0.0, 0.5), {}, (1.0, -1.0, 0.0))]
+    assert len(samples_from_groups(scored)) == 2 and samples_from_groups(scored, drop_truncated=True) == []
+    cfg = Config(model=tiny_model, lora_rank=4, lr=1e-2, dtype="float32", max_tokens=6)
+    for mask, trained in ((True, 0), (False, 2)):
+        t = Trainer(cfg.replace(mask_truncated=mask), device="cpu")
+        before = [p.detach().clone() for p in t.model.parameters() if p.requires_grad]
+        m = t.step(scored)
+        after = [p for p in t.model.parameters() if p.requires_grad]
+        assert m["train/samples"] == trained
+        assert all(torch.equal(a, b) for a, b in zip(after, before)) == (trained == 0)

@@ -66,13 +66,17 @@ class Config:
     eval_size: int = 64
     """At most this many held-out prompts are evaluated. 0 = no evaluation (the run says so in one line)."""
 
-    # --- data columns and model loading (issue 37: what a TRL / Unsloth user brings) --------------------------
+    # --- recipes (issue 37: what a TRL / Unsloth user brings): data columns, model loading, truncation -------
     answer_column: str | None = None
     """A column of `data` / `eval_data` renamed 'answer' before rewards see it (e.g. 'solution'); None = as is."""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the base model's `from_pretrained`, e.g. {attn_implementation: sdpa,
     revision: main}; `revision` (and `trust_remote_code`) also reach the tokenizer. On the command line:
     --model_kwargs '{attn_implementation: sdpa}'."""
+    mask_truncated: bool = False
+    """A completion cut by max_tokens (finish_reason 'length'; an episode cut by max_turns / max_episode_tokens)
+    contributes no loss; its reward still counts in its group's baseline (DAPO's overlong filtering). Pair it with
+    the `overlong_penalty(...)` reward, or use either alone."""
 
     # --- sampling ------------------------------------------------------------------------------------------
     backend: str = "auto"
