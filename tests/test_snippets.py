@@ -147,3 +147,14 @@ def test_every_relative_link_and_anchor_exists():
             assert dest.exists(), f"{page.name}: link to {target}: no such file"
             if anchor and dest.suffix == ".md":
                 assert anchor in _anchors(dest), f"{page.name}: link to {target}: no such heading"
+
+
+def test_the_readme_is_short_and_opens_with_the_command_ci_runs():
+    """README <= 200 lines; its first code block holds the two set-up commands, and the second is, verbatim, the
+    command `.ci/run` calls (a README edit cannot leave CI running something else)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    kind, first = blocks(ROOT / "README.md")[0]
+    commands = [ln for ln in first.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    ci = [ln for ln in (ROOT / ".ci/run").read_text().splitlines() if ln.strip() and not ln.startswith(("#", "set ", "cd "))]
+    assert kind == "bash" and len(commands) == 2 and commands[1] == ci[-1], (commands, ci)
