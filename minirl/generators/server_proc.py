@@ -62,7 +62,7 @@ def lora_rank_slot(rank: int) -> int:
 
 
 def server_argv(opts: ServerOptions, port: int) -> list[str]:
-    """The `vllm serve` command line (README: the same flags for servers you start yourself)."""
+    """The `vllm serve` command line (docs/scaling.md: the same flags for servers you start yourself)."""
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", opts.model,
             "--host", "127.0.0.1", "--port", str(port), "--middleware", AUTH_MIDDLEWARE,
             "--enable-lora", "--max-lora-rank", str(lora_rank_slot(opts.max_lora_rank)),
