@@ -196,8 +196,8 @@ class Config:
     """How many vLLM servers minirl starts (`vllm serve`, each on a loopback port with a random API key, pinned to
     its own cores or GPU taken from gen_devices; logs in out_dir/servers/). Not used with server_urls."""
     server_urls: list[str] = field(default_factory=list)
-    """Servers you started yourself (docs/scaling.md: the `vllm serve` command line), e.g. ['http://10.0.0.2:8000']; minirl
-    then starts none. Their API key is read from the environment variable VLLM_API_KEY, never from the config
+    """Servers you started yourself (docs/scaling.md: the `vllm serve` command line), e.g.
+    ['http://10.0.0.2:8000']; minirl then starts none. Their API key is read from the environment variable VLLM_API_KEY, never from the config
     (which is saved with the run)."""
     restart_servers: bool = False
     """A server minirl started that dies or stops answering is killed, started again and given the current
