@@ -13,8 +13,6 @@ import json
 
 import torch
 
-from . import vllm_compat
-
 
 def _jsonable(x):
     if isinstance(x, (set, frozenset)):
@@ -153,7 +151,7 @@ class Packer:
         buffer that are final (copied and scaled), so that a reader can start on them; cache-hot per range."""
         n = self.flat.numel()
         if self._span is None or [t.data_ptr() for t in self.src] != self._ptrs:
-            vllm_compat.foreach_copy(self.dst, [t.detach() for t in self.src])
+            torch._foreach_copy_(self.dst, [t.detach() for t in self.src])
             self._scale(0, n)
             yield n
             return

@@ -6,7 +6,7 @@ and `_interrupt()` (wake whatever the run's thread is blocked on). Its loop call
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 
 class Background:
@@ -69,3 +69,12 @@ class Background:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+
+def attempt(what: str, fn: Callable[[], Any]) -> list[tuple[str, BaseException]]:
+    """Run one closing step; [(what, error)] if it failed (closing goes on: the caller reports the first)."""
+    try:
+        fn()
+        return []
+    except BaseException as e:  # noqa: BLE001 - reported by the caller
+        return [(what, e)]

@@ -73,13 +73,16 @@ class Batch:
             yield self.rows(cur)
 
 
-def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = False) -> list[Sample]:
+def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = False,
+                        drop_truncated: bool = False) -> list[Sample]:
     """Included samples with their advantages. Zero-advantage samples carry no policy gradient and are
-    dropped unless a KL term needs them (`keep_zero_adv`)."""
+    dropped unless a KL term needs them (`keep_zero_adv`); with `drop_truncated` (`mask_truncated`), so are
+    completions cut by a length cap (finish_reason 'length'): no loss at all, while their rewards still counted
+    in their group's baseline (DAPO's overlong filtering)."""
     out = []
     for g in groups:
         for c, r, a in zip(g.group.completions, g.rewards, g.advantages):
-            if r is None or not c.token_ids or (a == 0.0 and not keep_zero_adv):
+            if r is None or not c.token_ids or (a == 0.0 and not keep_zero_adv) or (drop_truncated and c.truncated):
                 continue
             out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a, g.group.temperature,
                               c.mask))

@@ -1,4 +1,5 @@
-"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl bench ...`, `minirl plan CONFIG`.
+"""Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl export`, `minirl bench ...`,
+`minirl plan CONFIG`.
 
 A bad input is one line on stderr (`minirl: error: ...`, exit code 2), never a traceback. `module:function`
 rewards are imported from the current directory, as a script's imports would be.
@@ -111,7 +112,6 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
         raise
     print(f"minirl: model={run.cfg.model} backend={run.backend} ({run.backend_why}) transport={run.sync.transport} "
           f"steps={run.cfg.steps} out={run.cfg.out_dir}", flush=True)
-    print(f"minirl: max_async_steps={run.cfg.max_async_steps} ({run.async_why})", flush=True)
     print(f"minirl: {len(run.train_prompts)} training prompts; eval: {run.splits.note}"
           + (f"; resuming after step {run.start_step}" if resume else ""), flush=True)
     progress = _Progress(run.cfg.steps, run.start_step)
@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     ev = sub.add_parser("eval", help="greedy held-out accuracy of a model (+ optional adapter)")
     ev.add_argument("--adapter", default=None, help="peft adapter folder to evaluate")
     add_cli_args(ev)
+    export = sub.add_parser("export", help="a run's adapter merged into its base model, for serving")
+    export.add_argument("run_dir", help="the run's out_dir (its config.yaml and adapter/)")
+    export.add_argument("--merged", required=True, metavar="OUT", help="new folder for the merged model + tokenizer")
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
     bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning", "memory"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
@@ -210,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("config", help="YAML file with Config fields")
     pl.add_argument("--gpu-gb", type=float, default=None, help="plan for a GPU of this many GB (default: this "
                     "machine's GPU 0, or its RAM on CPU)")
-    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl}
+    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl, "export": export}
     args, extra = p.parse_known_args(argv)
     if extra:  # named by the subcommand's parser, so the hint points at its --help
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
@@ -247,6 +250,9 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "plan":
         from .plan import plan
         print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb).table())
+    elif args.cmd == "export":
+        from .export import export_merged
+        print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
     elif args.cmd == "bench":
         from .benchmarks import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds") if (v := getattr(args, k)) is not None}

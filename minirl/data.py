@@ -1,4 +1,5 @@
-"""Prompts: from a `datasets.Dataset`, a list of dicts, a JSONL path, or a built-in task ('arithmetic', 'code').
+"""Prompts: from a `datasets.Dataset`, a list of dicts, a file or `hf:` name (`sources.py`), or a built-in task
+('arithmetic', 'code').
 
 The prompt column (text, or a list of chat messages) goes through the tokenizer's chat template; every other
 column travels with the prompt and reaches the reward functions as keyword arguments. `make_splits` decides what
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from .sources import read_source
 from .types import Prompt
 
 ARITHMETIC_TEMPLATE = "What is {a} + {b}? Answer with just the number."
@@ -74,47 +76,22 @@ def code_rows() -> list[dict]:
 BUILTIN_DATA = {"code": code_rows}  # 'arithmetic' has its own fixed held-out split (`arithmetic_splits`)
 
 
-def _read_jsonl(p: Path) -> tuple[list[dict], list[int]]:
-    """The objects of a JSONL file and the line number of each."""
-    rows, numbers = [], []
-    with open(p, "rb") as f:
-        for k, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{p}:{k}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                 "save the file as UTF-8") from None
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{k}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-                numbers.append(k)
-                if not isinstance(rows[-1], dict):
-                    raise ValueError(f"{p}:{k}: a JSON {type(rows[-1]).__name__}, not an object; each line must be "
-                                     'one JSON object such as {"prompt": "...", "answer": 4}')
-    return rows, numbers
-
-
-def load_rows(source: Any, prompt_column: str | None = None) -> list[dict]:
-    """Rows from a Dataset, a list of dicts, or a JSONL path, with one clear error naming the file and line (or
-    row) when that fails. With `prompt_column`, every row must have it."""
+def load_rows(source: Any, prompt_column: str | None = None, answer_column: str | None = None) -> list[dict]:
+    """Rows from a Dataset, a list of dicts, a file, a saved dataset folder or an `hf:` name (`sources.py`), with
+    one clear error naming the file and line (or row) when that fails. With `prompt_column`, every row must have
+    it; with `answer_column`, that column is renamed 'answer' (the keyword rewards receive)."""
     names = None  # how an error names row i: its file and line, else its position
     if isinstance(source, str) and source in BUILTIN_DATA:
         return BUILTIN_DATA[source]()
     if isinstance(source, (str, Path)):
-        p = Path(source)
-        if not p.is_file():
-            raise ValueError(f"data {str(source)!r}: no such file; give a JSONL path or a built-in task: "
-                             f"'arithmetic', {', '.join(repr(k) for k in BUILTIN_DATA)}")
-        rows, lines = _read_jsonl(p)
-        names = [f"{p}:{k}" for k in lines]
+        rows, names = read_source(source)
     elif hasattr(source, "to_list"):  # datasets.Dataset
         rows = source.to_list()
     else:
         rows = list(source)
     if not rows:
-        raise ValueError(f"the dataset{f' {source!s}' if names is not None else ''} is empty: give at least one prompt")
+        raise ValueError(f"the dataset{f' {source!s}' if isinstance(source, (str, Path)) else ''} is empty: "
+                         "give at least one prompt")
     for i, r in enumerate(rows):
         name = names[i] if names is not None else f"data row {i}"
         if not isinstance(r, dict):
@@ -123,7 +100,23 @@ def load_rows(source: Any, prompt_column: str | None = None) -> list[dict]:
         if prompt_column is not None and prompt_column not in r:
             raise ValueError(f"{name}: no {prompt_column!r} column (columns: {sorted(r)}); every row needs one, "
                              "or set prompt_column to the column holding the prompts")
+    if answer_column and answer_column != "answer":
+        rows = [_rename_answer(r, answer_column, names[i] if names is not None else f"data row {i}")
+                for i, r in enumerate(rows)]
     return rows
+
+
+def _rename_answer(row: dict, column: str, name: str) -> dict:
+    """`row` with `column` renamed 'answer' (a row already renamed passes unchanged)."""
+    if column not in row:
+        if "answer" in row:
+            return row
+        raise ValueError(f"{name}: no {column!r} column (columns: {sorted(row)}); set answer_column to the column "
+                         "holding the answers")
+    if "answer" in row:
+        raise ValueError(f"{name}: has both {column!r} and 'answer'; answer_column renames {column!r} to 'answer': "
+                         "drop one of the two columns, or unset answer_column")
+    return {("answer" if k == column else k): v for k, v in row.items()}
 
 
 @dataclass(frozen=True)
@@ -163,7 +156,7 @@ def held_out(rows: Sequence[dict], prompt_column: str, fraction: float, cap: int
 
 
 def make_splits(data: Any, eval_data: Any, *, prompt_column: str, eval_fraction: float, eval_size: int,
-                seed: int) -> Splits:
+                seed: int, answer_column: str | None = None) -> Splits:
     """Training rows from `data` and held-out rows: from `eval_data` when given (its first `eval_size` rows; the
     built-in task's held-out problems for 'arithmetic'), else the built-in task's own held-out problems, else a
     split carved from `data` (`held_out`). eval_size = 0 (or eval_fraction = 0 with nothing else given) means no
@@ -174,11 +167,11 @@ def make_splits(data: Any, eval_data: Any, *, prompt_column: str, eval_fraction:
         train, held = arithmetic_splits(eval_size, seed)
         train_ids = list(range(len(train)))
     else:
-        train, train_ids = load_rows(data, prompt_column), None
+        train, train_ids = load_rows(data, prompt_column, answer_column), None
     if eval_size == 0:
         ev, ev_ids, note = [], [], "no held-out evaluation (eval_size=0)"
     elif eval_data is not None and not eval_builtin:
-        ev = load_rows(eval_data, prompt_column)[:eval_size]
+        ev = load_rows(eval_data, prompt_column, answer_column)[:eval_size]
         ev_ids, note = list(range(len(ev))), f"{len(ev)} held-out prompts from eval_data"
     elif builtin or eval_builtin:
         held = held if builtin else arithmetic_splits(eval_size, seed)[1]

@@ -80,7 +80,9 @@ class _Live:
 
 
 class EpisodeRunner:
-    """Runs episodes of `make_env` on `generator`, batching each turn of the live episodes (see the module)."""
+    """Runs episodes of `make_env` on `generator`, batching each turn of the live episodes (see the module); a
+    `RolloutSource` without a loop of its own."""
+    loop = None
 
     def __init__(self, generator, make_env: Callable[[], Env], tokenizer, max_turns: int, max_episode_tokens: int):
         self.gen, self.make_env, self.tok = generator, make_env, tokenizer
@@ -289,7 +291,7 @@ def make_runner(generator, make_env: Callable[[], Env], tokenizer, max_turns: in
                 max_episode_tokens: int) -> EpisodeRunner:
     """The runner for `generator`: one coroutine per episode where it samples on its own loop (vLLM), else
     batched turns."""
-    cls = AsyncEpisodeRunner if hasattr(generator, "sample") and getattr(generator, "loop", None) else EpisodeRunner
+    cls = EpisodeRunner if generator.loop is None else AsyncEpisodeRunner
     return cls(generator, make_env, tokenizer, max_turns, max_episode_tokens)
 
 

@@ -135,9 +135,13 @@ def _hub_model(name: str) -> str:
     return name
 
 
-def load_tokenizer(name: str):
+TOKENIZER_KWARGS = ("revision", "trust_remote_code")  # the `model_kwargs` that the tokenizer's loading takes too
+
+
+def load_tokenizer(name: str, model_kwargs: dict | None = None):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(resolve_model(name))
+    kw = {k: v for k, v in (model_kwargs or {}).items() if k in TOKENIZER_KWARGS}
+    tok = AutoTokenizer.from_pretrained(resolve_model(name), **kw)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -195,7 +199,8 @@ def build_model(cfg, device: str, checkpointing: bool = False):
         from transformers import BitsAndBytesConfig
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg))
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg), **kw)
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg),
+                                                **{**cfg.model_kwargs, **kw})
     if not cfg.load_in_4bit:
         base = base.to(device)
     base.config.use_cache = False

@@ -15,8 +15,8 @@ from .episodes import make_runner
 from .generators import Generator, make_generator
 from .models import cpu_dtype_warning, resolve_model
 from .placement import CpuThreads, Placement
-from .plan import check_plan
-from .rewards import Scorer, check_columns
+from .plan import MemoryPlan, check_plan
+from .rewards import Scorer, check_columns, check_data_columns
 from .sync import WeightSync
 from .tasks import TASKS, resolve_env
 from .trackers import check_tracker
@@ -36,13 +36,14 @@ class RunParts:
     rollouts: Any = None  # what samples the groups: the generator, or (env runs) the episode runner on it
     train_prompts: Sequence[Prompt] = ()
     eval_prompts: Sequence[Prompt] = ()
+    plan: MemoryPlan | None = None  # the memory plan made before loading
 
     def describe(self) -> dict[str, Any]:
         """What the run's start event records about its parts."""
         gen = self.generator
         return dict(transport=self.sync.transport, transport_why=self.sync_why, reward_versions=self.scorer.versions,
                     train_prompts=len(self.train_prompts), eval_prompts=len(self.eval_prompts), eval=self.splits.note,
-                    **({"servers": gen.servers()} if hasattr(gen, "servers") else {}))
+                    **gen.describe())
 
     def close(self) -> list[tuple[str, BaseException]]:
         """Close the generator, the sync and the reward workers, each whatever the others do; (what, error) for
@@ -93,14 +94,15 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
         data, held = TASKS[c.env].splits(c.eval_size, c.seed)  # a built-in env task's own rows
         eval_data = held if eval_data is None else eval_data
     builtin = isinstance(data, str) and data == "arithmetic"
-    data = data if builtin else D.load_rows(data, c.prompt_column)  # the rows' own errors come first
+    data = data if builtin else D.load_rows(data, c.prompt_column, c.answer_column)  # the rows' errors come first
     cols = [k for k in (D.arithmetic_rows(1, 0) if builtin else data)[0] if k != c.prompt_column]
     if env is not None:  # an episode's reward keywords: its transcript and env reward
         cols += list(Episode((), (), 0).columns())
+    cols = check_data_columns(cols)  # + completion_tokens and finish_reason
     for name, fn in scorer.rewards:
         check_columns(fn, name, cols)
     sp = D.make_splits(data, eval_data, prompt_column=c.prompt_column, eval_fraction=c.eval_fraction,
-                       eval_size=c.eval_size, seed=c.seed)
+                       eval_size=c.eval_size, seed=c.seed, answer_column=c.answer_column)
     if checkpoint and checkpoint.state.get("data") != sp.fingerprint:
         raise ConfigError(f"the data differs from the data {str(checkpoint.path.parent.parent)!r} was trained on "
                           "(its checkpoint records another fingerprint); resume with the same data, or start a new run")
@@ -122,7 +124,7 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
         raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                          "backend finishes in-flight sequences on their adapter (inflight='continue')")
     resolve_model(c.model)  # a model that cannot be found fails here, within seconds
-    check_plan(c, place.cuda_devices)  # its line; a GPU run that cannot fit stops here, before loading
+    parts.plan = check_plan(c, place.cuda_devices)  # a GPU run that cannot fit stops here, before loading
     if not place.cuda_devices and (note := cpu_dtype_warning(c.dtype)):
         print(note, flush=True)
     cpu.apply(place)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -271,16 +272,15 @@ def resolve_token_budget(cfg: Config, device: str) -> int:
 
 
 def check_plan(cfg: Config, cuda_devices: int, gpu_gb: float | None = None) -> MemoryPlan:
-    """Before loading: the plan's line printed; on a GPU (of `gpu_gb` GB, default GPU 0's) a plan that cannot fit
-    stops the run here in one line; on CPU it warns."""
+    """Before loading: on a GPU (of `gpu_gb` GB, default GPU 0's) a plan that cannot fit stops the run here in one
+    line; on CPU it warns (on stderr). The plan's own line is the run's to print (`Run` prints it at start)."""
     p = plan(cfg, gpu_gb) if cuda_devices else plan_cpu(cfg)
-    print(p.line(), flush=True)
     if p.fits is False:
         what = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of "
                 f"{p.memory_gb:.1f} GB (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); lower "
                 "prompts_per_step/group_size/max_tokens, set load_in_4bit: true, or use a smaller model "
                 "(`minirl plan CONFIG` shows the parts)")
         if cuda_devices:
-            raise ConfigError("minirl: " + what)
-        print("minirl: warning: " + what, flush=True)
+            raise ConfigError(what)
+        print("minirl: warning: " + what, file=sys.stderr, flush=True)
     return p

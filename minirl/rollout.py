@@ -94,6 +94,10 @@ class Timeline:
         gen = list(self.gen) + ([(self._gen_since, self.now())] if self._gen_active else [])
         return {"gen": gen, "train": list(self.train)}
 
+    def intervals(self) -> list[tuple[str, tuple[float, float]]]:
+        """(side, (start, end)) for every busy interval so far, generation's first."""
+        return [(side, iv) for side, ivs in self.snapshot().items() for iv in ivs]
+
     def add_train(self, start: float, end: float) -> None:
         """A training interval, in `time.perf_counter()` seconds."""
         self.train.append((start - self.t0, end - self.t0))
@@ -122,7 +126,7 @@ class Pipeline:
         self.gen_seconds: dict[int, float] = {}  # step -> wall seconds its generation took
         self._serial = asyncio.Lock()  # FIFO: steps of a one-request-at-a-time generator go in order
         self.error: BaseException | None = None
-        self._own_loop = getattr(generator, "loop", None) is None
+        self._own_loop = generator.loop is None
         if self._own_loop:
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name="minirl-gen", daemon=True)
@@ -161,8 +165,8 @@ class Pipeline:
             slots[p.index].append(i)
         scoring: list[asyncio.Future] = []
         try:
-            # a generator without `stream` serves one request at a time: a step's generation starts at its turn
-            async with contextlib.nullcontext() if hasattr(self.gen, "stream") else self._serial:
+            # a generator without a loop of its own serves one request at a time: a step's generation starts at its turn
+            async with self._serial if self._own_loop else contextlib.nullcontext():
                 self.timeline.gen_begin()
                 t0 = self.timeline.now()
                 try:
@@ -197,7 +201,7 @@ class Pipeline:
 
     async def _stream(self, prompts: list[Prompt], params):
         """Batches of groups: one per group as a streaming generator finishes it, else the whole step at once."""
-        if hasattr(self.gen, "stream"):
+        if not self._own_loop:
             async for g in self.gen.stream(prompts, self.G, params):
                 yield [g]
         else:

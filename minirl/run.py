@@ -16,10 +16,11 @@ import traceback
 from typing import Any, Callable, Sequence
 
 from . import data as D
-from .background import Background
+from .background import Background, attempt
 from .checkpoint import Checkpoint, resume_point
 from .config import Config
 from .evaluation import evaluate
+from .export import export_merged
 from .metrics import rollout_metrics, sample_rows, step_summary
 from .parts import RunParts, build_parts, resolve_rewards, sampling_params
 from .placement import CpuThreads, cuda_device_count, place
@@ -67,11 +68,9 @@ class Run(Background):
     trainer, generator, sync, scorer, rollouts = (_part(n) for n in ("trainer", "generator", "sync", "scorer",
                                                                      "rollouts"))
     splits, train_prompts, eval_prompts = (_part(n) for n in ("splits", "train_prompts", "eval_prompts"))
-    backend = property(lambda self: self.placement.backend)
-    backend_why = property(lambda self: self.placement.backend_why)
-    async_why = property(lambda self: self.placement.async_why)
-    log = property(lambda self: self.dir.log)
-    tracker = property(lambda self: self.dir.tracker)
+    backend, backend_why, async_why = (property(lambda self, n=n: getattr(self.placement, n))
+                                       for n in ("backend", "backend_why", "async_why"))
+    log, tracker = property(lambda self: self.dir.log), property(lambda self: self.dir.tracker)
 
     # --- set-up --------------------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -92,7 +91,6 @@ class Run(Background):
         """Check the inputs and load the model, the prompts and the generator, from the checkpoint being resumed
         if any (`parts.build_parts`), then check the sync once. Writes nothing."""
         c = self.cfg
-        print(self.placement.line(), flush=True)
         self.parts = build_parts(c, self._reward_refs, self._env, self._data, self._eval_data, self.placement,
                                  self._cpu, self.checkpoint)
         position = self.checkpoint.state["data_position"] if self.checkpoint else 0
@@ -106,8 +104,8 @@ class Run(Background):
                     async_why=self.async_why, placement=self.placement.to_dict(), **self.parts.describe(),
                     **({"checkpoint": self.checkpoint and str(self.checkpoint.path)} if self.resuming else {}))
         self.history, self._acc_before = self.dir.claim(self.cfg, self.start_step, self.trainer.version, info)
-        if hasattr(self.generator, "on_event"):  # vLLM servers: down, restarted
-            self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)
+        print(self.placement.line() + "\n" + self.parts.plan.line(), flush=True)
+        self.generator.on_event = lambda kind, **kw: self.log.log("server", kind=kind, **kw)  # servers: down, restarted
 
     def close(self) -> None:
         """Close what `load` opened (after a failed set-up, or an evaluation without a run: `minirl eval`)."""
@@ -169,7 +167,7 @@ class Run(Background):
             "eval_accuracy_after": acc1, "eval_size": len(self.eval_prompts), "eval": self.splits.note,
             **({"resumed_from_step": self.start_step} if self.resuming else {}),
             "placement": self.placement.to_dict(),
-            **(self.generator.stats() if hasattr(self.generator, "stats") else {}),  # vLLM servers: count, restarts
+            **self.generator.stats(),  # vLLM servers: count, restarts
         })
         return self.summary
 
@@ -207,8 +205,8 @@ class Run(Background):
         run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
         c = self.cfg
         batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}
-        self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, partial(sampling_params, self.cfg), c.group_size,
-                                 c.prompts_per_step, c.steps, c.max_async_steps, first_step=self.start_step)
+        self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, partial(sampling_params, c),
+                                 c.group_size, c.prompts_per_step, c.steps, c.max_async_steps, self.start_step)
         return self.pipeline.batches(lambda: self.trainer.version, c.max_staleness, self._go)
 
     def _close_pipeline(self) -> None:
@@ -216,9 +214,8 @@ class Run(Background):
         if p is None:
             return
         p.close()
-        for side in ("gen", "train"):
-            for a, b in getattr(p.timeline, side):
-                self.log.log("timeline", side=side, start=a, end=b)
+        for side, (a, b) in p.timeline.intervals():
+            self.log.log("timeline", side=side, start=a, end=b)
         self.log.log("accounting", **p.accounting)
         self.summary["accounting"] = dict(p.accounting)
 
@@ -249,10 +246,10 @@ class Run(Background):
     def _finish(self) -> None:
         """Save and close everything, however the run ended. A failure here is logged and never hides the run's own
         error, and never keeps the next step from closing what it closes."""
-        failed = _attempt("pipeline", self._close_pipeline) + _attempt(
+        failed = attempt("pipeline", self._close_pipeline) + attempt(
             "checkpoint, adapter and summary", lambda: self.dir.claimed and self._save_final())
         failed += self.parts.close() if self.parts is not None else []  # generator, sync, reward workers
-        failed += _attempt("tracker", self.dir.close_tracker) + _attempt("torch threads and cores", self._cpu.restore)
+        failed += attempt("tracker", self.dir.close_tracker) + attempt("torch threads and cores", self._cpu.restore)
         for what, e in failed:
             if self.log is not None:
                 self.log.log("error", error=f"while closing the {what}: {e!r}",
@@ -279,6 +276,10 @@ class Run(Background):
 
     SAFE_KNOBS = ("lr", "temperature", "max_staleness", "top_p", "kl_coef", "tis_cap", "clip_low", "clip_high")
 
+    def export(self, out: str) -> dict:
+        """The adapter merged into the base model, a transformers folder with the tokenizer at `out` (export.py)."""
+        return export_merged(self.out, out)
+
     def set(self, **knobs: Any) -> None:
         """Change safe knobs mid-run (from the next step): lr, temperature, max_staleness, ... The new values are
         validated first; a rejected change leaves the run's config as it was."""
@@ -290,11 +291,3 @@ class Run(Background):
             self.trainer.reconfigure(self.cfg)
         if self.log is not None:
             self.log.log("set", **knobs)
-
-
-def _attempt(what: str, fn: Callable[[], Any]) -> list[tuple[str, BaseException]]:
-    try:
-        fn()
-        return []
-    except BaseException as e:  # noqa: BLE001 - closing goes on; the run reports the first such error
-        return [(what, e)]

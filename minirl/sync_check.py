@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from .config import Config
+from .types import Generator
 from .sync import SyncVerificationError, Verification, make_probe, verify
 
 
@@ -25,13 +26,13 @@ class SyncCheck:
         n = min(32, cfg.max_prompt_tokens + cfg.max_tokens - len(prompt_ids))
         return cls(make_probe(trainer.model, prompt_ids, n, cfg.seed, tok.all_special_ids, len(tok)), cfg.temperature)
 
-    def __call__(self, trainer, generator) -> Verification | None:
+    def __call__(self, trainer, generator: Generator) -> Verification | None:
         """Check every target now; the least convincing check (a failure raises). The trainer's probe logprobs
         at the last check are the previous adapter's (nothing is recomputed, training is not disturbed)."""
         want = trainer.logprobs(*self.probe, self.temperature)
         dtype = str(next(trainer.model.parameters()).dtype)
-        targets = [(getattr(t, "url", ""), t) for t in getattr(generator, "replicas", None) or [generator]
-                   if getattr(t, "alive", True)]
+        replicas = generator.replicas
+        targets = [(r.url, r) for r in replicas if r.alive] if replicas else [("", generator)]
 
         def check(key: str, target) -> Verification:
             try:

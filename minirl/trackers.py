@@ -1,5 +1,5 @@
 """Optional experiment trackers (`report_to`): every step's metrics, under the names of metrics.jsonl, also go to
-trackio or TensorBoard. metrics.jsonl stays the record; a tracker is a view of it.
+trackio, TensorBoard or Weights & Biases. metrics.jsonl stays the record; a tracker is a view of it.
 
 Names: a step event's numeric fields as they are (`reward/mean`, `loss`, ...); an eval event's accuracy as
 `eval/accuracy`. The x axis is the step event's `step` (0-based), an eval's its `step` (steps done).
@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from .config import ConfigError
 
-PACKAGES = {"trackio": "trackio", "tensorboard": "tensorboard"}
+PACKAGES = {"trackio": "trackio", "tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 class Tracker(Protocol):
@@ -68,10 +68,39 @@ class TrackioTracker:
         self.run.finish()
 
 
+class WandbTracker:
+    """A Weights & Biases run (project 'minirl' unless WANDB_PROJECT says otherwise, named after out_dir), its
+    files in out_dir/wandb. W&B's own settings decide where it goes: `WANDB_MODE=offline` keeps it on the machine
+    (`wandb sync out_dir/wandb/offline-run-*` uploads it later). The run id is derived from out_dir, so a resumed
+    run continues the same W&B run."""
+
+    def __init__(self, out: Path, config: dict, resume: bool):
+        import hashlib
+        import os
+        import wandb
+        run_id = "minirl-" + hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "minirl"), name=str(out), id=run_id,
+                              dir=str(out), config=config, resume="allow" if resume else None,
+                              settings=wandb.Settings(console="off", x_disable_stats=True))
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        """Finish the run; then W&B's service process (wandb-core) ends too, unless another W&B run of this process
+        (the user's own) still uses it."""
+        import wandb
+        self.run.finish()
+        if wandb.run is None:
+            wandb.teardown()
+
+
 def make_tracker(report_to: str | None, out: Path, config: dict, resume: bool) -> Tracker | None:
     if report_to is None:
         return None
     check_tracker(report_to)
     if report_to == "tensorboard":
         return TensorBoardTracker(out)
+    if report_to == "wandb":
+        return WandbTracker(out, config, resume)
     return TrackioTracker(out, config, resume)

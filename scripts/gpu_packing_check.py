@@ -5,6 +5,7 @@ with a randomly initialised model of SmolLM2-135M's shape (the embedded GGUF doe
     python scripts/gpu_packing_check.py"""
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ def smollm_shaped(folder: Path) -> str:
     return str(folder)
 
 
-def equal_math(model: str, gc: bool) -> dict:
+def equal_math(model: str, ckpt: bool) -> dict:
     from minirl import Config
     from minirl.benchmarks.trainer_step import load_batches
     from minirl.trainer import Trainer
@@ -44,7 +45,7 @@ def equal_math(model: str, gc: bool) -> dict:
     out, grads = {}, {}
     for packing in ("padded", "shared-prefix"):
         tr = Trainer(Config(model=model, backend="hf", dtype="float32", lora_rank=16, max_tokens=24, seed=0,
-                            token_budget=512, packing=packing, gradient_checkpointing=gc, kl_coef=0.05,
+                            token_budget=512, packing=packing, gradient_checkpointing=ckpt, kl_coef=0.05,
                             max_grad_norm=1e9))
         g = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -58,12 +59,13 @@ def equal_math(model: str, gc: bool) -> dict:
         out[packing]["peak_cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20 if cuda else None
         grads[packing] = {n: p.grad.detach().clone() for n, p in tr.model.named_parameters() if "lora" in n}
         del tr
+        gc.collect()  # peft's model holds reference cycles: free it before the other side's peak is taken
         if cuda:
             torch.cuda.empty_cache()
     pad, pk = grads["padded"], grads["shared-prefix"]
     rel = max(float((pk[n] - pad[n]).norm() / pad[n].norm().clamp(min=1e-30)) for n in pad)
     worst = max(float(((pk[n] - pad[n]).abs() / (1e-7 + 1e-4 * pad[n].abs())).max()) for n in pad)
-    return {"gradient_checkpointing": gc, "loss": {k: v["loss"] for k, v in out.items()},
+    return {"gradient_checkpointing": ckpt, "loss": {k: v["loss"] for k, v in out.items()},
             "kl_ref": {k: v["kl_ref"] for k, v in out.items()}, "lora_tensors": len(pad),
             "max_rel_grad_norm_diff": rel, "max_diff_over_tolerance(rtol1e-4,atol1e-7)": worst,
             "forward_tokens": {k: v["train/forward_tokens"] for k, v in out.items()},
@@ -79,10 +81,10 @@ def main() -> None:
     model = smollm_shaped(tmp / "smol-shape")
     res: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
                  "transformers": __import__("transformers").__version__}
-    res["equal_math_fp32"] = [equal_math(model, gc) for gc in (False, True)]
+    res["equal_math_fp32"] = [equal_math(model, ckpt) for ckpt in (False, True)]
     print(json.dumps(res["equal_math_fp32"], indent=1), flush=True)
-    res["bench_bf16"] = [bench_trainer_step(BATCHES, rounds=6, model=model, gradient_checkpointing=gc, kl_coef=kl)
-                         for gc in (False, True) for kl in (0.0, 0.05)]
+    res["bench_bf16"] = [bench_trainer_step(BATCHES, rounds=6, model=model, gradient_checkpointing=ckpt, kl_coef=kl)
+                         for ckpt in (False, True) for kl in (0.0, 0.05)]
     for b in res["bench_bf16"]:
         print(json.dumps({k: b[k] for k in ("settings", "median_s", "ratio_packed_over_padded", "peak_cuda_mb",
                                             "forward_tokens")}), flush=True)

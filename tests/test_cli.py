@@ -58,7 +58,7 @@ BAD = [  # (what, files, argv, the line's content)
     ("bad flag value", {}, ["demo", "--eval-fraction", "2"], "eval_fraction=2.0: accepted range [0, 1) (a fraction, e.g. 0.1)"),
     ("run exists", {"runs/demo/metrics.jsonl": "{}\n"}, ["demo"], "'runs/demo' already holds a run; continue it with --resume"),
     ("nothing to resume", {}, ["demo", "--resume"], "nothing to resume in 'runs/demo'"),
-    ("tracker", {}, ["demo", "--report-to", "wandb"], "report_to='wandb': use 'trackio', 'tensorboard' or none"),
+    ("tracker", {}, ["demo", "--report-to", "mlflow"], "report_to='mlflow': use 'trackio', 'tensorboard', 'wandb' or none"),
     ("unknown task", {}, ["demo", "--task", "chess"], "unknown task 'chess': choose 'arithmetic' or one of ['retry', 'sums']"),
     ("env module", {"c.yaml": "env: nomod:Game\n"}, ["train", "c.yaml"], "env 'nomod:Game' cannot be imported"),
     ("bench workload", {}, ["bench", "pipeline", "--workloads", "demo,chess"],

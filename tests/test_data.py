@@ -92,7 +92,9 @@ def test_evaluating_nothing_is_explicit_and_says_so(toy_cfg, capsys, data):
         cfg = cfg.replace(data="arithmetic", rewards=["arithmetic_correct"])
     s = Run(cfg, data=None if data == "arithmetic" else data).run()
     out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("minirl:")]
-    assert out == ["minirl: no held-out evaluation (eval_size=0): held-out accuracy is not measured"]
+    assert out[0] == "minirl: no held-out evaluation (eval_size=0): held-out accuracy is not measured"
+    assert len(out) == 3 and out[1].startswith("minirl: placement: hf generation on every core, training on cpu")
+    assert out[2].startswith("minirl: plan: ")
     assert s["eval_accuracy_before"] is None and s["eval_size"] == 0
     assert not [e for e in read_log(cfg.out_dir) if e["event"] == "eval"]
     assert json.loads((Path(cfg.out_dir) / "summary.json").read_text())["steps"] == 1

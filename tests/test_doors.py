@@ -144,8 +144,10 @@ def test_runs_sharing_an_adapter_dir_keep_their_adapters_apart_and_prune_only_th
         def __init__(self):
             self.loaded = {}
 
-        def load_adapter(self, path, version):
-            self.loaded = {version: path}
+        def update_adapter(self, deliver, in_place=False):
+            update = deliver()
+            self.loaded = {update.version: update.path}
+            return update
 
         def versions_in_use(self):
             return set(self.loaded)
@@ -204,6 +206,11 @@ class Decoy:
             conn.close()
 
     def close(self):
+        import socket
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() in progress (a close alone would not)
+        except OSError:
+            pass
         self.sock.close()
         self.thread.join(5)
 
@@ -265,9 +272,10 @@ def test_a_port_is_the_servers_only_when_its_own_process_listens_there():
     decoy = Decoy()
     bystander = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
                                  start_new_session=True)
-    free = Decoy()
-    port = free.port
-    free.close()
+    import socket
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
     server = subprocess.Popen([sys.executable, "-c", LISTENER, str(port)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, start_new_session=True)
     try:

@@ -169,3 +169,11 @@ def test_attention_without_custom_masks_falls_back_to_padded(tiny_model, attn, m
     m = tr.step(steps[0])
     ref = _trainer(tiny_model, "padded", False, 0.0).step(steps[0])
     assert m["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_checkpointing_auto_is_on_for_gpu_training_only():
+    from minirl.models import checkpointing_on
+    assert checkpointing_on(Config(), "cuda") and checkpointing_on(Config(), "cuda:0")
+    assert not checkpointing_on(Config(), "cpu")
+    assert checkpointing_on(Config(gradient_checkpointing=True), "cpu")
+    assert not checkpointing_on(Config(gradient_checkpointing=False), "cuda")

@@ -76,3 +76,69 @@ def test_a_missing_tracker_package_is_one_line_before_the_model_loads(monkeypatc
     monkeypatch.setattr("minirl.trackers.importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"report_to='trackio' needs the trackio package: pip install 'minirl\[trackio\]'"):
         check_tracker("trackio")
+
+
+def _wandb_records(path):
+    """The records of an offline W&B run file (`run-ID.wandb`): a 7-byte header, then records in 32 KiB blocks, each
+    piece a (crc32c, length, kind) header: kind 1 a whole record, 2/3/4 its first/middle/last piece."""
+    import struct
+    from wandb.proto import wandb_internal_pb2 as pb
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, out, buf = 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, n, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # the rest of a block is padding
+            pos += left
+            continue
+        buf += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):
+            r = pb.Record()
+            r.ParseFromString(buf)
+            out.append(r)
+            buf = b""
+    return out
+
+
+def test_wandb_offline_run_folder_holds_the_metrics_of_the_log(toy_cfg, monkeypatch):
+    """report_to: wandb with WANDB_MODE=offline: the run folder in out_dir/wandb holds every step's metrics under
+    the log's names, eval/accuracy, and the config; no W&B process outlives the run."""
+    pytest.importorskip("wandb", reason="wandb is in the dev extra: pip install 'minirl[wandb]'")
+    import json
+    psutil = pytest.importorskip("psutil")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_PROJECT", raising=False)
+    cfg = toy_cfg.replace(report_to="wandb")
+    Run(cfg, data=TOY_ROWS).run()
+
+    from pathlib import Path
+    (f,) = Path(cfg.out_dir, "wandb").glob("offline-run-*/run-*.wandb")
+    recs = _wandb_records(f)
+    (run,) = [r.run for r in recs if r.WhichOneof("record_type") == "run"]
+    assert run.project == "minirl" and run.display_name == cfg.out_dir
+    conf = {u.key: json.loads(u.value_json) for u in run.config.update}
+    assert conf["lr"] == cfg.lr and conf["report_to"] == "wandb"
+    by_step = {}
+    for r in recs:
+        if r.WhichOneof("record_type") == "history":
+            by_step.setdefault(r.history.step.num, {}).update(
+                {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    steps, evals = _logged(cfg.out_dir)
+    assert steps
+    for e in steps:
+        for name in NAMES:
+            assert by_step[e["step"]][name] == pytest.approx(e[name], rel=1e-9), name
+    for e in evals:
+        assert by_step[e["step"]]["eval/accuracy"] == e["accuracy"]
+    left = [p.name() for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline())]
+    assert left == [], left
+
+
+def test_report_to_wandb_is_accepted_and_its_missing_package_is_one_line(monkeypatch):
+    from minirl import Config
+    assert Config(report_to="wandb").report_to == "wandb"
+    monkeypatch.setattr("minirl.trackers.importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ConfigError, match=r"report_to='wandb' needs the wandb package: pip install 'minirl\[wandb\]'"):
+        check_tracker("wandb")

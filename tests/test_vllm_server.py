@@ -138,7 +138,7 @@ def test_run_on_two_servers_survives_a_killed_server(tmp_path):
     kinds = [e["kind"] for e in events if e["event"] == "server"]
     assert kinds == ["server_down", "server_restarted"], kinds
     assert [e for e in events if e["event"] == "start"][0]["servers"][1]["pid"] == first_pid
-    for pid in (first_pid, second_pid, run.generator.servers()[0]["pid"]):  # closed with the run
+    for pid in (first_pid, second_pid, gen.servers()[0]["pid"]):  # closed with the run (which has let go of gen)
         assert group_members(pid) == [], pid
 
 

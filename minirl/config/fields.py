@@ -29,13 +29,19 @@ class Config:
 
     # --- data and rewards ----------------------------------------------------------------------------------
     data: str = "arithmetic"
-    """Prompts: the built-in task 'arithmetic', or a JSONL file with a 'prompt' column (text or chat messages)."""
+    """Prompts (a 'prompt' column: text or chat messages): the built-in task 'arithmetic', a .jsonl, .json, .csv or
+    .parquet file, a folder written by `Dataset.save_to_disk`, or 'hf:NAME[:CONFIG][@SPLIT]' (a Hugging Face
+    dataset through `datasets.load_dataset`, split 'train' by default; offline, only what the local cache holds)."""
     prompt_column: str = "prompt"
     """Column holding the prompt; every other column reaches reward functions as a keyword argument."""
     system_prompt: str | None = None
     """Optional system message put before each prompt by the chat template."""
     rewards: list[str] = field(default_factory=lambda: ["arithmetic_correct"])
-    """Reward functions: registered names (see `minirl.reward`) or 'module:function' paths."""
+    """Reward functions: registered names (see `minirl.reward`) or 'module:function' paths, each optionally with
+    keyword arguments fixed as `name(key=value, ...)` (Python literals), e.g. "overlong_penalty(max_length=48,
+    cache_length=16)" (DAPO's soft length penalty) or "format_match(pattern='^<think>')" (1 if the regex is
+    found). Besides the data's columns every reward may take `completion_tokens` and `finish_reason` ('stop' |
+    'length'); each gets only the keywords its signature names (all with **kwargs)."""
     reward_weights: list[float] | None = None
     """One weight per reward (default all 1). Weight 0 = logged only, not trained on."""
     reward_timeout_s: float = 10.0
@@ -50,14 +56,27 @@ class Config:
     reward_memory_mb: int = 2048
     """Memory limit of each reward worker process (a reward past it fails with MemoryError)."""
     eval_data: str | None = None
-    """Held-out prompts for greedy evaluation (the metric is the first reward function): a JSONL path, or
-    'arithmetic' (the built-in task's held-out problems). None: with the built-in task its own held-out problems,
+    """Held-out prompts for greedy evaluation (the metric is the first reward function): any source `data`
+    takes (a file, a saved folder, 'hf:openai/gsm8k:main@test'), or 'arithmetic' (the built-in task's held-out
+    problems). None: with the built-in task its own held-out problems,
     else a split carved from `data` (see eval_fraction), disjoint from training."""
     eval_fraction: float = 0.1
     """With no eval_data: the fraction of `data`'s distinct prompts held out for evaluation (chosen by seed, never
     trained on), at most eval_size of them."""
     eval_size: int = 64
     """At most this many held-out prompts are evaluated. 0 = no evaluation (the run says so in one line)."""
+
+    # --- recipes (issue 37: what a TRL / Unsloth user brings): data columns, model loading, truncation -------
+    answer_column: str | None = None
+    """A column of `data` / `eval_data` renamed 'answer' before rewards see it (e.g. 'solution'); None = as is."""
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the base model's `from_pretrained`, e.g. {attn_implementation: sdpa,
+    revision: main}; `revision` (and `trust_remote_code`) also reach the tokenizer. On the command line:
+    --model_kwargs '{attn_implementation: sdpa}'."""
+    mask_truncated: bool = False
+    """A completion cut by max_tokens (finish_reason 'length'; an episode cut by max_turns / max_episode_tokens)
+    contributes no loss; its reward still counts in its group's baseline (DAPO's overlong filtering). Pair it with
+    the `overlong_penalty(...)` reward, or use either alone."""
 
     # --- sampling ------------------------------------------------------------------------------------------
     backend: str = "auto"
@@ -209,8 +228,9 @@ class Config:
     keep_checkpoints: int = 2
     """How many of the latest checkpoints are kept in out_dir/checkpoints (older ones are deleted)."""
     report_to: str | None = None
-    """Also send every step's metrics (the names of metrics.jsonl) to a tracker: 'trackio' or 'tensorboard'
-    (pip install 'minirl[trackio]' / 'minirl[tensorboard]'). None = metrics.jsonl only."""
+    """Also send every step's metrics (the names of metrics.jsonl) to a tracker: 'trackio', 'tensorboard' or
+    'wandb' (pip install 'minirl[trackio]' / 'minirl[tensorboard]' / 'minirl[wandb]'; W&B follows its own
+    settings, e.g. WANDB_MODE=offline, WANDB_PROJECT). None = metrics.jsonl only."""
     log_samples: int = 4
     """Completions per step written to the log for the sample panel."""
 

@@ -131,4 +131,9 @@ def _coerce(name: str, v: Any, hint: Any) -> Any:
         return str(v)  # `--train-devices 1`, YAML `gen_devices: 0`
     if origin is str:
         raise ConfigError(f"{name}: expected a string, got {v!r} ({_kind(v)})")
+    if origin is dict:
+        d = yaml.safe_load(v) if isinstance(v, str) else v  # a mapping written as text: the command line
+        if not isinstance(d, dict) or not all(isinstance(key, str) for key in d):
+            raise ConfigError(f"{name}: expected a mapping such as {{attn_implementation: sdpa}}, got {v!r}")
+        return dict(d)
     return v

@@ -75,7 +75,7 @@ RANGES: dict[str, Range] = {
     "max_staleness": Range(0, why="or None = keep all"),
     "gpu_memory_utilization": Range(0, 1, lo_open=True, why="vLLM's share of GPU memory"),
     "kv_cache_gb": Range(0, lo_open=True),
-    "num_servers": Range(1, why="or give server_urls"),
+    "num_servers": Range(1, why="start at least 1 server, or give server_urls"),
     "server_timeout_s": Range(0, lo_open=True, why="seconds"),
     "seed": Range(0, 2**32 - 1),
     "eval_every": Range(0, why="0 = only before and after"),
@@ -147,8 +147,8 @@ def validate(cfg) -> None:
     need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={cfg.dtype!r}: use auto/float32/bfloat16")
     need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.rewards),
          f"reward_weights has {len(cfg.reward_weights or [])} entries for {len(cfg.rewards)} rewards; give one per reward")
-    need(cfg.report_to in (None, "trackio", "tensorboard"),
-         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard' or none")
+    need(cfg.report_to in (None, "trackio", "tensorboard", "wandb"),
+         f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard', 'wandb' or none")
     if problems:
         raise ConfigError("\n".join(problems))
 

@@ -11,38 +11,23 @@ applied: the distribution actually sampled from) and the policy version that pro
   base.py        what the loop generators share: the loop thread, the per-request seed, the served-adapters table
 
 `make_generator` is the choice a run makes: which generator, and which `WeightSync` carries the adapter to it.
+Every generator meets `minirl.types.Generator` (the members callers use); those on a loop of their own meet
+`AsyncGenerator`.
 """
 from __future__ import annotations
 
 import importlib.util
-from typing import Protocol, Sequence, runtime_checkable
 
-from ..types import Group, Prompt, SamplingParams
+from ..config import Config
+from ..sync import WeightSync
+from ..types import AsyncGenerator, Generator
+
+__all__ = ["Generator", "AsyncGenerator", "make_generator", "pick_backend", "split_devices", "vllm_available"]
 
 
 def vllm_available() -> bool:
     """True when vllm can be imported (checked without importing it)."""
     return importlib.util.find_spec("vllm") is not None
-
-
-@runtime_checkable
-class Generator(Protocol):
-    name: str
-
-    @property
-    def version(self) -> int:
-        """The adapter version new requests are served with."""
-
-    def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
-        """G = n completions for each prompt, one Group per prompt, in prompt order."""
-
-    def load_adapter(self, path: str, version: int) -> None:
-        """Serve the peft adapter saved at `path` as policy `version` for new requests."""
-
-    def score(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
-        """Logprobs of the given completion tokens under the adapter currently served (for sync checks)."""
-
-    def close(self) -> None: ...
 
 
 def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
@@ -64,7 +49,8 @@ def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
     return "vllm", "vllm is installed and a GPU is present"
 
 
-def make_generator(cfg, trainer, backend: str, asynchronous: bool, gen_devices: str | None):
+def make_generator(cfg: Config, trainer, backend: str, asynchronous: bool,
+                   gen_devices: str | None) -> tuple[Generator, WeightSync, str]:
     """(generator, sync, why) for a run: vLLM with the configured transport; the transformers generator in a
     process of its own when generation runs ahead of training (`asynchronous`); else the trainer's own model.
     `gen_devices`: on CPU the cores generation is pinned to ('0', '0-3', '0,2'), on GPU the GPU ids it may use
@@ -119,7 +105,7 @@ def split_devices(spec: str | None, n: int, on_gpu: bool) -> list[str]:
     return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(n)]
 
 
-def _server_generator(cfg, trainer, gen_devices: str | None, on_gpu: bool):
+def _server_generator(cfg: Config, trainer, gen_devices: str | None, on_gpu: bool):
     """(ServerGenerator, ServerSync, why): the servers minirl starts (`num_servers`, pinned by `split_devices`),
     or yours (`server_urls`, key from VLLM_API_KEY)."""
     import os

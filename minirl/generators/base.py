@@ -85,6 +85,9 @@ class LoopGenerator:
     Per-request seeds count each prompt's visits (`restart_seeds` starts over)."""
 
     name = "?"
+    dtype = "float32"
+    same_numerics = False  # vLLM's kernels, not the trainer's model code
+    on_event: Callable[..., None] | None = None  # no engine events (ServerGenerator's servers have some)
     adapters: ServedAdapters
 
     def __init__(self):
@@ -124,6 +127,17 @@ class LoopGenerator:
     @property
     def closed(self) -> bool:
         return self._engine.closed
+
+    @property
+    def replicas(self) -> list:
+        """One engine: checked itself."""
+        return []
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def describe(self) -> dict[str, Any]:
+        return {}
 
     def call(self, coro):
         """Run `coro` on the generator's loop and wait for its result (its exception is raised here)."""

@@ -139,6 +139,16 @@ class HFGenerator:
     Slower than vLLM; the fallback and the reference."""
 
     name = "hf"
+    same_numerics = True   # the trainer's own model code
+    loop = None            # no event loop of its own: one `generate` at a time
+    on_event = None        # no engine events
+    replicas: tuple = ()   # one engine: checked itself
+
+    def stats(self) -> dict:
+        return {}
+
+    def describe(self) -> dict:
+        return {}
 
     def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None, compact: bool = True):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
@@ -165,6 +175,10 @@ class HFGenerator:
 
     def served_version(self) -> int:
         return self.version
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
 
     def load_adapter(self, path: str, version: int) -> None:
         if self._get_version is None:  # own copy: load the saved adapter weights into it

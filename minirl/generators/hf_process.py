@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .. import lifecycle, vllm_compat
+from .. import lifecycle
 from ..config import Config
 from ..types import AdapterUpdate, Group, Prompt, SamplingParams
 from .hf import HFGenerator
@@ -90,7 +90,7 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
     def apply_staged() -> None:  # between requests only: a sequence never sees its weights change
         with stage_lock:
             if staged["version"] is not None:
-                vllm_compat.foreach_copy(dst, [s.to(d.device) for s, d in zip(src, dst)])
+                torch._foreach_copy_(dst, [s.to(d.device) for s, d in zip(src, dst)])
                 gen.set_version(staged["version"])
                 staged["version"] = None
 
@@ -142,6 +142,15 @@ class ProcGenerator:
 
     name = "hf"
     same_numerics = True  # the trainer's model code, dtype and kind of device: sync verification expects ~no noise
+    loop = None            # no event loop of its own: one `generate` at a time
+    on_event = None        # no engine events
+    replicas: tuple = ()   # one engine: checked itself
+
+    def stats(self) -> dict:
+        return {}
+
+    def describe(self) -> dict:
+        return {}
 
     def __init__(self, cfg: Config, tensors: dict[str, torch.Tensor], cores: list[int] | None = None,
                  device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0):

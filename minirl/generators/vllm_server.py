@@ -20,7 +20,7 @@ import secrets
 from typing import Callable, Sequence
 
 from ..sync.wire import adapter_name
-from ..types import AdapterUpdate, Group, Prompt, SamplingParams
+from ..types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 from .base import LoopGenerator, ServedAdapters
 from .server_api import (ServerDown, ServerRejected, completion_body, listed_models, parse_completions, parse_scores,
                          score_body)
@@ -36,6 +36,7 @@ class Replica:
     """One server seen alone, for `minirl.sync.verify`: its served version, read back from it, and the probe's
     logprobs scored on it."""
     name = "vllm-server"
+    same_numerics = False
 
     def __init__(self, gen: "ServerGenerator", server: Server):
         self._gen, self._s = gen, server
@@ -120,12 +121,23 @@ class ServerGenerator(LoopGenerator):
     async def generate_group(self, prompt: Prompt, n: int, params: SamplingParams) -> Group:
         """G = n completions of one prompt, from one request to one server; regenerated elsewhere (same seed,
         the adapter served then) if that server goes down before it answers."""
-        seed = self._next_seed(prompt, params)
+        comps = await self._complete(prompt.token_ids, n, params, self._next_seed(prompt, params), prompt.index)
+        return Group(prompt, tuple(comps), params.temperature)
+
+    async def sample(self, token_ids: Sequence[int], params: SamplingParams, seed: int | None = None) -> Completion:
+        """One sequence continuing `token_ids`, sampled with exactly `seed`: a turn of an episode."""
+        (c,) = await self._complete(token_ids, 1, params, seed, None)
+        return c
+
+    async def _complete(self, token_ids: Sequence[int], n: int, params: SamplingParams, seed: int | None,
+                        index: int | None) -> list[Completion]:
+        """n samples continuing `token_ids` from one request to one server; sent again elsewhere (same seed, the
+        adapter served then) if that server goes down before it answers."""
         work = n * params.max_tokens
         for _ in range(MAX_ATTEMPTS):
             s = await self.fleet.pick()
             adapter, version = self.adapters.acquire()
-            body = completion_body(self._name(version), prompt.token_ids, n, params, seed)
+            body = completion_body(self._name(version), token_ids, n, params, seed)
             s.outstanding += work
             try:
                 answer = await self.fleet.on(s, s.api.complete(body))
@@ -139,8 +151,9 @@ class ServerGenerator(LoopGenerator):
             s.requests += 1
             comps = parse_completions(answer, n, version)
             self.tokens_generated += sum(len(c.token_ids) for c in comps)
-            return Group(prompt, tuple(comps), params.temperature)
-        raise ServerError(f"the group of prompt {prompt.index} was lost with its server {MAX_ATTEMPTS} times in a "
+            return comps
+        what = "an episode's turn" if index is None else f"the group of prompt {index}"
+        raise ServerError(f"{what} was lost with its server {MAX_ATTEMPTS} times in a "
                           "row; see the servers' logs in " + str(self.log_dir))
 
     # ---- adapters -------------------------------------------------------------------------------------------
@@ -240,6 +253,10 @@ class ServerGenerator(LoopGenerator):
         return [dict(index=s.index, url=s.url, pid=s.proc.pid if s.proc else None, alive=s.alive,
                      restarts=s.restarts, requests=s.requests, log=str(s.proc.log_path) if s.proc else None)
                 for s in self.fleet.servers]
+
+    def describe(self) -> dict:
+        """For the run's start event: each server (`servers`)."""
+        return {"servers": self.servers()}
 
     def stats(self) -> dict:
         """For the run's summary."""

@@ -25,6 +25,30 @@ def arithmetic_correct(prompt: str, completion: str, answer: int, **_: Any) -> f
     return 1.0 if last_integer(completion) == int(answer) else 0.0
 
 
+# --- recipes: length and format (set their parameters as `name(key=value)` in `rewards`, or `bind_reward`) ----------
+
+@reward
+def overlong_penalty(prompt: str, completion: str, completion_tokens: int, *, max_length: int, cache_length: int,
+                     **_: Any) -> float:
+    """DAPO's soft overlong punishment: 0 for up to max_length - cache_length tokens, then falling linearly to -1
+    at max_length, -1 beyond. Usually max_length = max_tokens, so a completion cut by max_tokens gets -1. Use it
+    beside a correctness reward (DAPO adds the two), e.g. `overlong_penalty(max_length=48, cache_length=16)`.
+    Counts the completion's sampled tokens (an episode's replies, not the environment's messages)."""
+    if not 0 < cache_length <= max_length:
+        raise ValueError(f"overlong_penalty: cache_length={cache_length} must be in (0, max_length={max_length}]")
+    start = max_length - cache_length
+    if completion_tokens <= start:
+        return 0.0
+    return max(-1.0, (start - completion_tokens) / cache_length)
+
+
+@reward
+def format_match(prompt: str, completion: str, *, pattern: str, **_: Any) -> float:
+    """1.0 if `re.search(pattern, completion, re.DOTALL)` finds the regex, else 0.0; anchor it (^...$) to require
+    the whole completion's format, e.g. `format_match(pattern='^<think>.*</think>.*\\d+$')`."""
+    return 1.0 if re.search(pattern, completion, re.DOTALL) else 0.0
+
+
 # --- the built-in code task's reward ---------------------------------------------------------------------------
 
 _SANDBOX_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox")

@@ -1,7 +1,14 @@
 """The reward registry: a reward is a plain function `(prompt, completion, **columns) -> float | None`, registered by
-name with `@minirl.reward`, or given as a callable or a 'module:function' path."""
+name with `@minirl.reward`, or given as a callable or a 'module:function' path.
+
+Besides the dataset's columns every reward may take `completion_tokens` (the completion's sampled tokens) and
+`finish_reason` ('stop', or 'length' when cut by max_tokens); a reward receives only the keywords its signature
+accepts (all of them with `**kwargs`). A reward's keyword arguments can be fixed by name: `name(key=value, ...)` in
+a config's `rewards` (values are Python literals), `bind_reward(name_or_fn, key=value)` in Python; a fixed keyword
+is no longer filled from a column."""
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import inspect
@@ -62,7 +69,52 @@ def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or repr(e)
 
 
+COMPLETION_KEYWORDS = ("completion_tokens", "finish_reason")  # what every reward may take besides the columns
+
+
+class BoundReward:
+    """A reward with some keyword arguments fixed (`overlong_penalty(max_length=48, cache_length=16)`). Its
+    signature is the reward's without them, so no column of the same name reaches it."""
+
+    def __init__(self, fn: Callable, params: dict[str, Any], name: str):
+        sig = inspect.signature(fn)
+        takes = [p.name for p in list(sig.parameters.values())[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [k for k in params if k not in takes]
+        if unknown:
+            raise ValueError(f"reward {name!r}: no parameter(s) {unknown}; it takes {takes}")
+        self.fn, self.params, self.__name__ = fn, dict(params), name
+        self.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in params])
+
+    def __call__(self, prompt: str, completion: str, **columns: Any) -> Any:
+        return self.fn(prompt, completion, **{**columns, **self.params})
+
+
+def bind_reward(ref: str | Callable, **params: Any) -> BoundReward:
+    """A reward (a name, a 'module:function' path or a callable) with `params` fixed: the Python form of
+    `name(key=value)` in a config's `rewards`."""
+    name, fn = resolve_reward(ref)
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
+    return BoundReward(fn, params, f"{name}({shown})")
+
+
+def _parse_call(ref: str) -> tuple[str, dict[str, Any]]:
+    """'name(key=value, ...)' -> (name, {key: value}); values are Python literals."""
+    head = ref[:ref.index("(")].strip()
+    try:
+        call = ast.parse(f"_f{ref[ref.index('('):]}", mode="eval").body
+        if not isinstance(call, ast.Call) or call.args:
+            raise ValueError("give key=value pairs only")
+        return head, {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError) as e:
+        raise ValueError(f"reward {ref!r}: cannot read its parameters ({_one_line(e)}); write "
+                         "name(key=value, ...) with literal values, e.g. format_match(pattern='^<answer>')") from None
+
+
 def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:
+    if isinstance(ref, str) and ref.rstrip().endswith(")") and "(" in ref:
+        name, params = _parse_call(ref)
+        _, fn = resolve_reward(name)
+        return ref, BoundReward(fn, params, ref)
     if callable(ref):
         return getattr(ref, "__name__", repr(ref)), ref
     if ref in REGISTRY:
@@ -82,6 +134,27 @@ def source_hash(fn: Callable) -> str:
     return hashlib.sha1(src.encode()).hexdigest()[:10]
 
 
+def accepted_keywords(fn: Callable) -> set[str] | None:
+    """The keywords a reward takes after (prompt, completion); None: any (it has **kwargs, or no signature)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_data_columns(columns: Sequence[str]) -> list[str]:
+    """The keywords rewards can take (the columns and COMPLETION_KEYWORDS); a column named like one of
+    COMPLETION_KEYWORDS is an error (it would hide what the completion was)."""
+    clash = [c for c in columns if c in COMPLETION_KEYWORDS]
+    if clash:
+        raise ValueError(f"the data has column(s) {clash}, the name(s) of what every reward receives about its "
+                         f"completion ({', '.join(COMPLETION_KEYWORDS)}); rename the column(s)")
+    return list(columns) + list(COMPLETION_KEYWORDS)
+
+
 def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
     """Fail before training when a reward needs a keyword the data does not have."""
     sig = inspect.signature(fn)
@@ -93,4 +166,5 @@ def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
     missing = [n for n in needed if n not in columns]
     if missing:
         raise ValueError(f"reward {name!r} needs column(s) {missing} that the data lacks "
-                         f"(columns: {sorted(columns)}); add them to the dataset or give them defaults")
+                         f"(columns: {sorted(columns)}); add them to the dataset, give them defaults, or fix them in "
+                         f"`rewards` as {name.partition('(')[0]}({missing[0]}=...)")

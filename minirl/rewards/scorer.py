@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 from ..loss import group_advantages
 from ..sandbox.process import ENABLE_SANDBOX
 from ..types import Group, RewardFailure, ScoredGroup
-from .registry import resolve_reward, source_hash
+from .registry import accepted_keywords, resolve_reward, source_hash
 from .worker_main import reason
 from .workers import RewardCall, RewardWorkers
 
@@ -41,6 +41,7 @@ class Scorer:
 
     def __post_init__(self) -> None:
         self.versions = {n: source_hash(f) for n, f in self.rewards}
+        self._takes = {n: accepted_keywords(f) for n, f in self.rewards}  # None: every keyword
 
     @classmethod
     def from_config(cls, refs: Sequence[str | Callable], weights: Sequence[float] | None, timeout_s: float,
@@ -109,7 +110,8 @@ class Scorer:
         rewards = [(n, f) for n, f in self.rewards if names is None or n in names]
         keys = [(k, name, i) for k, g in enumerate(groups) for name, _ in rewards for i in range(len(g.completions))]
         outcomes = self.pool.call_many([RewardCall(name, groups[k].prompt.text, groups[k].completions[i].text,
-                                                   _columns(dict(groups[k].prompt.columns), groups[k].completions[i]))
+                                                   _columns(dict(groups[k].prompt.columns), groups[k].completions[i],
+                                                            self._takes[name]))
                                         for k, name, i in keys])
         per: list[dict[str, list[float | None]]] = [{n: [None] * len(g.completions) for n, _ in rewards}
                                                      for g in groups]
@@ -137,10 +139,15 @@ class Scorer:
                            tuple(failures), dict(self.versions))
 
 
-def _columns(columns: dict, completion) -> dict:
-    """A completion's reward keywords: the dataset columns, and for an episode its transcript and env reward
-    (`Episode.columns`: messages, env_reward, env_error, turns)."""
-    return columns if completion.episode is None else {**columns, **completion.episode.columns()}
+def _columns(columns: dict, completion, takes: set[str] | None = None) -> dict:
+    """A completion's reward keywords: the dataset columns, its `completion_tokens` (sampled tokens) and
+    `finish_reason`, and for an episode its transcript and env reward (`Episode.columns`: messages, env_reward,
+    env_error, turns); only those in `takes` (None: all)."""
+    n = len(completion.token_ids) if completion.mask is None else sum(completion.mask)
+    kw = {**columns, "completion_tokens": n, "finish_reason": completion.finish_reason}
+    if completion.episode is not None:
+        kw.update(completion.episode.columns())
+    return kw if takes is None else {k: v for k, v in kw.items() if k in takes}
 
 
 class RewardsFailing(RuntimeError):

@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from ..types import Scorable
+
 TRANSPORTS = ("auto", "ipc", "collective", "files")
 
 
@@ -140,7 +142,7 @@ class Verification:
                 "sync/verify_sep": self.sep, "sync/verified": float(self.verified)}
 
 
-def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence[float], version: int,
+def verify(generator: Scorable, probe: tuple[Sequence[int], Sequence[int]], want: Sequence[float], version: int,
            previous: Verification | None = None, temperature: float = 1.0,
            trainer_dtype: str = "float32") -> Verification:
     """Check that `generator` serves the adapter just pushed as `version`; raise `SyncVerificationError` (one
@@ -195,13 +197,13 @@ def verify(generator, probe: tuple[Sequence[int], Sequence[int]], want: Sequence
                         version if told else previous.reference_version)
 
 
-def numerics(generator, trainer_dtype: str) -> str:
+def numerics(generator: Scorable, trainer_dtype: str) -> str:
     """The `NOISE` entry for `generator` against a trainer in `trainer_dtype`: 'same code' when the generator runs
     the trainer's own model code in the trainer's dtype (`generator.same_numerics`: the transformers generator
     process), else 'float32' when both are float32, else '16-bit'."""
-    if getattr(generator, "same_numerics", False):
+    if generator.same_numerics:
         return "same code"
-    dtypes = {str(d).removeprefix("torch.") for d in (trainer_dtype, getattr(generator, "dtype", "float32"))}
+    dtypes = {str(d).removeprefix("torch.") for d in (trainer_dtype, generator.dtype)}
     return "float32" if dtypes == {"float32"} else "16-bit"
 
 

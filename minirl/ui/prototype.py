@@ -243,14 +243,14 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
     with `rewards`. `data`: 'arithmetic', a list of dicts, a JSONL path, or a datasets.Dataset."""
     from .. import data as D
     from ..generators.hf import HFGenerator
-    from ..rewards import check_columns
+    from ..rewards import check_columns, check_data_columns
     from ..types import SamplingParams
 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]
     scorer = Scorer.from_config(rewards, weights, timeout_s, scale_by_std)
     rows = D.arithmetic_splits(0, seed)[0] if isinstance(data, str) and data == "arithmetic" else D.load_rows(data)
-    cols = [k for k in rows[0] if k != prompt_column]
+    cols = check_data_columns([k for k in rows[0] if k != prompt_column])
     for name, fn in scorer.rewards:
         check_columns(fn, name, cols)
     m, tok = load_policy(model, adapter)

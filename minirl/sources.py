@@ -1,0 +1,136 @@
+"""Where rows come from: a JSONL, JSON, CSV or parquet file, a folder written by `Dataset.save_to_disk`, or a
+dataset named `hf:NAME[:CONFIG][@SPLIT]` loaded by `datasets.load_dataset` (from the local cache when offline).
+
+`read_source(spec)` returns the rows as dicts and, where a row has a place a person can find (a file's line), its
+name for error messages. Every failure is one `ValueError` naming the source and the fix.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+FILE_KINDS = ".jsonl, .json, .csv, .parquet"
+HF_PREFIX = "hf:"
+
+
+def parse_hf(spec: str) -> tuple[str, str | None, str]:
+    """'hf:NAME[:CONFIG][@SPLIT]' -> (name, config or None, split; 'train' when not given)."""
+    rest = spec[len(HF_PREFIX):]
+    rest, _, split = rest.partition("@")
+    name, _, config = rest.partition(":")
+    if not name:
+        raise ValueError(f"data {spec!r}: no dataset name; write hf:NAME[:CONFIG][@SPLIT], e.g. hf:openai/gsm8k:main@train")
+    return name, config or None, split or "train"
+
+
+def read_jsonl(p: Path) -> tuple[list[dict], list[str]]:
+    """The objects of a JSONL file and each one's 'file:line'."""
+    rows, names = [], []
+    with open(p, "rb") as f:
+        for k, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{p}:{k}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{k}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                names.append(f"{p}:{k}")
+                if not isinstance(rows[-1], dict):
+                    raise ValueError(f"{p}:{k}: a JSON {type(rows[-1]).__name__}, not an object; each line must be "
+                                     'one JSON object such as {"prompt": "...", "answer": 4}')
+    return rows, names
+
+
+def _read_json(p: Path) -> list:
+    """A JSON file holding a list of objects, or an object of equal-length column lists."""
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{p}: not a valid JSON file ({e}); give a list of objects, or JSONL (one object per line)") from None
+    if isinstance(obj, dict) and obj and all(isinstance(v, list) for v in obj.values()):
+        if len({len(v) for v in obj.values()}) != 1:
+            raise ValueError(f"{p}: its columns have different lengths; every column list needs one value per row")
+        keys = list(obj)
+        return [dict(zip(keys, vals)) for vals in zip(*obj.values())]
+    if not isinstance(obj, list):
+        raise ValueError(f"{p}: a JSON {type(obj).__name__}; give a list of objects such as "
+                         '[{"prompt": "...", "answer": 4}] or an object of columns {"prompt": [...], "answer": [...]}')
+    return obj
+
+
+def _read_csv(p: Path) -> list[dict]:
+    """A CSV file with a header row; every value is text (rewards convert what they compare)."""
+    with open(p, newline="", encoding="utf-8") as f:
+        return [dict(r) for r in csv.DictReader(f)]
+
+
+def _read_parquet(p: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+    try:
+        return pq.read_table(p).to_pylist()
+    except Exception as e:  # noqa: BLE001 - a broken file: one line
+        raise ValueError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
+
+
+def _read_saved(p: Path, split: str = "train") -> list[dict]:
+    """A folder written by `Dataset.save_to_disk` (or `DatasetDict.save_to_disk`: its `split`)."""
+    import datasets
+    ds = datasets.load_from_disk(str(p))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"data {str(p)!r}: a DatasetDict without a {split!r} split (splits: {sorted(ds)}); "
+                             f"save the split you train on, e.g. ds[{sorted(ds)[0]!r}].save_to_disk(...)")
+        ds = ds[split]
+    return ds.to_list()
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or \
+        os.environ.get("HF_DATASETS_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
+def load_hf(spec: str) -> list[dict]:
+    """`hf:NAME[:CONFIG][@SPLIT]` through `datasets.load_dataset`; offline, only what the local cache holds."""
+    import datasets
+    name, config, split = parse_hf(spec)
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if _offline() or "offline" in first.lower() or isinstance(e, ConnectionError):
+            raise ValueError(f"data {spec!r}: the dataset {name!r} is not in the local Hugging Face cache and the Hub "
+                             "cannot be reached (offline); download it where there is a network, or save it with "
+                             "Dataset.save_to_disk and give that folder") from None
+        raise ValueError(f"data {spec!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) failed "
+                         f"({type(e).__name__}: {first}); check the name, config and split") from None
+    return ds.to_list()
+
+
+def read_source(spec: str | Path) -> tuple[list, list[str] | None]:
+    """Rows from a file, a saved dataset folder or an `hf:` name, and each row's 'file:line' where it has one."""
+    if isinstance(spec, str) and spec.startswith(HF_PREFIX):
+        return load_hf(spec), None
+    p = Path(spec)
+    if p.is_dir():
+        if not ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
+            raise ValueError(f"data {str(spec)!r}: a folder, but not one written by Dataset.save_to_disk "
+                             "(no dataset_info.json); give such a folder or a file")
+        return _read_saved(p), None
+    if not p.is_file():
+        raise ValueError(f"data {str(spec)!r}: no such file; give a file ({FILE_KINDS}), a Dataset.save_to_disk "
+                         "folder, hf:NAME[:CONFIG][@SPLIT], or a built-in task")
+    kind = p.suffix.lower()
+    if kind == ".json":
+        return _read_json(p), None
+    if kind == ".csv":
+        rows = _read_csv(p)
+        return rows, [f"{p}:{k + 2}" for k in range(len(rows))]  # line 1 is the header
+    if kind == ".parquet":
+        return _read_parquet(p), None
+    return read_jsonl(p)  # .jsonl and anything else: one JSON object per line
