@@ -21,7 +21,7 @@ from .sync import WeightSync
 from .tasks import TASKS, resolve_env
 from .trackers import check_tracker
 from .trainer import Trainer
-from .types import Episode, Prompt, SamplingParams
+from .types import Episode, Prompt, SamplingParams, Sleeper
 
 
 @dataclass
@@ -37,6 +37,7 @@ class RunParts:
     train_prompts: Sequence[Prompt] = ()
     eval_prompts: Sequence[Prompt] = ()
     plan: MemoryPlan | None = None  # the memory plan made before loading
+    sleeper: Sleeper | None = None  # the engine that sleeps while the trainer shares its GPU (placement)
 
     def describe(self) -> dict[str, Any]:
         """What the run's start event records about its parts."""
@@ -133,8 +134,9 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
     if checkpoint is not None:
         restore(checkpoint, trainer)
         trainer.reconfigure(c)
-    parts.generator, parts.sync, parts.sync_why = make_generator(c, trainer, place.backend,
-                                                                 place.max_async_steps > 0, place.gen_devices)
+    parts.generator, parts.sync, parts.sync_why = make_generator(c, trainer, place.backend, place.max_async_steps > 0,
+                                                                 place.gen_devices, place.engine_sleeps)
+    parts.sleeper = parts.generator if place.engine_sleeps else None
     if env is None:
         parts.rollouts = parts.generator
         parts.train_prompts = D.to_prompts(sp.train, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,

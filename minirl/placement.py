@@ -5,7 +5,8 @@ field and the accepted forms. The result is one printed line at start and `place
 
   CPU               the cores are split (vLLM's worker or the generator process on some, the trainer's torch
                     threads on the rest) when K >= 1; synchronously each phase takes every core in turn.
-  1 GPU             engine and trainer share cuda:0, K = 0 (synchronous).
+  1 GPU             engine and trainer share cuda:0, K = 0 (synchronous); a vLLM engine sleeps (sleep mode level 1)
+                    while the trainer works, and is woken before the adapter push.
   2+ GPUs (vLLM)    trainer on cuda:0, one engine on GPU 1 (its processes see only that GPU), K = 1. With 3+ GPUs,
                     `backend: vllm-server, num_servers: N-1` uses the rest (docs/gpu.md).
 """
@@ -32,12 +33,14 @@ class Placement:
     train_device: str  # 'cpu' or 'cuda:N'
     train_threads: int | None  # on CPU: the trainer's torch thread count
     cuda_devices: int
+    engine_sleeps: bool = False  # vLLM shares the trainer's GPU with K = 0: it sleeps while the trainer works
 
     def line(self) -> str:
         gen = self.gen_devices or ("every GPU" if self.cuda_devices else "every core")
         train = self.train_device + (f" ({self.train_threads} threads)" if self.train_threads else "")
         return (f"minirl: placement: {self.backend} generation on {gen}, training on {train}, "
-                f"K = {self.max_async_steps} ({self.async_why})")
+                f"K = {self.max_async_steps} ({self.async_why})" + ("; the engine sleeps while the trainer works"
+                                                                     if self.engine_sleeps else ""))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,7 +113,8 @@ def place(cfg: Config, cuda_devices: int) -> Placement:
         gen = next(str(i) for i in range(cuda_devices) if f"cuda:{i}" != train)
     else:  # colocated with the trainer
         gen = train.removeprefix("cuda:")
-    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices)
+    sleeps = backend == "vllm" and k == 0 and gen == train.removeprefix("cuda:")
+    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps)
 
 
 def cuda_device_count() -> int:

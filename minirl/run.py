@@ -131,7 +131,11 @@ class Run(Background):
             self.scorer.watch(scored)  # a reward failing every call for steps in a row stops the run, with the fix
             t1 = time.perf_counter()
             self._between_steps = False
+            if sleeper := self.parts.sleeper:  # one GPU shared with vLLM: the engine sleeps while the trainer works
+                sleeper.sleep()
             tm = self.trainer.step(scored)
+            if sleeper:
+                sleeper.wake()  # before the push: a woken engine gets the new adapter and its check
             t2 = time.perf_counter()
             sync = self._push(scored)
             t3 = time.perf_counter()

@@ -217,6 +217,17 @@ class Generator(RolloutSource, Scorable, Protocol):
 
 
 @runtime_checkable
+class Sleeper(Protocol):
+    """An engine that frees its GPU memory while the trainer works on the same GPU (vLLM sleep mode, level 1: the
+    weights offloaded to CPU memory, the KV cache dropped). The run calls `sleep()` before each training step and
+    `wake()` after it, then pushes and checks the adapter as after any update."""
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+@runtime_checkable
 class AsyncGenerator(Generator, StreamingSource, Protocol):
     """A generator on an event loop of its own (`loop`): code on it samples one sequence (episodes' turns) or
     iterates `stream`; other threads run coroutines there with `call`."""

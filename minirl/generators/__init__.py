@@ -50,11 +50,11 @@ def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
 
 
 def make_generator(cfg: Config, trainer, backend: str, asynchronous: bool,
-                   gen_devices: str | None) -> tuple[Generator, WeightSync, str]:
+                   gen_devices: str | None, sleep_mode: bool = False) -> tuple[Generator, WeightSync, str]:
     """(generator, sync, why) for a run: vLLM with the configured transport; the transformers generator in a
     process of its own when generation runs ahead of training (`asynchronous`); else the trainer's own model.
     `gen_devices`: on CPU the cores generation is pinned to ('0', '0-3', '0,2'), on GPU the GPU ids it may use
-    ('1', '0,1'); None: no constraint."""
+    ('1', '0,1'); None: no constraint. `sleep_mode`: the vLLM engine can sleep while the trainer shares its GPU."""
     on_gpu = trainer.device.startswith("cuda")
     if backend == "vllm-server":
         return _server_generator(cfg, trainer, gen_devices, on_gpu)
@@ -66,7 +66,7 @@ def make_generator(cfg: Config, trainer, backend: str, asynchronous: bool,
                             cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
                             max_model_len=cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens),
-                            inflight=cfg.inflight)  # env runs: an episode's turns follow its prompt
+                            inflight=cfg.inflight, sleep_mode=sleep_mode)  # env runs: turns follow the prompt
         try:
             sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
         except BaseException:  # a failed transport (or a Ctrl-C / SIGTERM here) must not leave the engine running

@@ -56,7 +56,7 @@ class VLLMGenerator(LoopGenerator):
     def __init__(self, model_path: str, max_lora_rank: int = 16, max_model_len: int = 1024, seed: int = 0,
                  dtype: str = "auto", cpu_cores: str | None = None, kv_cache_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.3, max_loras: int = 4, device_ids: str | None = None,
-                 engine_kwargs: dict | None = None, inflight: str = "continue"):
+                 engine_kwargs: dict | None = None, inflight: str = "continue", sleep_mode: bool = False):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
@@ -73,7 +73,7 @@ class VLLMGenerator(LoopGenerator):
         else:
             if device_ids is not None:
                 os.environ["CUDA_VISIBLE_DEVICES"] = device_ids
-            kw.update(gpu_memory_utilization=gpu_memory_utilization)
+            kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
             if inflight == "inflight":  # exact per-token versions across in-place swaps assume the worker samples
                 kw["async_scheduling"] = False  # each step before the next one starts (on CPU it always does)
         kw["worker_extension_cls"] = WORKER_EXTENSION  # in-memory adapter sync (minirl.sync)
@@ -291,6 +291,16 @@ class VLLMGenerator(LoopGenerator):
         under the LoRA id they carry (in memory), or, with files, the version that id was loaded as if the engine
         holds it. None: the engine holds nothing under that id."""
         return self.call(self.served_version_async())
+
+    def sleep(self) -> None:
+        """Sleep mode level 1 (weights to CPU memory, KV cache dropped) while the trainer uses the GPU; level 2 is
+        reported broken with LoRA upstream. Needs the engine built with `sleep_mode` (a GPU feature of vLLM)."""
+        self.call(self._engine.llm.sleep(level=1))
+
+    def wake(self) -> None:
+        """Weights and KV cache back; the run then pushes and checks the adapter (a corrupted adapter after a
+        wake-up has been reported upstream: the push after every training step replaces it anyway)."""
+        self.call(self._engine.llm.wake_up())
 
     def loaded_adapters(self) -> set[int]:
         """LoRA int ids the engine holds (for checking that memory stays bounded)."""
