@@ -98,5 +98,5 @@ def installed() -> bool:
 
 
 def install_default() -> bool:
-    """`install()` unless MINIRL_VLLM_CPU_LORA=0 in the environment (then vLLM's ops stay)."""
-    return install() if os.environ.get("MINIRL_VLLM_CPU_LORA", "1") != "0" else False
+    """`install()` unless MINIRL_VLLM_CPU_LORA=0 in the environment (then vLLM's own ops are in place)."""
+    return install(os.environ.get("MINIRL_VLLM_CPU_LORA", "1") != "0")

@@ -13,7 +13,8 @@ from minirl.types import Completion, Group, Prompt
 
 
 class FakeEngine:
-    """Streams groups after random delays; tokens carry the version current when the request started."""
+    """A generator without a loop of its own (one `generate` at a time, as the transformers backend): its groups
+    finish after random delays, out of order; tokens carry the version current when the request started."""
     name = "fake"
     loop = None
 
@@ -31,9 +32,11 @@ class FakeEngine:
                       for j in range(n))
         return Group(p, comps)
 
-    async def stream(self, prompts, n, params):
-        for fut in asyncio.as_completed([self._one(p, n) for p in prompts]):
-            yield await fut
+    async def _all(self, prompts, n):
+        return await asyncio.gather(*[self._one(p, n) for p in prompts])
+
+    def generate(self, prompts, n, params):
+        return asyncio.run(self._all(prompts, n))
 
 
 def rand_reward(prompt, completion, **_):
@@ -76,9 +79,8 @@ def test_staleness_bound_and_exact_accounting(K, S, P, steps, seed, train_delay)
 
 def test_generation_error_reaches_the_trainer_with_its_traceback():
     class Broken(FakeEngine):
-        async def stream(self, prompts, n, params):
+        def generate(self, prompts, n, params):
             raise ZeroDivisionError("engine exploded")
-            yield  # pragma: no cover
 
     pipe = Pipeline(Broken(random.Random(0), 0.0), Scorer([("r", rand_reward)], [1.0], 5.0),
                     lambda s: [Prompt(0, (1,), "p")], lambda s: SamplingParams(), 2, 1, 3, 1)

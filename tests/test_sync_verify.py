@@ -157,7 +157,7 @@ def test_a_stale_push_to_the_generator_process_stops_the_run(toy_cfg, monkeypatc
 class _Replica:
     """A server seen alone (test double for `ServerGenerator.replicas`): serves version `served`, scores `lp`, and
     waits in `score` until every replica of its group scores (`meet`), as two servers do at once."""
-    name, dtype = "vllm-server", "float32"
+    name, dtype, same_numerics = "vllm-server", "float32", False
 
     def __init__(self, url, served, lp, meet, alive=True):
         self.url, self.served, self.lp, self.meet, self.alive = url, served, lp, meet, alive
