@@ -13,6 +13,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from .folders import publish_folder
+
 EMBEDDED = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -45,9 +47,8 @@ def embedded_model_dir() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED}-", dir=target.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         model.generation_config.do_sample = False
@@ -58,14 +59,7 @@ def embedded_model_dir() -> Path:
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process won the race
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return publish_folder(target, write)
 
 
 def resolve_model(name: str) -> str:

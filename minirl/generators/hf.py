@@ -127,7 +127,22 @@ def decode(model, input_ids, attn, params: SamplingParams, eos: int,
     return toks, logps
 
 
-class HFGenerator:
+class LocalEngine:
+    """What the transformers generators share of the `Generator` protocol: no event loop of their own (one
+    `generate` at a time), no engine events, one engine (the sync check checks it itself), nothing to report."""
+    name = "hf"
+    loop = None
+    on_event = None
+    replicas: tuple = ()
+
+    def stats(self) -> dict:
+        return {}
+
+    def describe(self) -> dict:
+        return {}
+
+
+class HFGenerator(LocalEngine):
     """transformers models decoding through `decode` (finished rows leave the batch; `compact=False` or a request
     with stop strings uses transformers' `generate`). With `get_version` it runs on the trainer's own peft model
     (no copy: the synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
@@ -138,17 +153,7 @@ class HFGenerator:
     runs unmerged, as the trainer does.
     Slower than vLLM; the fallback and the reference."""
 
-    name = "hf"
     same_numerics = True   # the trainer's own model code
-    loop = None            # no event loop of its own: one `generate` at a time
-    on_event = None        # no engine events
-    replicas: tuple = ()   # one engine: checked itself
-
-    def stats(self) -> dict:
-        return {}
-
-    def describe(self) -> dict:
-        return {}
 
     def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None, compact: bool = True):
         self.model, self.tok, self._get_version = model, tokenizer, get_version

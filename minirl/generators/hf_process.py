@@ -36,7 +36,7 @@ import torch
 from .. import lifecycle
 from ..config import Config
 from ..types import AdapterUpdate, Group, Prompt, SamplingParams
-from .hf import HFGenerator
+from .hf import HFGenerator, LocalEngine
 
 
 class GeneratorProcessError(RuntimeError):
@@ -136,21 +136,11 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
     th.join(30)  # let a running request finish: exiting under it aborts the process
 
 
-class ProcGenerator:
+class ProcGenerator(LocalEngine):
     """`Generator` whose transformers model lives in a spawned process pinned to `cores` (CPU) or on `device`.
     `tensors` are the trainer's live LoRA parameters (peft names): `push(version)` sends them."""
 
-    name = "hf"
     same_numerics = True  # the trainer's model code, dtype and kind of device: sync verification expects ~no noise
-    loop = None            # no event loop of its own: one `generate` at a time
-    on_event = None        # no engine events
-    replicas: tuple = ()   # one engine: checked itself
-
-    def stats(self) -> dict:
-        return {}
-
-    def describe(self) -> dict:
-        return {}
 
     def __init__(self, cfg: Config, tensors: dict[str, torch.Tensor], cores: list[int] | None = None,
                  device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0):

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from ..folders import publish_folder
 
 HERE = Path(__file__).parent
 TOKENIZER = HERE / "tokenizer"
@@ -51,16 +51,7 @@ def synthetic(name: str, path: str | Path | None = None, seed: int = 0, device: 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config.do_sample = False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=path.parent))
-    try:
+    def write(tmp: Path) -> None:
         model.to("cpu").save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another builder won the race
-            if not (path / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    return publish_folder(path, write)
