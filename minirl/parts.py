@@ -125,7 +125,7 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
         raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                          "backend finishes in-flight sequences on their adapter (inflight='continue')")
     resolve_model(c.model)  # a model that cannot be found fails here, within seconds
-    parts.plan = check_plan(c, place.cuda_devices)  # a GPU run that cannot fit stops here, before loading
+    parts.plan = check_plan(c, place.cuda_devices, engine_sleeps=place.engine_sleeps)  # a GPU run that cannot fit stops here, before loading
     if not place.cuda_devices and (note := cpu_dtype_warning(c.dtype)):
         print(note, flush=True)
     cpu.apply(place)

@@ -17,7 +17,8 @@ what PyTorch saves; the calibration test (tests/test_plan.py) checks the predict
 between token budgets against recorded `minirl bench memory` rows.
 
 Assumptions stated plainly: prompts of min(max_prompt_tokens, 256) tokens; every completion max_tokens long; the
-engine does not sleep between phases (main has no vLLM sleep mode yet: issue 36 item 2) unless `engine_sleeps`.
+engine does not sleep between phases unless `engine_sleeps` (a run passes its placement's: vLLM sharing the
+trainer's GPU with K = 0 sleeps while the trainer works).
 """
 from __future__ import annotations
 
@@ -271,10 +272,11 @@ def resolve_token_budget(cfg: Config, device: str) -> int:
     return plan(cfg).token_budget
 
 
-def check_plan(cfg: Config, cuda_devices: int, gpu_gb: float | None = None) -> MemoryPlan:
+def check_plan(cfg: Config, cuda_devices: int, gpu_gb: float | None = None,
+               engine_sleeps: bool = False) -> MemoryPlan:
     """Before loading: on a GPU (of `gpu_gb` GB, default GPU 0's) a plan that cannot fit stops the run here in one
     line; on CPU it warns (on stderr). The plan's own line is the run's to print (`Run` prints it at start)."""
-    p = plan(cfg, gpu_gb) if cuda_devices else plan_cpu(cfg)
+    p = plan(cfg, gpu_gb, engine_sleeps=engine_sleeps) if cuda_devices else plan_cpu(cfg)
     if p.fits is False:
         what = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of "
                 f"{p.memory_gb:.1f} GB (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); lower "
