@@ -68,8 +68,8 @@ def test_shapes_it_does_not_handle_go_to_vllms_op():
 
 def test_install_replaces_vllms_cpu_ops_and_the_prefill_path_uses_them(monkeypatch):
     for module in (lora_ops, punica_cpu):
-        for n in NAMES:
-            monkeypatch.setattr(module, n, getattr(module, n))  # restored after the test
+        for n in NAMES:  # start from vLLM's own ops (another test in this process may have installed minirl's)
+            monkeypatch.setattr(module, n, ORIG[n])  # and whatever was there is restored after the test
     for flag in ("_minirl_cpu_lora", "_minirl_orig"):
         monkeypatch.setattr(lora_ops, flag, None, raising=False)
         monkeypatch.delattr(lora_ops, flag)
