@@ -192,7 +192,8 @@ def build_model(cfg, device: str, checkpointing: bool = False):
                                "'bitsandbytes>=0.50' (or `bash install.sh cpu` / `bash install.sh gpu`)")
         from transformers import BitsAndBytesConfig
         kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg))
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg),
+            bnb_4bit_use_double_quant=True)  # as vLLM's in-flight NF4 (generators.vllm.loads_bitsandbytes)
     base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg),
                                                 **{**cfg.model_kwargs, **kw})
     if not cfg.load_in_4bit:

@@ -2,19 +2,21 @@
 
     minirl plan CONFIG [--gpu-gb N]      minirl.plan(cfg, gpu_gb=None)
 
-Parts (GiB): base weights (dtype, or NF4 for the linear layers: 4 bits + one fp32 absmax per 64 weights), LoRA +
-AdamW (fp32 parameters, gradients and two moments: 16 bytes a LoRA parameter), activations of one micro-batch
-(`token_budget` padded tokens) with or without gradient checkpointing, the lm_head logits of one chunk
-(`batch.LOGIT_CHUNK` completion tokens; float32), and the generator: vLLM's own weights + KV cache + its overhead,
-or transformers' KV cache of one step's sequences. The training phase and the generation phase peak apart; the
-run's peak is the larger. The sleep/wake cost is the engine's weights moved to the host and back per step.
+Parts (GiB): base weights (dtype, or NF4 for the linear layers with double-quantized scales), LoRA + AdamW (fp32
+parameters, gradients and two moments: 16 bytes a LoRA parameter), activations of the largest micro-batch with or
+without gradient checkpointing, the lm_head logits of one chunk (`batch.LOGIT_CHUNK` completion tokens; float32),
+and the generator: vLLM's own weights + KV cache + its overhead, or transformers' KV cache of one step's sequences.
+The training phase and the generation phase peak apart; the run's peak is the larger. The sleep/wake cost is the
+engine's weights moved to the host and back per step.
 
-Where the estimate comes from (the structure, not a fit): per decoder layer and token, autograd keeps the layer's
-input and normed inputs, q/k/v and the attention output (the o_proj input), and four MLP tensors of the
-intermediate width (gate, up, silu(gate), their product); RMSNorm keeps float32 copies. With checkpointing, a
-layer keeps only its input, and one layer's full set lives during its recompute. These counts are upper bounds of
-what PyTorch saves; the calibration test (tests/test_plan.py) checks the predicted increase of the training peak
-between token budgets against recorded `minirl bench memory` rows.
+The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): with 'shared-prefix' packing one
+row of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per
+decoder layer and token, autograd keeps what `Shape.layer_activation_bytes` lists (a census of the saved tensors,
+`scripts/activation_census.py`); with checkpointing a layer keeps only its input, and one layer's full set lives
+during its recompute. On CPU resident memory follows these live bytes once the trainer fixes glibc's mmap
+threshold (`trainer.fix_malloc_threshold`; before, the heap kept ~2.5x the live bytes). The calibration test
+(tests/test_plan_calibration.py) checks the predicted increase of the training peak between token budgets and
+completion lengths against recorded `minirl bench memory` rows.
 
 Assumptions stated plainly: prompts of min(max_prompt_tokens, 256) tokens; every completion max_tokens long; the
 engine does not sleep between phases unless `engine_sleeps` (a run passes its placement's: vLLM sharing the
@@ -86,11 +88,18 @@ class Shape:
         """LoRA on every linear layer of the decoder ('all-linear' leaves out the lm_head)."""
         return self.layers * sum(rank * (a + b) for a, b in self.linears())
 
-    def layer_activation_bytes(self, b: int) -> int:
-        """Bytes autograd keeps for one token of one decoder layer (weights of width `b` bytes)."""
-        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        kept = 3 * h + (2 * q + 2 * kv) + q + 4 * i  # input, 2 normed inputs; q,k,v (+ roped q,k); attn out; MLP
-        return b * kept + 4 * 2 * h * 2  # the two RMSNorms' float32 copies (input and normalised)
+    def layer_activation_bytes(self, b: int, rank: int) -> int:
+        """Bytes autograd keeps for one token of one decoder layer, weights of `b` bytes, LoRA of rank `rank` on its
+        seven linear layers (no LoRA dropout), attention through SDPA with a mask (each layer's count, from a census
+        of the saved tensors of the embedded model, `scripts/activation_census.py`): the layer's input and the
+        residual after attention; each RMSNorm's output, and in 16 bits the float32 copy of its input (float32
+        weights: the input itself); q after RoPE, k and v repeated to every head (a mask makes transformers repeat
+        them), the attention output (the o_proj input); gate, up, silu(gate) and their product; each LoRA's
+        rank-wide intermediate; the norms' float32 rsqrt and the attention's float32 logsumexp."""
+        h, q, i = self.hidden, self.heads * self.head_dim, self.intermediate
+        kept = b * (4 * h + 4 * q + 4 * i + 7 * rank)
+        upcast = 2 * 4 * h if b < 4 else 0
+        return kept + upcast + 4 * (2 + self.heads)
 
     def kv_bytes_per_token(self, b: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * b
@@ -165,6 +174,21 @@ def _f(x: float | None) -> str:
     return "" if x is None else f"{x:.2f}"
 
 
+def micro_batch(cfg: Config, budget: int, prompt: int) -> tuple[int, int, int]:
+    """(tokens, completion tokens, attention length) of the largest micro-batch the trainer cuts from one step of
+    `cfg` at `budget` tokens, every completion `max_tokens` long and every prompt `prompt` tokens: no more than the
+    step holds. 'shared-prefix': one row of whole groups (each prompt once, then its completions) up to the budget,
+    its attention over the whole row (a tokens x tokens mask); 'padded': whole rows of prompt + completion."""
+    p, g, m = cfg.prompts_per_step, cfg.group_size, cfg.max_tokens
+    if cfg.packing == "shared-prefix":
+        seg = prompt + g * m
+        tokens = max(min(budget, p * seg), prompt + m)
+        return tokens, math.ceil(tokens * g * m / seg), tokens
+    row = prompt + m
+    tokens = max(min(budget // row, p * g), 1) * row
+    return tokens, math.ceil(tokens * m / row), row
+
+
 def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, budget: int, ckpt: bool,
               four_bit: bool, engine_sleeps: bool, prompt: int) -> MemoryPlan:
     b = 2 if device == "cuda" and cfg.dtype in ("auto", "bfloat16", "float16") else 4
@@ -173,15 +197,23 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
     vllm = backend in ("vllm", "vllm-server")
     colocated = device == "cpu" or cfg.gen_devices == "auto" or not vllm
     lin = shape.linear_params()
-    weights = (lin * (0.5 + 4 / 64) if four_bit else lin * b) + (shape.params() - lin) * b
+    # NF4: 4 bits a weight, an 8-bit scale per 64 weights and a float32 scale per 256 of those (double quantization)
+    weights = (lin * (0.5 + 1 / 64 + 4 / (64 * 256)) if four_bit else lin * b) + (shape.params() - lin) * b
     lora = shape.lora_params(cfg.lora_rank)
     seqs, seq_len = cfg.prompts_per_step * cfg.group_size, prompt + cfg.max_tokens
-    tokens = max(budget, seq_len)  # one row longer than the budget is a micro-batch of its own
-    per_layer = shape.layer_activation_bytes(b)
-    acts = tokens * (shape.layers * shape.hidden * b + per_layer if ckpt else shape.layers * per_layer)
-    acts += tokens * 4 * shape.hidden * b  # backward: the gradient of the hidden states flowing down
-    completion = min(LOGIT_CHUNK, math.ceil(tokens * cfg.max_tokens / seq_len))
-    logits = completion * shape.vocab * 4 * 3  # float32 logits, / temperature, and the softmax of logsumexp
+    tokens, completion, attn_len = micro_batch(cfg, budget, prompt)
+    h, i = shape.hidden, shape.intermediate
+    per_layer = shape.layer_activation_bytes(b, cfg.lora_rank)
+    kept = shape.layers * (h * b if ckpt else per_layer) + (per_layer if ckpt else 0)  # ckpt: one layer recomputed
+    kept += 2 * h * b + b * (2 * h + 3 * i)  # the final norm's input and output; one layer's gradients in flight
+    acts = tokens * kept
+    if cfg.packing == "shared-prefix":
+        acts += attn_len * attn_len * b  # the packed row's additive mask (tokens x tokens), kept for backward
+    chunk = min(LOGIT_CHUNK, completion)
+    # one chunk's lm_head output recomputed in backward: float32 logits / temperature, the exp of logsumexp's
+    # backward, the gradient and the gather's scattered gradient (four float32 copies; in 16 bits also the head's
+    # own output before .float())
+    logits = chunk * shape.vocab * (4 * 4 + (b if b < 4 else 0))
     train = {"base weights": weights / GiB, "LoRA + AdamW": lora * 16 / GiB, "activations": acts / GiB,
              "logits": logits / GiB}
     if device == "cuda":
@@ -193,11 +225,20 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
         engine = {"engine weights": shape.params() * b / GiB, "engine KV cache": kv, "engine overhead":
                   ENGINE_OVERHEAD_GB if device == "cuda" else 0.0}
         if four_bit:
-            notes.append("the vLLM engine loads the base unquantized in the trainer's dtype (issue 36 item 7)")
+            notes.append("the vLLM engine loads the base in 4-bit where it can (vLLM with bitsandbytes on a GPU), "
+                         "else unquantized in the trainer's dtype: counted here unquantized")
         if device == "cuda" and memory_gb:
-            gib = memory_gb * 1e9 / GiB
-            util = min(0.95, math.ceil(20 * sum(engine.values()) / gib) / 20)
-            engine["engine KV cache"] = util * gib - engine["engine weights"] - engine["engine overhead"]
+            total = memory_gb * 1e9
+            if cfg.gpu_memory_utilization != "auto":
+                util = float(cfg.gpu_memory_utilization)
+            elif not colocated:
+                util = OWN_GPU_SHARE
+            else:  # 'auto': what is free once the trainer loaded (resolve_engine_share's rule at engine start)
+                loaded = sum(gen.values()) * GiB
+                reserve = 0 if engine_sleeps else (acts + logits)
+                util = max(0.0, _share(total - loaded, total, reserve))
+            engine["engine KV cache"] = max(kv, util * total / GiB - engine["engine weights"]
+                                            - engine["engine overhead"])
         if colocated:
             gen.update(engine)
             if not engine_sleeps:
@@ -218,7 +259,7 @@ def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
     4-bit is picked only where nothing fits in the trainer's dtype (a plan that needs it says so). On CPU (or with
     no memory figure) 'auto' is 512. `prompt_tokens`: a prompt's length (default min(max_prompt_tokens, 256))."""
     prompt = prompt_tokens or min(cfg.max_prompt_tokens, 256)
-    step_tokens = cfg.prompts_per_step * cfg.group_size * (prompt + cfg.max_tokens)
+    step_tokens = micro_batch(cfg, 2**62, prompt)[0]  # the whole step in one micro-batch
     fixed = cfg.token_budget != "auto"
     if fixed:
         budgets = [int(cfg.token_budget)]
@@ -243,7 +284,7 @@ def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
 
 
 def plan(cfg: Config, gpu_gb: float | None = None, gradient_checkpointing: bool | None = None,
-         engine_sleeps: bool = False) -> MemoryPlan:
+         engine_sleeps: bool = False, prompt_tokens: int | None = None) -> MemoryPlan:
     """The memory plan of `cfg` on this machine's GPU 0 (or a GPU of `gpu_gb` GB), from config.json alone. On a
     machine without a GPU and no `gpu_gb`, the plan is for the CPU, held against the machine's RAM."""
     import torch
@@ -252,7 +293,7 @@ def plan(cfg: Config, gpu_gb: float | None = None, gradient_checkpointing: bool 
     if gpu_gb is None:
         return plan_cpu(cfg, gradient_checkpointing)
     return plan_shape(cfg, Shape.from_config(model_config(cfg)), "cuda", gpu_gb, gradient_checkpointing,
-                      engine_sleeps)
+                      engine_sleeps, prompt_tokens)
 
 
 def plan_cpu(cfg: Config, gradient_checkpointing: bool | None = None) -> MemoryPlan:
@@ -286,3 +327,49 @@ def check_plan(cfg: Config, cuda_devices: int, gpu_gb: float | None = None,
             raise ConfigError(what)
         print("minirl: warning: " + what, file=sys.stderr, flush=True)
     return p
+
+
+OWN_GPU_SHARE = 0.9  # 'auto' for an engine on a GPU of its own: vLLM's own default
+
+
+def engine_share(free_bytes: int, total_bytes: int, reserve_bytes: int = 0, need_bytes: int = 0) -> float:
+    """`gpu_memory_utilization: auto` for an engine sharing the trainer's GPU: vLLM's share of the GPU (0-1, rounded
+    down to 0.01) from the memory free when it starts (the trainer loaded), less `reserve_bytes` (what the trainer
+    still allocates while the engine holds its memory: its training-phase growth when the engine stays awake, 0 when
+    it sleeps), the engine's own CUDA context (vLLM counts it in its share and checks the share against the free
+    memory at start) and the plan's headroom (1 - HEADROOM of the GPU). A share that cannot hold `need_bytes` (the
+    engine's weights and overhead) is one ConfigError line naming the figures and the ways out."""
+    gb = 1e9
+    share = _share(free_bytes, total_bytes, reserve_bytes)
+    if share * total_bytes < need_bytes or share <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization 'auto': {free_bytes / gb:.1f} GB of the GPU's {total_bytes / gb:.1f} GB are "
+            f"free with the trainer loaded; after its {reserve_bytes / gb:.1f} GB for training, the engine's CUDA "
+            f"context and {1 - HEADROOM:.0%} headroom the engine would get {max(share, 0) * total_bytes / gb:.1f} GB, "
+            f"below the {need_bytes / gb:.1f} GB its weights and overhead take; set load_in_4bit: true, use "
+            "backend: hf or a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the parts)")
+    return share
+
+
+def _share(free: float, total: float, reserve: float) -> float:
+    return math.floor(100 * (free - reserve - CUDA_CONTEXT_GB * GiB - (1 - HEADROOM) * total) / total) / 100
+
+
+def resolve_engine_share(cfg: Config, trainer_device: str, engine_gpus: str | None, engine_sleeps: bool) -> float:
+    """`cfg.gpu_memory_utilization` as the number vLLM takes, for an engine on GPUs `engine_gpus` ('0', '1,2'; None:
+    every GPU) beside a trainer on `trainer_device`: a number as given; 'auto' is `OWN_GPU_SHARE` on GPUs the trainer
+    does not use, else `engine_share` of the memory free on the trainer's GPU now (called after the trainer loaded,
+    just before the engine starts)."""
+    if cfg.gpu_memory_utilization != "auto":
+        return float(cfg.gpu_memory_utilization)
+    import torch
+    dev = torch.device(trainer_device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if engine_gpus is not None and str(index) not in engine_gpus.split(","):
+        return OWN_GPU_SHARE
+    torch.cuda.empty_cache()  # what the trainer's allocator holds but does not use is free for the engine
+    free, total = torch.cuda.mem_get_info(dev)
+    p = plan_shape(cfg, Shape.from_config(model_config(cfg)), "cuda", total / 1e9, engine_sleeps=engine_sleeps)
+    reserve = 0.0 if engine_sleeps else p.train["activations"] + p.train["logits"]
+    need = p.generate.get("engine weights", 0.0) + ENGINE_OVERHEAD_GB
+    return engine_share(free, total, int(reserve * GiB), int(need * GiB))

@@ -18,6 +18,22 @@ from .packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completi
 from .plan import resolve_token_budget
 from .types import ScoredGroup
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def fix_malloc_threshold(nbytes: int = 128 * 1024) -> bool:
+    """Fix glibc's mmap threshold at `nbytes` (its initial value), so that every tensor above it is mapped on its
+    own and given back to the system when freed. Left dynamic, glibc raises the threshold to the largest block
+    freed so far (up to 32 MiB): activation tensors then come from the heap, which keeps what they freed, and a
+    CPU training step's resident peak was ~2.5x its live bytes (BENCHMARKS.md, "Memory and the memory plan").
+    Process-wide and idempotent; False where the C library is not glibc."""
+    import ctypes
+    import platform
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes))
+
+
 class Trainer:
     """Owns the peft model and the optimizer. `step(groups)` runs one update and bumps `version`.
 
@@ -27,6 +43,8 @@ class Trainer:
     def __init__(self, cfg: Config, device: str | None = None):
         self.cfg = cfg
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cpu":
+            fix_malloc_threshold()  # resident memory then follows the live tensors (the memory plan counts those)
         self.model_path = resolve_model(cfg.model)
         self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
         self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs)

@@ -161,10 +161,19 @@ def _run(cfg, rows, checkpointing: bool = False) -> dict:
     # own model (transport 'shared'); every other transport's push is checked and must read 1
     if any(v is not None and v != 1 for v in verified) or (summary.get("transport") != "shared" and None in verified):
         raise AssertionError(f"sync not verified at every step: {verified} (transport {summary.get('transport')})")
+    res.update(micro_batches=[x.get("train/micro_batches") for x in h],
+               forward_tokens=[x.get("train/forward_tokens") for x in h])
     if cuda:
-        p = plan(cfg.replace(token_budget=run.trainer.token_budget), gradient_checkpointing=checkpointing)
-        res.update(peak_cuda_gb=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-                   plan_peak_gb=round(p.peak_gb, 2), plan_train_gb=round(p.train_gb, 2), plan=p.table())
+        # every Trainer.step reads (and so resets) the CUDA peak for its `mem/cuda_mb`: the run's peak is the
+        # largest step's (training plus the generation before it), or the tail's after the last step
+        steps_gb = [x["mem/cuda_mb"] / 1024 for x in h if "mem/cuda_mb" in x]
+        prompt = max(len(p.token_ids) for p in run.train_prompts)
+        p = plan(cfg.replace(token_budget=run.trainer.token_budget), gradient_checkpointing=checkpointing,
+                 prompt_tokens=prompt)
+        res.update(peak_cuda_gb=round(max(steps_gb + [torch.cuda.max_memory_allocated() / 2**30]), 2),
+                   step_peak_cuda_gb=[round(x, 2) for x in steps_gb], prompt_tokens=prompt,
+                   plan_peak_gb=round(p.peak_gb, 2), plan_train_gb=round(p.train_gb, 2),
+                   plan_train_no_context_gb=round(p.train_gb - p.train.get("CUDA context", 0.0), 2), plan=p.table())
     run.close()
     del run
     return res

@@ -77,3 +77,50 @@ def test_cli_plan_prints_the_table(tmp_path, capsys):
     assert main(["plan", str(tmp_path / "c.yaml"), "--gpu-gb", "24"]) == 0
     out = capsys.readouterr().out
     assert "minirl: plan:" in out and "fits" in out and "base weights" in out
+
+
+def test_gpu_memory_utilization_auto_is_sized_from_the_free_memory_at_engine_start():
+    """`engine_share` on faked free / total memory (no GPU here): what is free with the trainer loaded, less the
+    trainer's growth while the engine is awake, the engine's CUDA context (1 GiB) and 8 % headroom."""
+    from minirl.plan import engine_share
+    G = 10**9
+    asleep = engine_share(64 * G, 80 * G, 0, 17 * G)  # an 80 GB GPU, the trainer holds 16 GB, the engine sleeps
+    assert asleep == 0.70  # (64 - 1.07 - 6.4) / 80 = 0.707, rounded down
+    awake = engine_share(64 * G, 80 * G, 20 * G, 17 * G)  # awake while training: 20 GB kept for the trainer
+    assert awake == 0.45
+    assert engine_share(40 * G, 80 * G, 0, 17 * G) < asleep  # less free, a smaller share
+    with pytest.raises(ConfigError, match=r"^gpu_memory_utilization 'auto': 20.0 GB of the GPU's 24.0 GB are free"
+                       ) as e:
+        engine_share(20 * G, 24 * G, 10 * G, 16 * G)  # a 7B engine beside a trainer on 24 GB
+    assert "\n" not in str(e.value) and "load_in_4bit" in str(e.value)
+
+
+def test_gpu_memory_utilization_field_and_own_gpu():
+    from minirl.plan import OWN_GPU_SHARE, resolve_engine_share
+    assert Config().gpu_memory_utilization == "auto"
+    assert Config.from_dict({"gpu_memory_utilization": "0.5"}).gpu_memory_utilization == 0.5
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization='most': use 'auto' or a share"):
+        Config(gpu_memory_utilization="most")
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization=1.5: accepted range"):
+        Config(gpu_memory_utilization=1.5)
+    assert resolve_engine_share(Config(gpu_memory_utilization=0.4), "cuda:0", "0", True) == 0.4  # as given
+    assert resolve_engine_share(Config(), "cuda:0", "1", False) == OWN_GPU_SHARE  # a GPU the trainer does not use
+
+
+def test_per_token_count_matches_a_census_of_what_autograd_saves(tiny_model):
+    """The plan's per-token activations (`Shape.layer_activation_bytes`: a structural count, no fitted figure)
+    against every tensor autograd saves in one packed forward of a LoRA model (the tiny Llama, float32): within
+    10 %, and the packed row's mask is tokens^2 float32."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from activation_census import census, plan_bytes_per_token
+    from minirl.models import build_model
+    cfg = Config(model=str(tiny_model), dtype="float32")
+    model = build_model(cfg, "cpu")
+    res = census(model, 256)
+    T = res["tokens"]
+    assert res["mask_bytes"] == T * T * 4
+    saved = (res["saved_bytes"] - res["mask_bytes"]) / T
+    plan_ = plan_bytes_per_token(model.get_base_model().config.to_dict(), cfg.lora_rank)
+    assert abs(plan_ - saved) <= 0.10 * saved, (plan_, saved, res["by_shape"])

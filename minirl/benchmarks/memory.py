@@ -7,7 +7,9 @@ held-out evaluation: its 16 greedy rows weigh less than a step's 64), `train` (e
 (VmHWM), reset at the phase's start (/proc/self/clear_refs), so nothing between two samples is missed; on a GPU the
 phase's `torch.cuda.max_memory_allocated` is added. The reward worker processes are counted apart (their largest
 total RSS), as is the model's own bytes (parameters + buffers: a 4-bit base counts its packed bytes).
-Rows: `lora` (the demo: token_budget 512), `qlora`, and the demo at token_budget 4096 (Config's default) and 1024.
+Rows: `lora` (the demo: token_budget 512), `qlora`, the demo at token_budget 4096 and 1024 and at 4096 with
+max_tokens 48 (the memory plan's calibration: tests/test_plan_calibration.py), and `Config()`'s defaults at
+max_tokens 32.
 Writes DIR/memory.json: {"rows": {name: {...}}, "vs_lora": {name: {peak and step-time ratios to lora}}, "order"}.
 """
 from __future__ import annotations
@@ -26,7 +28,11 @@ from ..metrics import memory_metrics
 from . import _write
 
 ROWS = {"lora": {}, "qlora": {"load_in_4bit": True}, "lora_token_budget_4096": {"token_budget": 4096},
-        "lora_token_budget_1024": {"token_budget": 1024}}
+        "lora_token_budget_1024": {"token_budget": 1024},
+        "lora_token_budget_4096_max_tokens_48": {"token_budget": 4096, "max_tokens": 48},
+        "config_defaults_max_tokens_32": {"defaults": True, "max_tokens": 32}}
+# `defaults`: the row starts from `Config()` (every default, token_budget 'auto' included) instead of the demo's
+# config: issue 36's workload, 8 prompts x 8 completions x 32 tokens with the defaults.
 
 
 def _status_mb(field: str, pid: str = "self") -> float | None:
@@ -79,13 +85,18 @@ def model_mb(model) -> float:
 
 
 def micro_tokens(trainer, groups) -> int:
-    """The padded tokens (rows x longest row) of the step's largest micro-batch, as the trainer splits it: what
-    the activations of a training step scale with (the memory plan's calibration reads it)."""
+    """The tokens of the step's largest micro-batch, as the trainer lays it out (`trainer.packing`): real tokens
+    of a shared-prefix packed row, rows x longest row of a padded one. What the activations of a training step
+    scale with (the memory plan's calibration reads it)."""
     from ..batch import make_batch, samples_from_groups
-    samples = samples_from_groups(groups, keep_zero_adv=trainer.cfg.kl_coef > 0)
+    from ..packing import pack
+    c = trainer.cfg
+    samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0, drop_truncated=c.mask_truncated)
     if not samples:
         return 0
     batch = make_batch(samples, 0, "token-mean", 1)
+    if trainer.packing == "shared-prefix":
+        return max(mb.n_real_tokens for mb in pack(samples, batch, trainer.token_budget))
     return max(int(mb.input_ids_B_L.numel()) for mb in batch.micro_batches(trainer.token_budget))
 
 
@@ -95,10 +106,13 @@ def measure(overrides: dict, steps: int) -> dict:
     from ..run import Run
     peaks, workers, micro = PhasePeaks(), [0.0], []
     with tempfile.TemporaryDirectory(prefix="minirl-mem-") as tmp:
-        cfg = Config(**{**DEMO, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "out_dir": tmp, **overrides})
+        base = {} if overrides.get("defaults") else DEMO
+        cfg = Config(**{**base, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "out_dir": tmp,
+                        **{k: v for k, v in overrides.items() if k != "defaults"}})
         run = Run(cfg, overwrite=True)
         with peaks.phase("load"):
             run.setup()
+        prompt_tokens = round(statistics.mean(len(p.token_ids) for p in run.train_prompts), 1)
         gen, step = run.generator.generate, run.trainer.step
 
         def generate(*a, **kw):
@@ -124,6 +138,9 @@ def measure(overrides: dict, steps: int) -> dict:
            "train_s": [round(h["time/train_s"], 3) for h in hist],
            "gen_s": [round(h["time/gen_s"], 3) for h in hist],
            "train_tokens": [h["train/tokens"] for h in hist], "micro_tokens": micro,
+           "token_budget": run.trainer.token_budget, "packing": run.trainer.packing,
+           "prompt_tokens": prompt_tokens,
+           "completion_tokens": cfg.max_tokens,
            "adapter_finite": run.trainer.adapter_is_finite()}
     if peaks.cuda_mb:
         res["peak_cuda_mb"] = round(max(peaks.cuda_mb.values()), 1)

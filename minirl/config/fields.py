@@ -181,8 +181,12 @@ class Config:
     train_devices: str = "auto"
     """Where training runs. On GPU: the trainer's device ('cuda:0', 'cuda:1'; 'auto' = 'cuda'). On CPU: the cores
     of the trainer's torch threads ('1', '2-3'; 'auto': every core synchronously, the other half with K >= 1)."""
-    gpu_memory_utilization: float = 0.3
-    """vLLM's share of GPU memory (on CPU: its KV cache is sized by kv_cache_gb instead)."""
+    gpu_memory_utilization: float | str = "auto"
+    """vLLM's share of the GPU's memory (weights, activations and KV cache), 0-1. 'auto': sized when the engine
+    starts, from the memory free on its GPU then (the trainer has loaded by then): sharing the trainer's GPU, what
+    is free less the trainer's training-phase growth (none while the engine sleeps), the engine's CUDA context
+    and 8 % headroom; on a GPU of its own 0.9. A run that leaves the engine too little stops in one line. On CPU
+    its KV cache is sized by kv_cache_gb instead."""
     kv_cache_gb: float = 1.0
     """vLLM CPU KV-cache size in GiB."""
     sync_transport: str = "auto"

@@ -22,6 +22,12 @@ def coerce_fields(cfg) -> None:
         k = getattr(cfg, name)
         if isinstance(k, str) and k.strip().lstrip("-").isdigit():
             object.__setattr__(cfg, name, int(k))
+    u = cfg.gpu_memory_utilization  # float | 'auto': a number written as a string ('0.5') is a number
+    if isinstance(u, str) and u.strip() != "auto":
+        try:
+            object.__setattr__(cfg, "gpu_memory_utilization", float(u))
+        except ValueError:
+            pass  # validate names it
     gc = cfg.gradient_checkpointing  # bool | 'auto': 'true' / 'false' (a CLI flag, a quoted YAML value) are bools
     if isinstance(gc, str) and gc.strip().lower() in ("true", "false", "yes", "no"):
         object.__setattr__(cfg, "gradient_checkpointing", gc.strip().lower() in ("true", "yes"))

@@ -38,7 +38,8 @@ class Range:
 
 
 # One line per numeric field of Config (tests/test_config.py checks that every numeric field is here). None,
-# where a field allows it, and the string 'auto' of max_async_steps and token_budget are checked elsewhere.
+# where a field allows it, and the string 'auto' of max_async_steps, token_budget and gpu_memory_utilization are
+# checked elsewhere.
 RANGES: dict[str, Range] = {
     "lora_rank": Range(1, why="the LoRA rank r"),
     "lora_alpha": Range(0, lo_open=True, why="the update is scaled by alpha / r"),
@@ -136,6 +137,8 @@ def validate(cfg) -> None:
             int(a) <= int(b or a) for a, _, b in (p.removeprefix("cuda:").partition("-") for p in spec.split(","))
             if a.isdigit())
         need(ok, f"{name}={spec!r}: use {DEVICE_FORMS}")
+    need(cfg.gpu_memory_utilization == "auto" or not isinstance(cfg.gpu_memory_utilization, str),
+         f"gpu_memory_utilization={cfg.gpu_memory_utilization!r}: use 'auto' or a share of GPU memory in (0, 1]")
     need(cfg.token_budget == "auto" or not isinstance(cfg.token_budget, str),
          f"token_budget={cfg.token_budget!r}: use 'auto' or an integer >= max_tokens")
     need(isinstance(cfg.token_budget, str) or cfg.token_budget >= cfg.max_tokens,

