@@ -5,7 +5,7 @@ tokens, every tensor autograd saves recorded once (by storage; parameters left o
 JSON: tokens, the saved bytes per token, the packed row's mask, and the plan's figure
 (`plan.Shape.layer_activation_bytes` x layers + the final norm); tests/test_plan.py runs `census` on the tiny model.
 
-    python scripts/activation_census.py [--model smollm2-135m-instruct] [--tokens 2048]
+    python scripts/activation_census.py [--model smollm2-135m-instruct] [--tokens 2048] [--dtype bfloat16 --device cuda]
 """
 import argparse
 import json
@@ -34,6 +34,7 @@ def census(model, tokens: int, group: int = 8, prompt: int = 40, seed: int = 0) 
             samples.append(Sample(ids, c, (0.0,) * comp, (0,) * comp, 1.0 if g % 2 else -1.0))
     batch = make_batch(samples, 0, "token-mean", comp)
     (mb,) = pack(samples, batch, 10**9)
+    mb = mb.to(next(model.parameters()).device)
     seen: dict[int, tuple[int, tuple, str]] = {}
 
     def keep(t):
@@ -65,14 +66,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     from minirl.config import Config
     from minirl.models import build_model
-    cfg = Config(model=args.model, dtype="float32")
-    model = build_model(cfg, "cpu")
+    cfg = Config(model=args.model, dtype=args.dtype)
+    model = build_model(cfg, args.device)
     res = census(model, args.tokens)
     per = (res["saved_bytes"] - res["mask_bytes"]) / res["tokens"]
-    plan = plan_bytes_per_token(model.get_base_model().config.to_dict(), cfg.lora_rank)
+    plan = plan_bytes_per_token(model.get_base_model().config.to_dict(), cfg.lora_rank,
+                                4 if args.dtype == "float32" else 2)
     print(json.dumps({**res, "saved_per_token": round(per), "plan_per_token": plan, "plan_over_saved":
                       round(plan / per, 3)}))
 

@@ -16,7 +16,8 @@ Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout:
   GPU, a shared-memory file on CPU; the receiver's copy must equal the trainer's tensors after every update.
 - `collective`: a two-rank broadcast of the adapter's bytes, NCCL on GPU (needs two GPUs), gloo on CPU.
 - `vllm` (needs vllm): a colocated run on the engine and the real-engine tests (`pytest -m vllm tests/test_vllm.py`).
-- `qlora` (needs bitsandbytes): 3 steps of the synthetic model with a 4-bit base.
+- `qlora` (needs bitsandbytes): 3 steps of the synthetic model with a 4-bit base; with vllm also on the engine:
+  whether it loaded the base in 4-bit and the behaviour policy's gap (`logprob_mismatch` per step).
 - `embedded` (needs gguf): the embedded SmolLM2 model built from its GGUF file.
 
     bash scripts/gpu_check.sh             # on a GPU machine; writes $OUT (or ./gpu_check_out)
@@ -161,7 +162,8 @@ def _run(cfg, rows, checkpointing: bool = False) -> dict:
     # own model (transport 'shared'); every other transport's push is checked and must read 1
     if any(v is not None and v != 1 for v in verified) or (summary.get("transport") != "shared" and None in verified):
         raise AssertionError(f"sync not verified at every step: {verified} (transport {summary.get('transport')})")
-    res.update(micro_batches=[x.get("train/micro_batches") for x in h],
+    res.update(logprob_mismatch=[round(x["logprob_mismatch"], 5) for x in h if "logprob_mismatch" in x],
+               micro_batches=[x.get("train/micro_batches") for x in h],
                forward_tokens=[x.get("train/forward_tokens") for x in h])
     if cuda:
         # every Trainer.step reads (and so resets) the CUDA peak for its `mem/cuda_mb`: the run's peak is the
@@ -213,12 +215,23 @@ def vllm(dev: str) -> dict:
 
 
 def qlora(dev: str) -> dict:
+    """3 steps on a 4-bit base with the transformers generator (it samples from the trainer's own NF4 model); with
+    vLLM installed also on the engine, recording whether it loaded the base in 4-bit (`loads_bitsandbytes`) and the
+    mean |trainer - behaviour logprob| per step (`logprob_mismatch`: the behaviour policy's gap, issue 36 item 7)."""
     if (skip := _missing("bitsandbytes")) is not None:
         return skip
     tmp = Path(tempfile.mkdtemp(prefix="minirl-gpucheck-"))
     try:
         rows = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(10) for b in range(10)]
-        return _run(_config(dev, _model(dev, tmp), tmp / "run", load_in_4bit=True), rows)
+        model = _model(dev, tmp)
+        res = {"hf": _run(_config(dev, model, tmp / "run", load_in_4bit=True), rows)}
+        if _missing("vllm") is None:
+            from minirl.generators.vllm import loads_bitsandbytes
+            res["vllm"] = {"engine_loads_4bit": loads_bitsandbytes(), **_run(_config(
+                dev, model, tmp / "run_vllm", load_in_4bit=True, backend="vllm", kv_cache_gb=1), rows)}
+        else:
+            res["vllm"] = {"skipped": "vllm not installed"}
+        return res
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

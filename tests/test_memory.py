@@ -128,3 +128,30 @@ def test_load_in_4bit_without_bitsandbytes_is_one_line_naming_the_fix(tiny_model
     monkeypatch.setattr(M.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(RuntimeError, match=r"load_in_4bit needs bitsandbytes.*pip install 'bitsandbytes>=0.50'"):
         M.build_model(Config(model=tiny_model, backend="hf", load_in_4bit=True), "cpu")
+
+
+def test_fixed_malloc_threshold_gives_freed_activations_back():
+    """`trainer.fix_malloc_threshold` (the CPU trainer calls it): with glibc's dynamic threshold, once an 8 MB
+    block was freed, 4 MB tensors come from the heap, which keeps them after they are freed (one survivor at the
+    top pins the rest); fixed, each is mapped on its own and given back. In fresh processes (the threshold is
+    process-wide)."""
+    code = """if True:
+        import sys, torch
+        from minirl.trainer import fix_malloc_threshold
+        if sys.argv[1] == "fix" and not fix_malloc_threshold():
+            print("unsupported"); raise SystemExit
+        def rss():
+            return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmRSS:")) / 1024
+        x = torch.ones(8 * 2**20 // 4); del x  # glibc's dynamic threshold rises past 4 MB
+        base = rss()
+        xs = [torch.ones(4 * 2**20 // 4) for _ in range(64)]  # 256 MB
+        keep = xs[-1]; del xs
+        print(rss() - base)"""
+    kept = {}
+    for mode in ("dynamic", "fix"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300,
+                             check=True).stdout.split()[-1]
+        if out == "unsupported":
+            pytest.skip("not glibc")
+        kept[mode] = float(out)
+    assert kept["dynamic"] > 200 and kept["fix"] < 40, kept
