@@ -292,12 +292,27 @@ def test_a_reward_that_closes_its_output_does_not_make_the_trainer_spin(monkeypa
         assert 1 <= len(wakeups) <= 10, f"{len(wakeups)} wakeups"  # spinning: thousands
 
 
-def test_an_interrupted_call_many_leaves_the_pool_usable():
-    with pool({"slow": lambda p, c, **_: time.sleep(1) or 5.0}) as rw:
-        threading.Timer(0.3, signal.pthread_kill, [threading.main_thread().ident, signal.SIGINT]).start()
+def test_an_interrupted_call_many_leaves_the_pool_usable(tmp_path):
+    """Ctrl-C while both calls run (each says so with a file): the next call gets its own result, never theirs."""
+    folder = str(tmp_path)
+
+    def slow(p, c, **_):
+        open(os.path.join(folder, f"started-{os.getpid()}"), "w").close()
+        time.sleep(600)  # until the interrupted pool replaces its worker
+        return 5.0
+
+    def interrupt_once_both_run():
+        deadline = time.monotonic() + 120  # only bounds a hang
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    with pool({"slow": slow}) as rw:
+        threading.Thread(target=interrupt_once_both_run, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             rw.call_many(calls("slow", "slow"))
-        # the interrupted calls' late replies must not land in the next call's results
+        assert len(os.listdir(folder)) == 2  # it was interrupted with both calls running
+        # the interrupted calls' replies must not land in the next call's results
         assert [(o.value, o.error) for o in rw.call_many(calls("ok"))] == [(1.0, None)]
 
 
