@@ -21,7 +21,7 @@ from .sync import WeightSync
 from .tasks import TASKS, resolve_env
 from .trackers import check_tracker
 from .trainer import Trainer
-from .types import Episode, Prompt, SamplingParams, Sleeper
+from .types import Episode, Prompt, RolloutSource, SamplingParams, Sleeper
 
 
 @dataclass
@@ -33,7 +33,7 @@ class RunParts:
     generator: Generator | None = None
     sync: WeightSync | None = None
     sync_why: str = ""
-    rollouts: Any = None  # what samples the groups: the generator, or (env runs) the episode runner on it
+    rollouts: RolloutSource | None = None  # what samples the groups: the generator, or (env runs) its episode runner
     train_prompts: Sequence[Prompt] = ()
     eval_prompts: Sequence[Prompt] = ()
     plan: MemoryPlan | None = None  # the memory plan made before loading

@@ -24,7 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from .types import Group, Prompt, ScoredGroup
+from .types import Group, Prompt, RolloutSource, ScoredGroup
 
 STOP = object()  # the shutdown marker the producer puts in the buffer
 
@@ -113,7 +113,7 @@ class Pipeline:
     """Runs the generation side as coroutines on the generator's loop (vLLM's engine thread, or a thread of
     our own for the transformers backend) and hands batches to the caller's thread."""
 
-    def __init__(self, generator, scorer, prompts: Callable[[int], Sequence[Prompt]], sampling: Callable,
+    def __init__(self, generator: RolloutSource, scorer, prompts: Callable[[int], Sequence[Prompt]], sampling: Callable,
                  group_size: int, prompts_per_step: int, steps: int, max_async_steps: int, first_step: int = 0):
         """Generates steps `first_step` .. `steps - 1` (a resumed run starts past 0)."""
         self.gen, self.scorer = generator, scorer

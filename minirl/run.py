@@ -205,7 +205,7 @@ class Run(Background):
 
     def _batches(self):
         """The steps' batches from the rollout buffer, each generated up to K versions ago (K = 0: by the current
-        policy: the synchronous loop; the pipeline's own bookkeeping is ~1 ms a step, BENCHMARKS.md). A resumed
+        policy: the synchronous loop; the pipeline's own cost per step: BENCHMARKS.md). A resumed
         run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
         c = self.cfg
         batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}

@@ -299,6 +299,8 @@ def test_a_decoy_on_a_started_servers_port_never_receives_the_api_key(tmp_path, 
     from minirl.generators.server_fleet import Fleet, ServerError
     decoy = Decoy()
     monkeypatch.setattr(server_proc, "free_port", lambda: decoy.port)
+    # the server "starts" for a second before it fails (the thing under test: the fleet's probes meanwhile go to
+    # the port's other owner, the decoy, which must not get the key)
     taken = "import sys, time; time.sleep(1); print('OSError: [Errno 98] Address already in use'); sys.exit(1)"
     monkeypatch.setattr(server_proc, "server_argv", lambda opts, port: [sys.executable, "-c", taken])
     fleet = Fleet([], [server_proc.ServerOptions("m")], "SECRET-KEY", str(tmp_path), restart=False, timeout_s=30,

@@ -205,8 +205,8 @@ class Config:
     naming the server and its log."""
     server_timeout_s: float = 120.0
     """A server that answers nothing (neither a 1-token request, asked every 2 s, nor any other) for this many
-    seconds is down. Measured here: at 60 s, a server on 2 cores loaded ~15 by other jobs was declared down while
-    it was generating, slowly, with nothing wrong in its log."""
+    seconds is down. Too short a timeout declares a slow, loaded server down while it generates
+    (BENCHMARKS.md, "Figures moved out of docstrings")."""
     adapter_dir: str | None = None
     """The folder each adapter version is written to for the servers, which must read it at the same path (across
     machines: a shared mount). None: a tmpfs folder for servers minirl starts, out_dir/server_adapters for
@@ -274,8 +274,8 @@ class Config:
         return dataclasses.replace(self, **kw)
 
 
-# The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
-# 2 CPU cores. `minirl bench learning` runs this same config.
+# The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized for 2 CPU cores
+# (its time: BENCHMARKS.md). `minirl bench learning` runs this same config.
 # token_budget=512: on CPU smaller micro-batches cost no time and much less memory (BENCHMARKS.md, "Memory").
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
             checkpoint_every=2, token_budget=512, out_dir="runs/demo")
