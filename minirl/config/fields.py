@@ -74,6 +74,15 @@ class Config:
     """Extra keyword arguments for the base model's `from_pretrained`, e.g. {attn_implementation: sdpa,
     revision: main}; `revision` (and `trust_remote_code`) also reach the tokenizer. On the command line:
     --model_kwargs '{attn_implementation: sdpa}'."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards have no spread (all advantages zero) is replaced by a group of
+    a fresh prompt until the step holds prompts_per_step informative groups or max_resample_rounds rounds are done
+    (then its remaining slots keep groups without spread). Refill prompts are drawn from the training prompts by a
+    seeded order of (seed, step, round), none already in the step, so a resumed run draws those of an unbroken one.
+    Logged: batch/resampled_groups, batch/informative_groups."""
+    max_resample_rounds: int = 3
+    """With dynamic_sampling: at most this many refill rounds per step, each generating a group for every slot
+    still without spread."""
     mask_truncated: bool = False
     """A completion cut by max_tokens (finish_reason 'length'; an episode cut by max_turns / max_episode_tokens)
     contributes no loss; its reward still counts in its group's baseline (DAPO's overlong filtering). Pair it with

@@ -71,6 +71,7 @@ RANGES: dict[str, Range] = {
     "tis_cap": Range(1, why="a cap on pi_trainer / pi_behaviour; None = no correction"),
     "opsm_delta": Range(0, why="a mean |log ratio|; None = off"),
     "kl_coef": Range(0, why="0 = off"),
+    "max_resample_rounds": Range(1, why="refill rounds per step (dynamic_sampling)"),
     "max_async_steps": Range(0, why="or 'auto'"),
     "max_staleness": Range(0, why="or None = keep all"),
     "gpu_memory_utilization": Range(0, 1, lo_open=True, why="vLLM's share of GPU memory"),
