@@ -171,3 +171,16 @@ def test_scale_rewards_group_and_batch_by_hand():
     assert batch[1].advantages == pytest.approx([1.0 / sb, -1.0 / sb], rel=1e-5)
     assert _scored(False)[1].advantages == pytest.approx([1.0, -1.0])
     assert group_advantages([2.0, 2.0]) == [0.0, 0.0]  # no spread stays zero at every scale
+
+
+def test_the_trainer_scales_by_the_batch_std_when_asked(tiny_model, monkeypatch):
+    """scale_rewards='batch' reaches the loss: the trainer's batch holds the batch-scaled advantages."""
+    import minirl.trainer as T
+    seen = []
+    real = T.make_batch
+    monkeypatch.setattr(T, "make_batch", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    tr = T.Trainer(Config(model=tiny_model, backend="hf", lora_rank=4, max_tokens=8, scale_rewards="batch"))
+    tr.step(_scored(False))
+    sb = math.sqrt(41) / 6
+    assert sorted(seen[0].adv_B.tolist()) == pytest.approx(sorted([0.75 / sb] + [-0.25 / sb] * 3 + [1 / sb, -1 / sb]),
+                                                          rel=1e-5)
