@@ -257,3 +257,14 @@ class PromptStream:
             out.append(self._order[self.position - self._epoch * len(self._order)])
             self.skip(1)
         return out
+
+
+def refill_prompts(prompts: Sequence[Prompt], seed: int, step: int, rnd: int, n: int,
+                   exclude: set[int]) -> list[Prompt]:
+    """Dynamic sampling's fresh prompts for refill round `rnd` of step `step`: the first `n` of a shuffle seeded by
+    (seed, step, rnd) that are not in `exclude` (the indices the step holds already); fewer when the data has
+    fewer. A function of its arguments only (not of the stream's position or of timing), so a resumed run and a
+    K >= 1 pipeline draw what an unbroken synchronous run draws."""
+    order = list(prompts)
+    random.Random(f"refill:{seed}:{step}:{rnd}").shuffle(order)
+    return [p for p in order if p.index not in exclude][:n]
