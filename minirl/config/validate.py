@@ -56,6 +56,8 @@ RANGES: dict[str, Range] = {
     "temperature": Range(0, lo_open=True, why="use eval for greedy decoding"),
     "top_p": Range(0, 1, lo_open=True),
     "top_k": Range(0, why="0 = off"),
+    "min_p": Range(0, 1, hi_open=True, why="0 = off"),
+    "repetition_penalty": Range(0, lo_open=True, why="1 = off"),
     "max_prompt_tokens": Range(1),
     "max_turns": Range(1, why="model replies per episode"),
     "max_episode_tokens": Range(1),
