@@ -175,7 +175,9 @@ def _chunk_logp(h_N_H, targets_N, temp_N, head, with_entropy: bool, proc: Proces
     if with_entropy:  # after logp: a recompute in backward stops once logp's saved tensors are back
         with torch.no_grad():
             plogp = torch.softmax(logits, -1) * logits
-            ent = float((lse - torch.where(torch.isfinite(logits), plogp, 0.0).sum(-1)).sum())
+            if proc.min_p > 0:  # the cut tokens: 0 * -inf
+                plogp = torch.where(torch.isfinite(logits), plogp, 0.0)
+            ent = float((lse - plogp.sum(-1)).sum())
     return logp, ent
 
 

@@ -1,6 +1,8 @@
 """min_p, repetition_penalty and stop strings on the transformers backend, and the chat-template knobs: the
 behaviour logprob of every token is the trainer's logprob of it at step 0 (the trainer re-applies what the
 sampler did), and a completion ends at its stop string."""
+import math
+
 import pytest
 
 from minirl import Config
@@ -43,13 +45,13 @@ def test_behaviour_logprobs_are_the_trainers_at_step_0(toy_cfg, knob, packing):
     m = tr.step(_scored(groups))
     assert m["train/tokens"] == sum(len(c.token_ids) for g in groups for c in g.completions)
     assert m["logprob_mismatch"] < 1e-5, m["logprob_mismatch"]
+    assert math.isfinite(m["entropy"]) and m["entropy"] > 0 and math.isfinite(m["loss"])
 
 
 def test_min_p_never_samples_below_the_cut(toy_cfg):
     from minirl.generators.hf import HFGenerator
     tr, prompts = _trainer_and_prompts(toy_cfg)
     gen = HFGenerator(tr.model, tr.tokenizer, get_version=lambda: 0)
-    import math
     for g in gen.generate(prompts, 8, SamplingParams(temperature=1.0, max_tokens=8, seed=1, min_p=0.5)):
         for c in g.completions:  # each token kept at least min_p of the top probability, renormalised over few
             assert all(lp > math.log(0.5) - math.log(64) for lp in c.logprobs)

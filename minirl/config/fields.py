@@ -265,6 +265,13 @@ class Config:
     """Seed for data order, sampling and initialisation."""
     out_dir: str = "runs/minirl"
     """Where the adapter, metrics.jsonl, checkpoints and plots go."""
+    eval_samples: int = 0
+    """0 = greedy evaluation only. k >= 1: each evaluation also samples k completions per held-out prompt at
+    eval_temperature and reports, per reward, mean@k (the mean reward of the samples) and pass@k (the share of
+    prompts where at least one of the k samples has a positive reward: the unbiased estimator with n = k samples).
+    Costs k times the greedy evaluation's generation."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the eval_samples completions."""
     eval_every: int = 0
     """Evaluate held-out accuracy every N steps (0 = only before and after)."""
     checkpoint_every: int = 10

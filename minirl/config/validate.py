@@ -82,6 +82,8 @@ RANGES: dict[str, Range] = {
     "server_timeout_s": Range(0, lo_open=True, why="seconds"),
     "seed": Range(0, 2**32 - 1),
     "eval_every": Range(0, why="0 = only before and after"),
+    "eval_samples": Range(0, why="0 = greedy only; k samples per held-out prompt"),
+    "eval_temperature": Range(0, lo_open=True, why="use eval_samples: 0 for greedy only"),
     "checkpoint_every": Range(0, why="0 = only at the end"),
     "keep_checkpoints": Range(1),
     "log_samples": Range(0),
