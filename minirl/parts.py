@@ -87,7 +87,7 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     On a failure, what was opened is closed."""
     c = cfg
     check_tracker(c.report_to)
-    scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std,
+    scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.scale_rewards == "group",
                                 c.reward_workers, c.reward_clip, c.reward_memory_mb)
     data = data if data is not None else c.data
     eval_data = eval_data if eval_data is not None else c.eval_data
