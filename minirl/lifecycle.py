@@ -21,6 +21,7 @@ children that vLLM starts itself.
     with lifecycle.adopting():                # children started by library code inside the block (vLLM's engine)
         AsyncLLM.from_engine_args(...)
     lifecycle.keep_tidy(path) / lifecycle.tidied(path)   # a /dev/shm file or temp folder: remove it if we die
+    lifecycle.settle()                        # wait until the watchdog has taken all that in and scanned once more
     with lifecycle.sigterm_interrupts():      # the CLI: SIGTERM stops a run as Ctrl-C does (`Terminated`)
 """
 from __future__ import annotations

@@ -311,3 +311,12 @@ def test_a_decoy_on_a_started_servers_port_never_receives_the_api_key(tmp_path, 
     finally:
         decoy.close()
     assert not any(b"SECRET-KEY" in r or b"authorization" in r.lower() for r in decoy.received), decoy.received
+    control = Decoy()  # the positive control: a request that carries the key is recorded, as a leak would be
+    try:
+        import socket
+        with socket.create_connection(("127.0.0.1", control.port)) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nAuthorization: Bearer SECRET-KEY\r\n\r\n")
+            c.recv(1)  # the decoy closes the connection once it has recorded the request
+    finally:
+        control.close()
+    assert any(b"SECRET-KEY" in r for r in control.received)

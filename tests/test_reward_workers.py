@@ -242,17 +242,16 @@ def test_rewards_that_cannot_reach_a_worker_fail_at_construction(tmp_path, monke
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_each_call_has_its_own_timeout(workers):
-    def cpu(p, c, **_):
-        start = time.process_time()
-        while time.process_time() - start < 0.15:
-            pass
+    def slow(p, c, **_):
+        time.sleep(0.2)  # the thing under test: a call's own duration, in wall time as timeouts are
         return 1.0
 
-    # 16 calls of 0.15 s CPU: 1.2 s per worker (2.4 s under one GIL), so a timeout budget shared by the group runs
-    # out, while each call alone stays under its own 1 s even on a machine busy enough to make CPU 6x slower.
-    with pool({"cpu": cpu}, workers=workers, timeout_s=1.0) as rw:
-        out = rw.call_many(calls(*["cpu"] * 16))
-        assert [o.error for o in out] == [None] * 16
+    # 24 calls of 0.2 s: 2.4 s per worker (4.8 s one after another in-process), so a timeout budget shared by the
+    # group runs out, while each call alone stays well under its own 1.5 s. (Wall-clock sleeps rather than CPU
+    # work: a loaded machine slowed a 0.15 s CPU loop past a 1 s timeout.)
+    with pool({"slow": slow}, workers=workers, timeout_s=1.5) as rw:
+        out = rw.call_many(calls(*["slow"] * 24))
+        assert [o.error for o in out] == [None] * 24
 
 
 def test_a_worker_that_died_while_idle_is_replaced_without_blaming_a_call():

@@ -248,22 +248,22 @@ class IpcSender(Sender):
         if self.closed:
             raise SyncError("this adapter sender is closed")
         self.seq += 1
-        self._progress(0)
+        self.publish_progress(0)
         pending = _Install(self, lora_id, version, self.seq, ring)
         try:
             if self.packer is None:
-                self._progress(self.layout["numel"])
+                self.publish_progress(self.layout["numel"])
             else:
                 for done in self.packer.pack_chunks(self.chunk):
-                    self._progress(done)
+                    self.publish_progress(done)
             t_packed = time.monotonic()
         except BaseException:
-            self._progress(PROGRESS_MASK)  # the worker stops waiting and reports it
+            self.publish_progress(PROGRESS_MASK)  # the worker stops waiting and reports it
             pending.cancel()
             raise
         return {**pending.result(), "t_packed": t_packed}
 
-    def _progress(self, done: int) -> None:
+    def publish_progress(self, done: int) -> None:
         """Publish `done` packed elements of push `seq`: one aligned 64-bit store, push number and progress
         together, so that no reader can pair a new number with an old progress."""
         self.header[0] = (self.seq << PROGRESS_BITS) | done
