@@ -112,3 +112,13 @@ def test_episodes_render_with_the_template_kwargs(tiny_model):
     assert ChatFormat(tok, {"short": True}).opening([{"role": "user", "content": "a"}]) == "a yes <|assistant|>"
     assert ChatFormat(tok, {"short": False}).opening([{"role": "user", "content": "a"}]) == "a <|assistant|>"
 
+
+
+def test_vllm_servers_are_asked_for_the_same_processing():
+    """The vLLM-server backend sends min_p, repetition_penalty and stop in the completion request (its processed
+    logprobs then include them, as the in-process engine's do: tests/test_vllm.py)."""
+    from minirl.generators.server_api import completion_body
+    body = completion_body("m", [1, 2], 4, SamplingParams(stop=("\n",), min_p=0.1, repetition_penalty=1.2), 5)
+    assert (body["min_p"], body["repetition_penalty"], body["stop"]) == (0.1, 1.2, ["\n"])
+    plain = completion_body("m", [1, 2], 4, SamplingParams(), 5)
+    assert not {"min_p", "repetition_penalty", "stop"} & set(plain)
