@@ -139,7 +139,7 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
 
 def _eval(cfg: Config, adapter: str | None = None) -> dict:
     """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
-    from .evaluation import evaluate
+    from .evaluation import eval_options, evaluate
     from .run import Run
     run = Run(cfg.replace(steps=0))
     run.load()  # no out_dir of its own: nothing is written
@@ -150,8 +150,8 @@ def _eval(cfg: Config, adapter: str | None = None) -> dict:
             set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
-        acc = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens)
-        return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
+        res = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens, **eval_options(cfg, 0))
+        return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), **res.fields(),
                 "backend": run.backend}
     finally:
         run.close()
@@ -243,7 +243,7 @@ def _command(args: argparse.Namespace) -> int:
         _run(cfg, args.resume, args.overwrite, again)
     elif args.cmd == "train":
         cfg = Config.from_yaml(args.config)
-        cfg = Config.from_dict({**cfg.to_dict(), **overrides_from_args(args)})
+        cfg = cfg.replace(**overrides_from_args(args))  # the file's fields and the flags win over loss_type
         _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))

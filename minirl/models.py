@@ -13,6 +13,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from .config import Config
 from .folders import publish_folder
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -132,12 +133,29 @@ def _hub_model(name: str) -> str:
 TOKENIZER_KWARGS = ("revision", "trust_remote_code")  # the `model_kwargs` that the tokenizer's loading takes too
 
 
-def load_tokenizer(name: str, model_kwargs: dict | None = None):
+def chat_template_text(value: str | None) -> str | None:
+    """Config.chat_template as template text: Jinja text as is (it holds '{{' or '{%'), else the file it names
+    read. A missing file is one line naming it."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') nor a file that "
+                         "exists; give the template text or the path of a file holding it")
+    return path.read_text()
+
+
+def load_tokenizer(name: str, model_kwargs: dict | None = None, chat_template: str | None = None):
+    """The model's tokenizer (a pad token set if it has none), with `chat_template` (Config.chat_template: text or a
+    file) replacing its own template."""
     from transformers import AutoTokenizer
     kw = {k: v for k, v in (model_kwargs or {}).items() if k in TOKENIZER_KWARGS}
+    template = chat_template_text(chat_template)
     tok = AutoTokenizer.from_pretrained(resolve_model(name), **kw)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if template is not None:
+        tok.chat_template = template
     return tok
 
 
@@ -154,31 +172,32 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 def cpu_dtype_warning(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """One line when a 16-bit dtype was asked for on a CPU that only emulates it (no AVX512-bf16 / AMX): there a
-    bf16 forward + backward of the demo's batch took over 4 minutes where fp32 took 18 s. None otherwise."""
+    bf16 forward + backward is many times slower than fp32 (BENCHMARKS.md, "Figures moved out of docstrings").
+    None otherwise."""
     if dtype not in ("bfloat16", "float16") or cpu_bf16_flags(cpuinfo):
         return None
     return (f"minirl: warning: dtype={dtype!r} on a CPU without native bf16 (no avx512_bf16 / amx_bf16 in "
             "/proc/cpuinfo): it is emulated and many times slower than float32; use dtype: auto (float32 on CPU)")
 
 
-def train_dtype(cfg):
+def train_dtype(cfg: Config):
     """The trainer's weight dtype for `cfg.dtype`: 'auto' is bfloat16 on GPU, float32 on CPU -- also on CPUs with
-    native bf16 (AVX512-bf16 + AMX here): measured by `python scripts/bf16_check.py`, a bf16 LoRA step of the
-    embedded model ran 0.94x the tokens/s of fp32 on such a CPU (the model's matmuls are too small to gain)."""
+    native bf16 (AVX512-bf16 + AMX): a bf16 LoRA step of the embedded model gains nothing there, its matmuls are
+    too small (`python scripts/bf16_check.py`; BENCHMARKS.md, "Backends, memory, sync check")."""
     import torch
     if cfg.dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return getattr(torch, cfg.dtype)
 
 
-def checkpointing_on(cfg, device: str) -> bool:
+def checkpointing_on(cfg: Config, device: str) -> bool:
     """Whether the trainer uses gradient checkpointing: `cfg.gradient_checkpointing`, 'auto' = on a GPU only."""
     if cfg.gradient_checkpointing == "auto":
         return str(device).startswith("cuda")
     return bool(cfg.gradient_checkpointing)
 
 
-def build_model(cfg, device: str, checkpointing: bool = False):
+def build_model(cfg: Config, device: str, checkpointing: bool = False):
     """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it.
     `checkpointing`: the decoder layers recompute their activations in backward (non-reentrant, so the frozen
     embeddings need no grad; it acts only in training mode, so generation and no-grad forwards are unchanged)."""

@@ -19,7 +19,7 @@ from . import data as D
 from .background import Background, attempt
 from .checkpoint import Checkpoint, resume_point
 from .config import Config
-from .evaluation import evaluate
+from .evaluation import evaluate, eval_options
 from .export import export_merged
 from .metrics import rollout_metrics, sample_rows, step_summary
 from .parts import RunParts, build_parts, resolve_rewards, sampling_params
@@ -184,14 +184,16 @@ class Run(Background):
             for cb in self.on_eval:
                 cb({"step": step, "done": done, "total": total})
         t0 = time.perf_counter()
-        acc = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress)
-        rec = self.log.log("eval", step=step, version=self.trainer.version, accuracy=acc,
+        res = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress,
+                       **eval_options(self.cfg, step))
+        rec = self.log.log("eval", step=step, version=self.trainer.version, **res.fields(),
                            seconds=time.perf_counter() - t0)
+        self.summary["eval_before" if step == 0 else "eval_after"] = res.fields()
         if self.tracker is not None:
-            self.tracker.log({"eval/accuracy": acc}, step)
+            self.tracker.log(res.scalars(), step)
         for cb in self.on_eval:
             cb(rec)
-        return acc
+        return res.accuracy
 
     def _checkpoint(self) -> None:
         """A checkpoint after `next_step` steps (nothing when this process trained none)."""
@@ -205,12 +207,14 @@ class Run(Background):
 
     def _batches(self):
         """The steps' batches from the rollout buffer, each generated up to K versions ago (K = 0: by the current
-        policy: the synchronous loop; the pipeline's own bookkeeping is ~1 ms a step, BENCHMARKS.md). A resumed
+        policy: the synchronous loop; the pipeline's own cost per step: BENCHMARKS.md). A resumed
         run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
         c = self.cfg
         batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}
+        refill = partial(D.refill_prompts, self.train_prompts, c.seed) if c.dynamic_sampling else None
         self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, partial(sampling_params, c),
-                                 c.group_size, c.prompts_per_step, c.steps, c.max_async_steps, self.start_step)
+                                 c.group_size, c.prompts_per_step, c.steps, c.max_async_steps, self.start_step,
+                                 refill, c.max_resample_rounds)
         return self.pipeline.batches(lambda: self.trainer.version, c.max_staleness, self._go)
 
     def _close_pipeline(self) -> None:

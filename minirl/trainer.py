@@ -10,12 +10,13 @@ from typing import Sequence
 import torch
 
 from .config import Config
-from .batch import Batch, completion_logprobs, make_batch, samples_from_groups, sequence_logprobs
+from .batch import Batch, completion_logprobs, make_batch, samples_from_groups, scale_by_batch, sequence_logprobs
 from .loss import policy_loss
 from .metrics import memory_metrics
 from .models import build_model, checkpointing_on, load_tokenizer, resolve_model
 from .packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completion_logprobs
 from .plan import resolve_token_budget
+from .sampling import Processing
 from .types import ScoredGroup
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -47,7 +48,7 @@ class Trainer:
             fix_malloc_threshold()  # resident memory then follows the live tensors (the memory plan counts those)
         self.model_path = resolve_model(cfg.model)
         self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
-        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs, cfg.chat_template)
         torch.manual_seed(cfg.seed)
         self.checkpointing = checkpointing_on(cfg, self.device)
         self.model = build_model(cfg, self.device, checkpointing=self.checkpointing)
@@ -86,6 +87,8 @@ class Trainer:
         c = self.cfg
         loss_settings = c.loss_settings()
         t0 = time.perf_counter()
+        if c.scale_rewards == "batch":  # the scorer centred each group; the scale is the whole step's
+            groups = scale_by_batch(groups)
         samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0, drop_truncated=c.mask_truncated)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
@@ -155,9 +158,12 @@ class Trainer:
         return m
 
     def _logprobs(self, mb: "Batch | PackedMicroBatch", with_entropy: bool = False):
+        """The completion tokens' logprobs under the distribution they were sampled from: temperature (each
+        group's own), min_p and repetition_penalty re-applied as the generator applied them (`sampling.py`)."""
+        proc = Processing(self.cfg.min_p, self.cfg.repetition_penalty)
         if isinstance(mb, Batch):
-            return completion_logprobs(self.model, mb, with_entropy=with_entropy)
-        return packed_completion_logprobs(self.model, mb, with_entropy=with_entropy)
+            return completion_logprobs(self.model, mb, with_entropy=with_entropy, proc=proc)
+        return packed_completion_logprobs(self.model, mb, with_entropy=with_entropy, proc=proc)
 
     def adapter_is_finite(self) -> bool:
         """No NaN or inf in any LoRA weight (checked before every push and save)."""

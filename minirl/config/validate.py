@@ -57,6 +57,8 @@ RANGES: dict[str, Range] = {
     "temperature": Range(0, lo_open=True, why="use eval for greedy decoding"),
     "top_p": Range(0, 1, lo_open=True),
     "top_k": Range(0, why="0 = off"),
+    "min_p": Range(0, 1, hi_open=True, why="0 = off"),
+    "repetition_penalty": Range(0, lo_open=True, why="1 = off"),
     "max_prompt_tokens": Range(1),
     "max_turns": Range(1, why="model replies per episode"),
     "max_episode_tokens": Range(1),
@@ -72,6 +74,7 @@ RANGES: dict[str, Range] = {
     "tis_cap": Range(1, why="a cap on pi_trainer / pi_behaviour; None = no correction"),
     "opsm_delta": Range(0, why="a mean |log ratio|; None = off"),
     "kl_coef": Range(0, why="0 = off"),
+    "max_resample_rounds": Range(1, why="refill rounds per step (dynamic_sampling)"),
     "max_async_steps": Range(0, why="or 'auto'"),
     "max_staleness": Range(0, why="or None = keep all"),
     "gpu_memory_utilization": Range(0, 1, lo_open=True, why="vLLM's share of GPU memory"),
@@ -80,6 +83,8 @@ RANGES: dict[str, Range] = {
     "server_timeout_s": Range(0, lo_open=True, why="seconds"),
     "seed": Range(0, 2**32 - 1),
     "eval_every": Range(0, why="0 = only before and after"),
+    "eval_samples": Range(0, why="0 = greedy only; k samples per held-out prompt"),
+    "eval_temperature": Range(0, lo_open=True, why="use eval_samples: 0 for greedy only"),
     "checkpoint_every": Range(0, why="0 = only at the end"),
     "keep_checkpoints": Range(1),
     "log_samples": Range(0),
@@ -108,6 +113,7 @@ def range_problems(cfg) -> list[str]:
 
 def validate(cfg) -> None:
     """Raise one ConfigError holding a line per bad setting, each naming the field and what it accepts."""
+    from ..loss import IMPORTANCE_LEVELS, SCALE_REWARDS  # (torch: imported when a config is made, not before)
     problems = range_problems(cfg)
 
     def need(ok: bool, msg: str) -> None:
@@ -116,6 +122,9 @@ def validate(cfg) -> None:
     need(cfg.lr_schedule in ("constant", "cosine"), f"lr_schedule={cfg.lr_schedule!r}: use 'constant' or 'cosine'")
     need(cfg.loss_agg in ("token-mean", "seq-mean", "constant"),
          f"loss_agg={cfg.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
+    need(cfg.scale_rewards in SCALE_REWARDS, f"scale_rewards={cfg.scale_rewards!r}: use 'group', 'batch' or 'none'")
+    need(cfg.importance_level in IMPORTANCE_LEVELS,
+         f"importance_level={cfg.importance_level!r}: use 'token' or 'sequence' (GSPO)")
     need(cfg.backend in ("auto", "vllm", "vllm-server", "hf"),
          f"backend={cfg.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
     for i, url in enumerate(cfg.server_urls):
