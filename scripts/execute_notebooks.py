@@ -5,6 +5,7 @@ docs/notebooks/<name>/cell<NN>-<k>.png, and docs/notebooks/README.md lists them.
 
     nice -n 10 .venv/bin/python scripts/execute_notebooks.py                  # all four, one at a time
     nice -n 10 .venv/bin/python scripts/execute_notebooks.py quickstart       # one of them
+    .venv/bin/python scripts/execute_notebooks.py --text-only                  # markdown edits only, no run
 
 tests/test_notebooks.py checks that the copies' code cells are the notebooks' own: after editing a notebook, run
 this again for it. A notebook that fails leaves its old copy in place and the exit status is 1. Each notebook's
@@ -107,6 +108,21 @@ def execute(name: str, timeout: int) -> float:
     return took
 
 
+def refresh_text(name: str) -> None:
+    """The copy's markdown cells from the notebook, without running it: only for a copy whose code is the notebook's."""
+    import nbformat
+
+    source, path = nbformat.read(SOURCES / f"{name}.ipynb", as_version=4), OUT / f"{name}.ipynb"
+    copy = nbformat.read(path, as_version=4)
+    kinds = lambda nb: [(c.cell_type, c.source if c.cell_type == "code" else "") for c in nb.cells]  # noqa: E731
+    if kinds(source) != kinds(copy):
+        raise RuntimeError(f"{name}: its code or cells changed since the copy was made: run it again")
+    for mine, theirs in zip(copy.cells, source.cells):
+        if mine.cell_type == "markdown":
+            mine.source = theirs.source
+    nbformat.write(copy, path)
+
+
 def write_index() -> None:
     import nbformat
 
@@ -129,6 +145,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help="notebooks to run (default: all of notebooks/*.ipynb)")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds one cell may take")
+    ap.add_argument("--text-only", action="store_true",
+                    help="copy the notebooks' markdown cells into the copies, without running (code unchanged)")
     a = ap.parse_args()
     names = a.names or sorted(p.stem for p in SOURCES.glob("*.ipynb"))
     unknown = [n for n in names if not (SOURCES / f"{n}.ipynb").exists()]
@@ -137,6 +155,11 @@ def main() -> int:
         return 2
     OUT.mkdir(parents=True, exist_ok=True)
     failed = False
+    if a.text_only:
+        for name in names:
+            refresh_text(name)
+        write_index()
+        return 0
     for name in names:  # one at a time: each is a training run that takes the machine's cores
         print(f"{name}: running", flush=True)
         try:
