@@ -8,12 +8,12 @@ never exist for the whole batch (nor for prompt or padding positions).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Iterator, Sequence
 
 import torch
 
-from .loss import token_weights
+from .loss import batch_scale, token_weights
 from .types import ScoredGroup
 
 LOGIT_CHUNK = 1024  # completion tokens per lm_head chunk
@@ -71,6 +71,13 @@ class Batch:
             cur.append(i)
         if cur:
             yield self.rows(cur)
+
+
+def scale_by_batch(groups: Sequence[ScoredGroup]) -> list[ScoredGroup]:
+    """`scale_rewards="batch"`: the groups' (group-centred, unscaled) advantages divided by the std of every valid
+    reward of the step (`loss.batch_scale`)."""
+    scale = batch_scale([list(g.rewards) for g in groups])
+    return [replace(g, advantages=tuple(a / scale for a in g.advantages)) for g in groups]
 
 
 def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = False,

@@ -39,6 +39,7 @@ import torch
 
 from .config import Config, ConfigError
 from .metrics import read_log, supersede
+from .types import Checkpointable
 
 # what a run writes into its out_dir (all of it goes on --overwrite; nothing else there is touched)
 RUN_FILES = ("metrics.jsonl", "summary.json", "config.yaml", "adapter", "checkpoints", "reward.png", "dashboard.png",
@@ -122,7 +123,7 @@ def atomic_text(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda p: p.write_text(text))
 
 
-def save_adapter(trainer, path: str | Path) -> Path:
+def save_adapter(trainer: Checkpointable, path: str | Path) -> Path:
     """The trainer's adapter into the folder `path`, each file replaced in one rename (the config first, the
     weights last): a reader sees the old adapter or the new one."""
     path = Path(path)
@@ -269,7 +270,7 @@ def set_rng_state(s: dict) -> None:
     random.setstate(s["python"])
 
 
-def save_checkpoint(out: Path, trainer, state: dict, keep: int) -> Path | None:
+def save_checkpoint(out: Path, trainer: Checkpointable, state: dict, keep: int) -> Path | None:
     """Write checkpoint `state["step"]` (atomically) and delete all but the latest `keep`. A non-finite adapter is
     never written (None is returned): resuming from it could only fail."""
     if not trainer.adapter_is_finite():
@@ -343,7 +344,7 @@ def latest_checkpoint(out: Path) -> Checkpoint | None:
     return found[-1] if found else None
 
 
-def restore(ckpt: Checkpoint, trainer) -> None:
+def restore(ckpt: Checkpoint, trainer: Checkpointable) -> None:
     """Load a checkpoint into the trainer (adapter, optimizer, scheduler, version) and the global RNGs."""
     saved = torch.load(ckpt.path / "trainer.pt", map_location="cpu", weights_only=True)
     trainer.load_state(ckpt.path, saved["trainer"])

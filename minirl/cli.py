@@ -243,7 +243,7 @@ def _command(args: argparse.Namespace) -> int:
         _run(cfg, args.resume, args.overwrite, again)
     elif args.cmd == "train":
         cfg = Config.from_yaml(args.config)
-        cfg = Config.from_dict({**cfg.to_dict(), **overrides_from_args(args)})
+        cfg = cfg.replace(**overrides_from_args(args))  # the file's fields and the flags win over loss_type
         _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))

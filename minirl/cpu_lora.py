@@ -2,9 +2,8 @@
 
 vLLM 0.32's CPU LoRA ops (`vllm.lora.ops.torch_ops`, used by `PunicaWrapperCPU`) gather the LoRA weights per
 token, `weights[token_indices]` (a [tokens, out, in] copy), then multiply with `einsum("bi,boi->bo")`. Every
-token processed copies the whole adapter once (~20 MB for the demo's rank-16 all-linear adapter on the 135M
-model), so a forward's cost grows with tokens x adapter bytes: the demo's step generated 0.19x as many tokens/s
-on vLLM-CPU with the adapter as transformers did, and the sync check (32 short prefills) took ~24 s a push.
+token processed copies the whole adapter once, so a forward's cost grows with tokens x adapter bytes (what that
+cost the demo's step and the sync check: BENCHMARKS.md, `minirl bench generation`).
 
 `lora_matmul` does the same product as one matmul per adapter present in the batch (usually one), with no copy.
 One departure from those ops, to follow vLLM's own definition: a token whose index is -1 ("no LoRA should be

@@ -23,11 +23,16 @@ ARITHMETIC_TEMPLATE = "What is {a} + {b}? Answer with just the number."
 
 def arithmetic_rows(n: int, seed: int, lo: int = 0, hi: int = 30, exclude: set | None = None) -> list[dict]:
     """`n` distinct addition problems (a, b); `exclude` holds unordered pairs (min, max): neither order is drawn."""
+    exclude = exclude or set()
+    free = sum((min(a, b), max(a, b)) not in exclude for a in range(lo, hi + 1) for b in range(lo, hi + 1))
+    if n > free:
+        raise ValueError(f"the built-in arithmetic task has {free} problems left to draw, not {n}: use a smaller "
+                         f"eval_size, or your own data and eval_data files")
     rng = random.Random(seed)
     seen, rows = set(), []
     while len(rows) < n:
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
-        if (a, b) in seen or (min(a, b), max(a, b)) in (exclude or ()):
+        if (a, b) in seen or (min(a, b), max(a, b)) in exclude:
             continue
         seen.add((a, b))
         rows.append({"prompt": ARITHMETIC_TEMPLATE.format(a=a, b=b), "answer": a + b, "a": a, "b": b})
@@ -36,10 +41,12 @@ def arithmetic_rows(n: int, seed: int, lo: int = 0, hi: int = 30, exclude: set |
 
 def arithmetic_splits(eval_size: int, seed: int = 0, train_size: int = 600) -> tuple[list[dict], list[dict]]:
     """Train and held-out rows of the built-in task, disjoint by unordered pair: when (a, b) is held out, neither
-    (a, b) nor (b, a) (the same sum) is trained on."""
+    (a, b) nor (b, a) (the same sum) is trained on. A large held-out set leaves fewer than `train_size` problems to
+    train on (256 held out leave ~450): train takes all that are left."""
     held = arithmetic_rows(eval_size, seed=10_000 + seed)
-    train = arithmetic_rows(train_size, seed=seed, exclude={(min(r["a"], r["b"]), max(r["a"], r["b"])) for r in held})
-    return train, held
+    exclude = {(min(r["a"], r["b"]), max(r["a"], r["b"])) for r in held}
+    left = sum((min(a, b), max(a, b)) not in exclude for a in range(31) for b in range(31))
+    return arithmetic_rows(min(train_size, left), seed=seed, exclude=exclude), held
 
 
 CODE_TEMPLATE = "Write a Python function {sig} that {what}. Reply with only the code."
@@ -250,3 +257,14 @@ class PromptStream:
             out.append(self._order[self.position - self._epoch * len(self._order)])
             self.skip(1)
         return out
+
+
+def refill_prompts(prompts: Sequence[Prompt], seed: int, step: int, rnd: int, n: int,
+                   exclude: set[int]) -> list[Prompt]:
+    """Dynamic sampling's fresh prompts for refill round `rnd` of step `step`: the first `n` of a shuffle seeded by
+    (seed, step, rnd) that are not in `exclude` (the indices the step holds already); fewer when the data has
+    fewer. A function of its arguments only (not of the stream's position or of timing), so a resumed run and a
+    K >= 1 pipeline draw what an unbroken synchronous run draws."""
+    order = list(prompts)
+    random.Random(f"refill:{seed}:{step}:{rnd}").shuffle(order)
+    return [p for p in order if p.index not in exclude][:n]

@@ -38,7 +38,7 @@ from .chat import ChatFormat
 from .envs import Env, EnvStep, plain_tool_prompt, tool_schema
 from .generators.base import request_seed
 from .generators.engine_thread import gather_or_cancel, in_finish_order
-from .types import Completion, Episode, Group, Prompt, SamplingParams
+from .types import Completion, Episode, Generator, Group, Prompt, RolloutSource, SamplingParams, TurnSampler
 
 
 def _one_line(e: BaseException) -> str:
@@ -81,10 +81,12 @@ class _Live:
 
 class EpisodeRunner:
     """Runs episodes of `make_env` on `generator`, batching each turn of the live episodes (see the module); a
-    `RolloutSource` without a loop of its own."""
+    `RolloutSource` without a loop of its own. Of `generator` it uses `generate` and `version` (a `RolloutSource`)."""
     loop = None
+    gen: RolloutSource
 
-    def __init__(self, generator, make_env: Callable[[], Env], tokenizer, max_turns: int, max_episode_tokens: int):
+    def __init__(self, generator: RolloutSource | TurnSampler, make_env: Callable[[], Env], tokenizer, max_turns: int,
+                 max_episode_tokens: int):
         self.gen, self.make_env, self.tok = generator, make_env, tokenizer
         self.chat = ChatFormat(tokenizer)
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
@@ -240,7 +242,9 @@ class EpisodeRunner:
 
 class AsyncEpisodeRunner(EpisodeRunner):
     """vLLM: every episode a coroutine on the engine loop, one engine request per turn (`generator.sample`);
-    the env's `reset` and `step` run in the loop's executor (an `async def step` is awaited on the loop)."""
+    the env's `reset` and `step` run in the loop's executor (an `async def step` is awaited on the loop). Of
+    `generator` it uses `loop`, `sample`, `call` and `version` (a `TurnSampler`)."""
+    gen: TurnSampler  # the base runner's `RolloutSource` narrowed: this one samples turn by turn
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -287,7 +291,7 @@ class AsyncEpisodeRunner(EpisodeRunner):
         return self.gen.call(self._gather(list(prompts), n, params))
 
 
-def make_runner(generator, make_env: Callable[[], Env], tokenizer, max_turns: int,
+def make_runner(generator: Generator, make_env: Callable[[], Env], tokenizer, max_turns: int,
                 max_episode_tokens: int) -> EpisodeRunner:
     """The runner for `generator`: one coroutine per episode where it samples on its own loop (vLLM), else
     batched turns."""

@@ -3,12 +3,11 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from .generators import Generator
 from .rewards import Scorer
-from .types import Prompt, SamplingParams
+from .types import Prompt, RolloutSource, SamplingParams
 
 
-def evaluate(generator: Generator, prompts: Sequence[Prompt], scorer: Scorer, max_tokens: int,
+def evaluate(generator: RolloutSource, prompts: Sequence[Prompt], scorer: Scorer, max_tokens: int,
              progress: Callable[[int, int], None] | None = None, chunk: int = 16) -> float:
     """Greedy accuracy on held-out prompts: the mean of the *first* reward function (the reward is the metric).
     Generated `chunk` prompts at a time, calling `progress(done, total)` after each."""

@@ -1,16 +1,17 @@
 """No process outlives its run: every child minirl starts ends with it, however the run ends.
 
-Normal ends (a run that finishes, raises, is stopped, Ctrl-C, SIGTERM) close the children in `Run._finish`. For
-the ends no code of ours survives (SIGKILL of the trainer, a notebook kernel killed or restarted, an OOM kill),
-one small watchdog process per trainer process holds the read end of a pipe that only the trainer writes to. When
-the trainer dies, the kernel closes the pipe; the watchdog then ends every process it was told about (`adopt`)
-and their descendants (SIGTERM, then SIGKILL after a grace period), removes the files and folders it was told
-about (`keep_tidy`) and the /dev/shm files those processes mapped that this run made (vLLM's message queues,
-160-240 MB each, stay behind a killed engine otherwise): a file that was not in /dev/shm (that name, that inode)
-when the watchdog started, and that no process outside the run maps or holds open; a file that merely changed
-while it watched (a write updates its ctime) stays. Then it exits. While the trainer lives, the
-watchdog samples the descendants of the adopted processes (and their mappings) every `POLL_S`, so grandchildren
-(a vLLM engine core's own workers, say) are known before they are orphaned. A pid is matched with its start time, so a pid reused by an unrelated process is never touched.
+Normal ends (a run that finishes, raises, is stopped, Ctrl-C, SIGTERM) close the children in `Run._finish`. For the
+ends no code of ours survives (SIGKILL of the trainer, a notebook kernel killed or restarted, an OOM kill), one
+small watchdog process per trainer process holds the read end of a pipe that only the trainer writes to. When the
+trainer dies, the kernel closes the pipe; the watchdog then ends every process it was told about (`adopt`) and their
+descendants (SIGTERM, then SIGKILL after a grace period), removes the files and folders it was told about
+(`keep_tidy`) and the /dev/shm files those processes mapped that this run made (vLLM's message queues, hundreds of
+MB together, stay behind a killed engine otherwise: BENCHMARKS.md, "Figures moved out of docstrings"): a file that
+was not in /dev/shm (that name, that inode) when the watchdog started, and that no process outside the run maps or
+holds open; a file that merely changed while it watched (a write updates its ctime) stays. Then it exits. While the
+trainer lives, the watchdog samples the descendants of the adopted processes (and their mappings) every `POLL_S`, so
+grandchildren (a vLLM engine core's own workers, say) are known before they are orphaned. A pid is matched with its
+start time, so a pid reused by an unrelated process is never touched.
 
 Children also protect themselves where they can: reward workers, the generator process and vLLM servers set
 PR_SET_PDEATHSIG; the sandbox kills its namespace. The watchdog is the net under all of them, including the
@@ -20,6 +21,7 @@ children that vLLM starts itself.
     with lifecycle.adopting():                # children started by library code inside the block (vLLM's engine)
         AsyncLLM.from_engine_args(...)
     lifecycle.keep_tidy(path) / lifecycle.tidied(path)   # a /dev/shm file or temp folder: remove it if we die
+    lifecycle.settle()                        # wait until the watchdog has taken all that in and scanned once more
     with lifecycle.sigterm_interrupts():      # the CLI: SIGTERM stops a run as Ctrl-C does (`Terminated`)
 """
 from __future__ import annotations
@@ -53,12 +55,29 @@ def _send(line: str) -> None:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, close_fds=True,
                 start_new_session=True)  # its own session: a Ctrl-C to the terminal's job does not reach it
             _watchdog.stdout.readline()  # its /dev/shm snapshot is taken: whatever this run makes next is after it
-            _watchdog.stdout.close()
         try:
             _watchdog.stdin.write((line + "\n").encode())
             _watchdog.stdin.flush()
         except (BrokenPipeError, OSError):
             _watchdog = None
+
+
+def settle(timeout_s: float = 30.0) -> bool:
+    """Wait until the watchdog knows everything this process told it so far and has scanned the adopted processes
+    once more (their descendants and the /dev/shm files they map are then known, should this process die now). The
+    watchdog scans every `POLL_S` anyway; this is for code that must know it has (a grandchild about to be
+    orphaned, a test). False: no watchdog answered within `timeout_s` (none runs, or not Linux)."""
+    import select
+    with _lock:
+        if _watchdog is None or _watchdog.poll() is not None:
+            return False
+        try:
+            _watchdog.stdin.write(b"scan\n")
+            _watchdog.stdin.flush()
+            ready, _, _ = select.select([_watchdog.stdout], [], [], timeout_s)
+            return bool(ready) and _watchdog.stdout.readline() == b"scanned\n"
+        except (BrokenPipeError, OSError, ValueError):
+            return False
 
 
 def _start_time(pid: int) -> str | None:
@@ -271,6 +290,6 @@ def watchdog_pid() -> int | None:
     return _watchdog.pid if _watchdog is not None and _watchdog.poll() is None else None
 
 
-# The watchdog's program, run by path (standard library only, `-I -S`: starts in ~20 ms)
+# The watchdog's program, run by path (standard library only, `-I -S`: it starts at once)
 _WATCHDOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog_main.py")
 

@@ -15,7 +15,15 @@ Where this departs from the GRPO paper (Shao et al., 2024):
 - Clipping may be asymmetric (DAPO's clip-higher): ratio in [1 - clip_low, 1 + clip_high].
 - The KL term to the reference is optional and off by default (Dr. GRPO / DAPO drop it); when on it uses the
   k3 estimator, like the paper.
-- Advantages are mean-centred within a group; dividing by the group std is optional (Dr. GRPO drops it).
+- Advantages are mean-centred within a group; dividing by the group std is optional (Dr. GRPO drops it), and may
+  use the std of the whole step's rewards instead ("batch", as TRL's scale_rewards="batch").
+- `importance_level="sequence"` is GSPO (Zheng et al., 2025) inside the decoupled objective: every ratio above (the
+  clipped one against the proximal policy, the capped IS weight against the behaviour policy, `behav_clip`'s) is
+  the length-normalised sequence ratio exp(mean_t log ratio) of the token's sequence. The gradient is GSPO-token's:
+  sg[s_i] * pi(y_t) / sg[pi(y_t)], i.e. s_i * grad log pi(y_t) per token; with per-sequence advantages and per-row
+  uniform weights (all of `AGGREGATIONS`) it equals the gradient of GSPO's sequence objective. GSPO's `old` is the
+  sampling policy; here the clip is against the proximal policy and the gap to the sampling policy is the IS weight
+  and `behav_clip`, both at sequence level too.
 - Aggregation is a choice of per-token weights computed over the *whole* batch, so micro-batches with gradient
   accumulation give exactly the full-batch gradient: "token-mean" (DAPO: every token counts the same),
   "seq-mean" (the paper: mean over each sequence, then over sequences), "constant" (Dr. GRPO: sum / (B * L_max)).
@@ -27,6 +35,20 @@ from dataclasses import dataclass
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean", "constant")
+IMPORTANCE_LEVELS = ("token", "sequence")
+SCALE_REWARDS = ("group", "batch", "none")
+
+# `loss_type` presets: the Config fields each name sets (a field the user set explicitly wins). TRL's names; where
+# two mean the same here, they map to the same settings: TRL's 'bnpo' and 'dapo' differ only in whether tokens are
+# counted per device micro-batch or over the whole step, and minirl's weights are always over the whole step.
+PRESETS: dict[str, dict[str, object]] = {
+    "grpo": dict(loss_agg="seq-mean", scale_rewards="group", clip_low=0.2, clip_high=0.2, importance_level="token"),
+    "dr_grpo": dict(loss_agg="constant", scale_rewards="none", clip_low=0.2, clip_high=0.2, importance_level="token"),
+    "dapo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28, importance_level="token"),
+    "bnpo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28, importance_level="token"),
+    "gspo": dict(loss_agg="seq-mean", scale_rewards="group", clip_low=3e-4, clip_high=4e-4,
+                 importance_level="sequence"),
+}
 
 
 def group_advantages(rewards: list[float | None], scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
@@ -41,6 +63,15 @@ def group_advantages(rewards: list[float | None], scale_by_std: bool = True, eps
         return [0.0] * len(rewards)
     scale = std + eps if scale_by_std else 1.0
     return [0.0 if r is None else (r - mean) / scale for r in rewards]
+
+
+def batch_scale(rewards: list[list[float | None]], eps: float = 1e-6) -> float:
+    """The divisor of `scale_rewards="batch"`: the std (population) of every valid reward of the step's groups,
+    plus eps. Each group's advantages stay centred on its own mean; only the scale is the batch's."""
+    valid = [r for g in rewards for r in g if r is not None]
+    if len(valid) < 2:
+        return 1.0
+    return torch.tensor(valid, dtype=torch.float64).std(unbiased=False).item() + eps
 
 
 def token_weights(mask_B_T: torch.Tensor, agg: str, max_tokens: int | None = None) -> torch.Tensor:
@@ -83,6 +114,7 @@ class LossSettings:
     kl_coef: float = 0.0
     opsm_delta: float | None = None
     behav_clip: bool = True
+    importance_level: str = "token"
 
 
 def policy_loss(
@@ -103,14 +135,29 @@ def policy_loss(
     behaviour policy exceeds `opsm_delta` is masked out.
     `behav_clip`: tokens whose pi_trainer / pi_behaviour is already above 1 + clip_high with a positive advantage,
     or below 1 - clip_low with a negative one, are masked out (PPO's clip against the sampling policy).
+    `importance_level="sequence"` (GSPO): each of those three ratios is its sequence's geometric mean (module
+    docstring), so a sequence is clipped, capped or masked whole; OPSM is per sequence at either level.
     """
     clip_low, clip_high, tis_cap = settings.clip_low, settings.clip_high, settings.tis_cap
     mask = mask_B_T.bool()
     adv = adv_B[:, None].to(logp_B_T.dtype)
-    ratio = torch.exp(logp_B_T - old_logp_B_T)
+    if settings.importance_level == "sequence":
+        n_B1 = mask.sum(1, keepdim=True).clamp(min=1)
+
+        def seq_mean(x_B_T: torch.Tensor) -> torch.Tensor:  # each row's mean over its tokens, on every token
+            return ((x_B_T * mask).sum(1, keepdim=True) / n_B1).expand_as(x_B_T)
+        log_s = seq_mean(logp_B_T.detach() - old_logp_B_T)
+        ratio = torch.exp(log_s + logp_B_T - logp_B_T.detach())  # value s_i, gradient s_i * grad log pi(y_t)
+        log_is = seq_mean(old_logp_B_T - behav_logp_B_T).detach()
+        log_rb = seq_mean(logp_B_T.detach() - behav_logp_B_T)
+    elif settings.importance_level == "token":
+        ratio = torch.exp(logp_B_T - old_logp_B_T)
+        log_is = (old_logp_B_T - behav_logp_B_T).detach()
+        log_rb = logp_B_T.detach() - behav_logp_B_T
+    else:
+        raise ValueError(f"unknown importance_level {settings.importance_level!r}: choose one of {IMPORTANCE_LEVELS}")
     clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
     surr = torch.minimum(ratio * adv, clipped_ratio * adv)
-    log_is = (old_logp_B_T - behav_logp_B_T).detach()
     is_w = torch.exp(log_is)
     if tis_cap is not None:
         is_w = is_w.clamp(max=tis_cap)
@@ -118,12 +165,12 @@ def policy_loss(
     w = weight_B_T.to(logp_B_T.dtype)
     out_B_T = torch.zeros_like(mask)
     if settings.behav_clip:
-        r_b = torch.exp(logp_B_T.detach() - behav_logp_B_T)
+        r_b = torch.exp(log_rb)
         out_B_T = ((adv > 0) & (r_b > 1 + clip_high)) | ((adv < 0) & (r_b < 1 - clip_low))
         w = w * ~out_B_T
     if settings.opsm_delta is not None:
         n = mask.sum(1).clamp(min=1)
-        seq_gap = (log_is.abs() * mask).sum(1) / n
+        seq_gap = ((old_logp_B_T - behav_logp_B_T).detach().abs() * mask).sum(1) / n  # token gaps, either level
         keep = ~((adv_B < 0) & (seq_gap > settings.opsm_delta))
         w = w * keep[:, None]
     kl_ref = torch.zeros((), dtype=logp_B_T.dtype)

@@ -36,6 +36,10 @@ METRICS: dict[str, str] = {
     "staleness/max": "max staleness of a trained token",
     "staleness/dropped_groups": "groups dropped as too stale (max_staleness)",
     "groups/zero_adv_frac": "fraction of groups whose advantages are all zero",
+    "batch/resampled_groups": "dynamic_sampling: groups generated for fresh prompts to replace groups without reward "
+                              "spread at this step",
+    "batch/informative_groups": "dynamic_sampling: groups with reward spread (some advantage not zero) trained at "
+                                "this step",
     "throughput/gen_tok_s": "generated tokens per second of generation time",
     "throughput/train_tok_s": "trained tokens per second of training time",
     "busy/gen": "fraction of wall time the generator was busy",

@@ -13,6 +13,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+from .config import Config
 from .folders import publish_folder
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -154,31 +155,32 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 def cpu_dtype_warning(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
     """One line when a 16-bit dtype was asked for on a CPU that only emulates it (no AVX512-bf16 / AMX): there a
-    bf16 forward + backward of the demo's batch took over 4 minutes where fp32 took 18 s. None otherwise."""
+    bf16 forward + backward is many times slower than fp32 (BENCHMARKS.md, "Figures moved out of docstrings").
+    None otherwise."""
     if dtype not in ("bfloat16", "float16") or cpu_bf16_flags(cpuinfo):
         return None
     return (f"minirl: warning: dtype={dtype!r} on a CPU without native bf16 (no avx512_bf16 / amx_bf16 in "
             "/proc/cpuinfo): it is emulated and many times slower than float32; use dtype: auto (float32 on CPU)")
 
 
-def train_dtype(cfg):
+def train_dtype(cfg: Config):
     """The trainer's weight dtype for `cfg.dtype`: 'auto' is bfloat16 on GPU, float32 on CPU -- also on CPUs with
-    native bf16 (AVX512-bf16 + AMX here): measured by `python scripts/bf16_check.py`, a bf16 LoRA step of the
-    embedded model ran 0.94x the tokens/s of fp32 on such a CPU (the model's matmuls are too small to gain)."""
+    native bf16 (AVX512-bf16 + AMX): a bf16 LoRA step of the embedded model gains nothing there, its matmuls are
+    too small (`python scripts/bf16_check.py`; BENCHMARKS.md, "Backends, memory, sync check")."""
     import torch
     if cfg.dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return getattr(torch, cfg.dtype)
 
 
-def checkpointing_on(cfg, device: str) -> bool:
+def checkpointing_on(cfg: Config, device: str) -> bool:
     """Whether the trainer uses gradient checkpointing: `cfg.gradient_checkpointing`, 'auto' = on a GPU only."""
     if cfg.gradient_checkpointing == "auto":
         return str(device).startswith("cuda")
     return bool(cfg.gradient_checkpointing)
 
 
-def build_model(cfg, device: str, checkpointing: bool = False):
+def build_model(cfg: Config, device: str, checkpointing: bool = False):
     """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it.
     `checkpointing`: the decoder layers recompute their activations in backward (non-reentrant, so the frozen
     embeddings need no grad; it acts only in training mode, so generation and no-grad forwards are unchanged)."""

@@ -21,7 +21,7 @@ from .sync import WeightSync
 from .tasks import TASKS, resolve_env
 from .trackers import check_tracker
 from .trainer import Trainer
-from .types import Episode, Prompt, SamplingParams, Sleeper
+from .types import Episode, Prompt, RolloutSource, SamplingParams, Sleeper
 
 
 @dataclass
@@ -33,7 +33,7 @@ class RunParts:
     generator: Generator | None = None
     sync: WeightSync | None = None
     sync_why: str = ""
-    rollouts: Any = None  # what samples the groups: the generator, or (env runs) the episode runner on it
+    rollouts: RolloutSource | None = None  # what samples the groups: the generator, or (env runs) its episode runner
     train_prompts: Sequence[Prompt] = ()
     eval_prompts: Sequence[Prompt] = ()
     plan: MemoryPlan | None = None  # the memory plan made before loading
@@ -87,7 +87,7 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     On a failure, what was opened is closed."""
     c = cfg
     check_tracker(c.report_to)
-    scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.scale_adv_by_std,
+    scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.scale_rewards == "group",
                                 c.reward_workers, c.reward_clip, c.reward_memory_mb)
     data = data if data is not None else c.data
     eval_data = eval_data if eval_data is not None else c.eval_data

@@ -205,12 +205,14 @@ class Run(Background):
 
     def _batches(self):
         """The steps' batches from the rollout buffer, each generated up to K versions ago (K = 0: by the current
-        policy: the synchronous loop; the pipeline's own bookkeeping is ~1 ms a step, BENCHMARKS.md). A resumed
+        policy: the synchronous loop; the pipeline's own cost per step: BENCHMARKS.md). A resumed
         run regenerates what the interrupted one had generated ahead (see `checkpoint.py`)."""
         c = self.cfg
         batches = {s: self.stream.take(c.prompts_per_step) for s in range(self.start_step, c.steps)}
+        refill = partial(D.refill_prompts, self.train_prompts, c.seed) if c.dynamic_sampling else None
         self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, partial(sampling_params, c),
-                                 c.group_size, c.prompts_per_step, c.steps, c.max_async_steps, self.start_step)
+                                 c.group_size, c.prompts_per_step, c.steps, c.max_async_steps, self.start_step,
+                                 refill, c.max_resample_rounds)
         return self.pipeline.batches(lambda: self.trainer.version, c.max_staleness, self._go)
 
     def _close_pipeline(self) -> None:

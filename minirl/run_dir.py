@@ -13,6 +13,7 @@ from .checkpoint import (atomic_text, check_out_dir, clear_run, lock_out_dir, ma
                          save_checkpoint)
 from .config import Config
 from .metrics import MetricsLog
+from .types import Checkpointable
 from .trackers import make_tracker
 
 
@@ -53,7 +54,7 @@ class RunDir:
     def claimed(self) -> bool:
         return self.log is not None
 
-    def checkpoint(self, trainer, state: dict, keep: int) -> None:
+    def checkpoint(self, trainer: Checkpointable, state: dict, keep: int) -> None:
         """A checkpoint after `state['step']` steps (nothing when that step is saved already), logged."""
         if self._saved_step == state["step"]:
             return
@@ -62,7 +63,7 @@ class RunDir:
                      **({} if path else {"skipped": "the adapter holds non-finite values"}))
         self._saved_step = state["step"]
 
-    def save_final(self, trainer, summary: dict) -> None:
+    def save_final(self, trainer: Checkpointable, summary: dict) -> None:
         """The adapter (never a non-finite one) and summary.json, each written atomically."""
         if trainer.adapter_is_finite():
             save_adapter(trainer, self.out / "adapter")

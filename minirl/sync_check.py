@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from .config import Config
-from .types import Generator
+from .types import Generator, PolicyTrainer, Scorable
 from .sync import SyncVerificationError, Verification, make_probe, verify
 
 
@@ -20,13 +20,13 @@ class SyncCheck:
         self.last: dict[str, Verification] = {}
 
     @classmethod
-    def for_run(cls, cfg: Config, trainer, prompt_ids: Sequence[int]) -> "SyncCheck":
+    def for_run(cls, cfg: Config, trainer: PolicyTrainer, prompt_ids: Sequence[int]) -> "SyncCheck":
         """The probe: `prompt_ids` and up to 32 tokens of the base policy (room: the engine's max_model_len)."""
         tok = trainer.tokenizer
         n = min(32, cfg.max_prompt_tokens + cfg.max_tokens - len(prompt_ids))
         return cls(make_probe(trainer.model, prompt_ids, n, cfg.seed, tok.all_special_ids, len(tok)), cfg.temperature)
 
-    def __call__(self, trainer, generator: Generator) -> Verification | None:
+    def __call__(self, trainer: PolicyTrainer, generator: Generator) -> Verification | None:
         """Check every target now; the least convincing check (a failure raises). The trainer's probe logprobs
         at the last check are the previous adapter's (nothing is recomputed, training is not disturbed)."""
         want = trainer.logprobs(*self.probe, self.temperature)
@@ -34,7 +34,7 @@ class SyncCheck:
         replicas = generator.replicas
         targets = [(r.url, r) for r in replicas if r.alive] if replicas else [("", generator)]
 
-        def check(key: str, target) -> Verification:
+        def check(key: str, target: Scorable) -> Verification:
             try:
                 return verify(target, self.probe, want, trainer.version, self.last.get(key), self.temperature, dtype)
             except SyncVerificationError as e:

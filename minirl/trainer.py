@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from .config import Config
-from .batch import Batch, completion_logprobs, make_batch, samples_from_groups, sequence_logprobs
+from .batch import Batch, completion_logprobs, make_batch, samples_from_groups, scale_by_batch, sequence_logprobs
 from .loss import policy_loss
 from .metrics import memory_metrics
 from .models import build_model, checkpointing_on, load_tokenizer, resolve_model
@@ -68,6 +68,8 @@ class Trainer:
         c = self.cfg
         loss_settings = c.loss_settings()
         t0 = time.perf_counter()
+        if c.scale_rewards == "batch":  # the scorer centred each group; the scale is the whole step's
+            groups = scale_by_batch(groups)
         samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0, drop_truncated=c.mask_truncated)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version

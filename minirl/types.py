@@ -9,7 +9,9 @@ per-token `mask` of the sampled ones (the loss trains only those) and an `Episod
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Coroutine, Protocol, Sequence, TypeVar, runtime_checkable
 
 T = TypeVar("T")
@@ -145,7 +147,48 @@ class ScoredGroup:
         return all(a == 0.0 for a in self.advantages)
 
 
-# ---- the boundaries: what callers use of a generator, and of what samples a run's groups ------------------------
+# ---- the boundaries: what callers use of the trainer, of a generator, and of what samples a run's groups ---------
+
+@runtime_checkable
+class AdapterSource(Protocol):
+    """What the sync transports (`minirl.sync`) use of the trainer: its policy version, its peft model (the LoRA
+    parameters are the adapter: `minirl.adapter` packs them) and the adapter saved in peft format."""
+    version: int
+    model: Any  # a peft model (torch.nn.Module)
+
+    def save_adapter(self, path: str | os.PathLike) -> Path:
+        """The adapter in peft format in the folder `path` (created); returns it."""
+
+
+@runtime_checkable
+class PolicyTrainer(AdapterSource, Protocol):
+    """What building a generator (`generators.make_generator`) and the sync check (`sync_check.SyncCheck`) use of
+    the trainer, besides what the transports use: where it runs, the base model's folder, the tokenizer, and the
+    policy's logprobs of a completion."""
+    device: str      # 'cpu', 'cuda', 'cuda:0'
+    model_path: str  # the base model's folder
+    tokenizer: Any   # a transformers tokenizer
+
+    def logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int], temperature: float) -> list[float]:
+        """Per-token logprobs of `completion_ids` after `prompt_ids` under the current adapter."""
+
+
+@runtime_checkable
+class Checkpointable(Protocol):
+    """What checkpoints (`minirl.checkpoint`) and the run folder (`minirl.run_dir`) use of the trainer."""
+    version: int
+
+    def save_adapter(self, path: str | os.PathLike) -> Path: ...
+
+    def adapter_is_finite(self) -> bool:
+        """False when the adapter holds NaN or inf (it is then never saved)."""
+
+    def state_dict(self) -> dict:
+        """Optimizer, scheduler and version: with the adapter, the trainer's whole state."""
+
+    def load_state(self, adapter_dir: str | os.PathLike, state: dict) -> None:
+        """Continue from the adapter in `adapter_dir` and `state_dict()`'s output."""
+
 
 @runtime_checkable
 class Scorable(Protocol):
@@ -228,12 +271,23 @@ class Sleeper(Protocol):
 
 
 @runtime_checkable
-class AsyncGenerator(Generator, StreamingSource, Protocol):
-    """A generator on an event loop of its own (`loop`): code on it samples one sequence (episodes' turns) or
-    iterates `stream`; other threads run coroutines there with `call`."""
+class TurnSampler(Protocol):
+    """What the episode runner on an event loop (`episodes.AsyncEpisodeRunner`) uses of its generator: one
+    sequence at a time on the generator's loop, coroutines run there from other threads, the version served.
+    (The runner without a loop, `episodes.EpisodeRunner`, uses a `RolloutSource`: `generate`, `version`, `loop`.)"""
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def version(self) -> int: ...
 
     async def sample(self, token_ids: Sequence[int], params: SamplingParams, seed: int | None = None) -> Completion:
         """One sequence continuing `token_ids`, sampled with exactly `seed`."""
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on `loop` and wait for its result."""
+
+
+@runtime_checkable
+class AsyncGenerator(Generator, StreamingSource, TurnSampler, Protocol):
+    """A generator on an event loop of its own (`loop`): code on it samples one sequence (episodes' turns) or
+    iterates `stream`; other threads run coroutines there with `call`."""

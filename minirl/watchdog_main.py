@@ -1,7 +1,8 @@
 """The watchdog (`lifecycle.py`): one per trainer process, run by path with `python -I -S` (standard library only:
-no site, no minirl, no torch; it starts in ~20 ms). argv: the trainer's pid, the poll interval, the grace period.
-stdin: lines from the trainer (`pid PID START`, `path PATH`, `unpath PATH`, `watch`); EOF = the trainer died.
-It writes one line, `ready`, once its /dev/shm snapshot is taken."""
+no site, no minirl, no torch: it starts at once). argv: the trainer's pid, the poll interval, the grace period.
+stdin: lines from the trainer (`pid PID START`, `path PATH`, `unpath PATH`, `watch`, `scan`); EOF = the trainer died.
+stdout: `ready` once its /dev/shm snapshot is taken; `scanned` after each `scan` (`lifecycle.settle`), once the lines
+before it are taken in and the adopted processes scanned."""
 import os, select, shutil, signal, sys, time
 parent, poll_s, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 adopted, known, paths, mapped = {}, {}, set(), set()
@@ -10,7 +11,6 @@ try:  # what /dev/shm held before this run: never this run's to remove, however 
 except OSError:
     before = set()
 os.write(1, b"ready\n")
-os.close(1)
 
 def stat(pid):
     try:
@@ -117,6 +117,12 @@ while True:
                 paths.add(rest)
             elif kind == "unpath":
                 paths.discard(rest)
+            elif kind == "scan":
+                scan()
+                try:
+                    os.write(1, b"scanned\n")
+                except OSError:  # the trainer is gone (EOF follows)
+                    pass
     scan()
     if os.getppid() != parent:
         break

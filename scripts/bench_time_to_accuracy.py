@@ -8,6 +8,10 @@ the accuracy-vs-training-seconds curve over the horizon every run covers (divide
 time), the final accuracy and the median step, each with its standard error over seeds.
 
     python scripts/bench_time_to_accuracy.py --old /tmp/old --new /tmp/new --out DIR --seeds 0,1,2
+
+Commits whose built-in task cannot hold out 256 problems (before the fix in minirl/data.py it looped forever) get
+the same problems from files: `--data train.jsonl --eval-data held.jsonl` (`--write-data DIR` writes the built-in
+task's split for seed 0 with 256 held out: held.jsonl and the 531 problems left, train.jsonl).
 """
 from __future__ import annotations
 
@@ -22,10 +26,10 @@ import time
 from pathlib import Path
 
 
-def _run_side(tree: Path, out: Path, seed: int, eval_size: int, eval_every: int) -> dict:
+def _run_side(tree: Path, out: Path, seed: int, eval_size: int, eval_every: int, overrides: dict) -> dict:
     code = ("import json,sys; from minirl.benchmarks.learning import bench_learning; "
             f"r = bench_learning({str(out)!r}, seeds=({seed},), ks=(0,), eval_size={eval_size}, "
-            f"eval_every={eval_every}); print(json.dumps(r['runs']['s{seed}_k0']['curve']))")
+            f"eval_every={eval_every}, **{overrides!r}); print(json.dumps(r['runs']['s{seed}_k0']['curve']))")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     t0, load = time.time(), os.getloadavg()[0]
     subprocess.run([sys.executable, "-c", code], cwd=tree, env=env, check=True)
@@ -87,17 +91,30 @@ def summarise(runs: dict, targets=(0.65, 0.70)) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--old", required=True, type=Path)
-    ap.add_argument("--new", required=True, type=Path)
-    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--old", type=Path)
+    ap.add_argument("--new", type=Path)
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--eval-size", type=int, default=256)
     ap.add_argument("--eval-every", type=int, default=5)
+    ap.add_argument("--data", help="a JSONL file of training rows (default: the demo's built-in task)")
+    ap.add_argument("--eval-data", help="a JSONL file of held-out rows, the same for every seed and both sides")
+    ap.add_argument("--write-data", type=Path, help="write the built-in task's split (seed 0) to DIR and exit")
     a = ap.parse_args(argv)
+    if a.write_data:
+        from minirl.data import arithmetic_splits
+        a.write_data.mkdir(parents=True, exist_ok=True)
+        for name, rows in zip(("train", "held"), arithmetic_splits(a.eval_size, 0)):
+            (a.write_data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return {}
+    if not (a.old and a.new and a.out):
+        ap.error("--old, --new and --out are needed (or --write-data DIR)")
     a.out.mkdir(parents=True, exist_ok=True)
     res_path = a.out / "time_to_accuracy.json"
     res = json.loads(res_path.read_text()) if res_path.exists() else {"runs": {"old": {}, "new": {}}}
+    overrides = {k: str(Path(v).resolve()) for k, v in (("data", a.data), ("eval_data", a.eval_data)) if v}
     res["settings"] = {"old": str(a.old), "new": str(a.new), "eval_size": a.eval_size, "eval_every": a.eval_every,
+                       **overrides,
                        "commits": {k: subprocess.run(["git", "-C", str(p), "rev-parse", "--short", "HEAD"],
                                                      capture_output=True, text=True).stdout.strip()
                                    for k, p in (("old", a.old), ("new", a.new))},
@@ -107,7 +124,8 @@ def main(argv=None) -> dict:
             if str(seed) in res["runs"][side]:
                 continue
             tree = a.old if side == "old" else a.new
-            res["runs"][side][str(seed)] = _run_side(tree, a.out / f"{side}_s{seed}", seed, a.eval_size, a.eval_every)
+            res["runs"][side][str(seed)] = _run_side(tree, a.out / f"{side}_s{seed}", seed, a.eval_size, a.eval_every,
+                                                  overrides)
             res["summary"] = summarise(res["runs"])
             res_path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res["summary"], indent=1))

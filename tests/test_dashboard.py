@@ -124,7 +124,9 @@ def test_live_dashboard_refreshes_on_the_callers_thread_during_a_real_run(tiny_m
                  group_size=4, max_tokens=6, lr=1e-2, eval_size=4, out_dir=str(tmp_path / "live"), lora_rank=8,
                  lora_alpha=16)
     run = Run(cfg, data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:44])
+    hooks = list(run.on_step)
     dash = Dashboard(run, every=0.2)
+    assert len(run.on_step) == len(hooks) + 1  # it listens to the run's steps (until closed)
     assert "not started" in dash.status.value
     run.start()
     summary = dash.wait(timeout=300)
@@ -138,7 +140,7 @@ def test_live_dashboard_refreshes_on_the_callers_thread_during_a_real_run(tiny_m
     dash.lr.value = 1e-3
     assert run.cfg.lr == pytest.approx(1e-3, rel=1e-6)
     dash.close()
-    assert dash._mark not in run.on_step
+    assert run.on_step == hooks
 
 
 def test_dashboard_timer_runs_on_an_event_loop_and_stops_after_the_run(tiny_model, tmp_path):
@@ -153,10 +155,10 @@ def test_dashboard_timer_runs_on_an_event_loop_and_stops_after_the_run(tiny_mode
         run.start()
         while run.running:
             await asyncio.sleep(0.05)  # the "kernel" stays free meanwhile
-        await asyncio.wait_for(dash._task, 60)
+        await asyncio.wait_for(dash.timer, 60)  # it ends by itself after the run
         return dash
     dash = asyncio.run(main())
-    assert dash._task.done() and dash.refreshes >= 2
+    assert dash.timer.done() and dash.refreshes >= 2
     assert "finished" in dash.status.value and "step 3 / 3" in dash.status.value
 
 

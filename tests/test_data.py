@@ -50,6 +50,15 @@ def test_arithmetic_split_is_disjoint_by_unordered_pair(seed):
     assert len(train) == 600 and len(held) == 64
 
 
+def test_a_large_held_out_set_of_the_builtin_task_finishes_and_a_too_large_one_is_one_line():
+    """256 held-out problems once looped forever (600 training problems asked of the ~450 left)."""
+    train, held = D.arithmetic_splits(256, 0)
+    pair = lambda r: (min(r["a"], r["b"]), max(r["a"], r["b"]))  # noqa: E731
+    assert len(held) == 256 and 400 < len(train) < 600 and not {pair(r) for r in train} & {pair(r) for r in held}
+    with pytest.raises(ValueError, match="961 problems left to draw, not 2000"):
+        D.arithmetic_splits(2000, 0)
+
+
 def test_prompt_stream_position_is_its_whole_state():
     prompts = [Prompt(i, (), "", {}) for i in range(7)]
     whole = [p.index for p in D.PromptStream(prompts, seed=3).take(40)]

@@ -28,9 +28,28 @@ def test_the_docs_spell_some_names():
     assert {"minirl.sandbox", "minirl.sync.receiver.AdapterReceiver"} <= set(doc_names())
 
 
+def _check(name: str, where: str) -> None:
+    parts = name.split(".")
+    k = len(parts) - 1  # the longest prefix that is a module; the rest are attributes (minirl.Config.from_yaml)
+    while k > 1 and importlib.util.find_spec(".".join(parts[:k])) is None:
+        k -= 1
+    parent, leaf = ".".join(parts[:k]), parts[k]
+    module = importlib.import_module(parent)
+    assert hasattr(module, leaf) or importlib.util.find_spec(f"{parent}.{leaf}") is not None, f"{where}: {name}"
+    exec(f"from {parent} import {leaf}", {})  # `from minirl.X import Y`
+    obj = getattr(module, leaf, None)
+    for attr in parts[k + 1:]:
+        assert hasattr(obj, attr), f"{where}: {name} ({attr} is not an attribute of {obj!r})"
+        obj = getattr(obj, attr)
+
+
 @pytest.mark.parametrize("name", sorted(doc_names()))
 def test_a_name_in_the_docs_imports(name):
-    parent, _, leaf = name.rpartition(".")
-    module = importlib.import_module(parent)  # `from minirl.X import Y`
-    assert hasattr(module, leaf) or importlib.util.find_spec(name) is not None, f"{doc_names()[name]}: {name}"
-    exec(f"from {parent} import {leaf}", {})
+    _check(name, doc_names()[name])
+
+
+def test_a_name_that_does_not_resolve_is_caught():
+    _check("minirl.Config.from_yaml", "control")
+    for bad in ("minirl.Config.no_such_method", "minirl.no_such_name", "minirl.sync.receiver.NoSuchClass"):
+        with pytest.raises((AssertionError, ImportError)):
+            _check(bad, "control")

@@ -299,6 +299,8 @@ def test_a_decoy_on_a_started_servers_port_never_receives_the_api_key(tmp_path, 
     from minirl.generators.server_fleet import Fleet, ServerError
     decoy = Decoy()
     monkeypatch.setattr(server_proc, "free_port", lambda: decoy.port)
+    # the server "starts" for a second before it fails (the thing under test: the fleet's probes meanwhile go to
+    # the port's other owner, the decoy, which must not get the key)
     taken = "import sys, time; time.sleep(1); print('OSError: [Errno 98] Address already in use'); sys.exit(1)"
     monkeypatch.setattr(server_proc, "server_argv", lambda opts, port: [sys.executable, "-c", taken])
     fleet = Fleet([], [server_proc.ServerOptions("m")], "SECRET-KEY", str(tmp_path), restart=False, timeout_s=30,
@@ -309,3 +311,12 @@ def test_a_decoy_on_a_started_servers_port_never_receives_the_api_key(tmp_path, 
     finally:
         decoy.close()
     assert not any(b"SECRET-KEY" in r or b"authorization" in r.lower() for r in decoy.received), decoy.received
+    control = Decoy()  # the positive control: a request that carries the key is recorded, as a leak would be
+    try:
+        import socket
+        with socket.create_connection(("127.0.0.1", control.port)) as c:
+            c.sendall(b"GET /health HTTP/1.1\r\nAuthorization: Bearer SECRET-KEY\r\n\r\n")
+            c.recv(1)  # the decoy closes the connection once it has recorded the request
+    finally:
+        control.close()
+    assert any(b"SECRET-KEY" in r for r in control.received)

@@ -2,7 +2,7 @@
 import math
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
@@ -40,9 +40,13 @@ def returns_str(prompt, completion, **_):
     return "1.0"
 
 
+RELEASE, HUNG_RETURNED = threading.Event(), []
+
+
 def hangs(prompt, completion, **_):
     if completion == "hang":
-        time.sleep(5)
+        RELEASE.wait(600)  # until the test lets it go: a scorer that waited for it would wait that long
+        HUNG_RETURNED.append(completion)
     return 0.0
 
 
@@ -69,9 +73,12 @@ def test_none_skips_without_failure():
     (hangs, "hang", "timeout"),
 ])
 def test_bad_reward_values_are_failures(fn, bad_text, reason):
-    t0 = time.time()
-    g = Scorer([("f", fn)], [1.0], timeout_s=0.5).score_group(_group([bad_text, "ok", "ok2"]))
-    assert time.time() - t0 < 3
+    RELEASE.clear()
+    try:
+        g = Scorer([("f", fn)], [1.0], timeout_s=0.5).score_group(_group([bad_text, "ok", "ok2"]))
+        assert not HUNG_RETURNED  # scoring gave up on the hung call at its timeout: the call has not returned
+    finally:
+        RELEASE.set()
     assert g.rewards[0] is None and reason in g.failures[0].reason
     assert all(math.isfinite(a) for a in g.advantages)
 
@@ -79,7 +86,7 @@ def test_bad_reward_values_are_failures(fn, bad_text, reason):
 def test_async_reward_and_timeout():
     async def slow(prompt, completion, **_):
         import asyncio
-        await asyncio.sleep(5 if completion == "slow" else 0)
+        await asyncio.sleep(5 if completion == "slow" else 0)  # the thing under test: slower than the timeout
         return 1.0
     g = Scorer([("slow", slow)], [1.0], timeout_s=0.5).score_group(_group(["fast", "slow"]))
     assert g.rewards[0] == 1.0 and g.rewards[1] is None and "timeout" in g.failures[0].reason.lower()

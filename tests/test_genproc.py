@@ -64,12 +64,13 @@ def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_un
     from contextlib import contextmanager
     import minirl.generators.hf as H
     from minirl.generators.hf import _mergeable_lora_layers
-    merges, real = [], H.merged_lora
+    merges, real, caches = [], H.merged_lora, []
 
     @contextmanager
     def counting(model, cache, version=0):  # how many layers each call ran merged
         with real(model, cache, version):
             merges.append(len(cache.get("bufs", {})))
+            caches.append(cache)
             yield
     monkeypatch.setattr(H, "merged_lora", counting)
     _bump(trainer, 3)
@@ -81,7 +82,7 @@ def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_un
     plain = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, merge=False)
     got = merged.generate(prompts, 2, params)
     assert merges == [len(_mergeable_lora_layers(trainer.model))]  # it did run merged
-    assert not merged._merge_cache  # on the trainer's model the merged copy is not kept beside training
+    assert caches and not caches[-1]  # on the trainer's model the merged copy is not kept beside training
     for g in got:
         for c in g.completions:  # the behaviour logprobs are the trainer's (unmerged) policy's
             assert c.logprobs == pytest.approx(trainer.logprobs(list(g.prompt.token_ids), list(c.token_ids), 1.0),

@@ -139,3 +139,105 @@ def test_private_vllm_and_torch_hooks_only_in_the_compatibility_module():
 def test_no_module_over_400_lines():
     long = {str(p.relative_to(ROOT)): n for p in PKG.rglob("*.py") if (n := len(p.read_text().splitlines())) > 400}
     assert not long, long
+
+
+# ---- the boundaries: typed, no probing, and each protocol lists every member its callers use ---------------------
+
+BOUNDARY_ARGS = {"generator", "gen", "trainer", "tr", "cfg", "config", "rollouts"}
+
+
+def untyped_boundaries(tree: ast.AST) -> list[str]:
+    """Parameters named as a boundary object (a generator, the trainer, the config) without an annotation."""
+    return [f"{n.name}({a.arg})" for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for a in n.args.args + n.args.kwonlyargs if a.arg in BOUNDARY_ARGS and a.annotation is None]
+
+
+def generator_probes(tree: ast.AST) -> list[str]:
+    """hasattr / getattr on something named as a generator (or what samples a run's groups)."""
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("hasattr", "getattr") and n.args:
+            target = ast.unparse(n.args[0])
+            if re.search(r"\b(gen|generator|rollouts)\b", target):
+                out.append(ast.unparse(n))
+    return out
+
+
+def member_uses(tree: ast.AST, names: set[str]) -> set[str]:
+    """X in `name.X` and `self.name.X` for `name` in `names`."""
+    def named(v: ast.AST) -> bool:
+        return (isinstance(v, ast.Name) and v.id in names) or \
+            (isinstance(v, ast.Attribute) and isinstance(v.value, ast.Name) and v.value.id == "self"
+             and v.attr in names)
+    return {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and named(n.value)}
+
+
+def protocol_members(*protocols) -> set[str]:
+    out = set()
+    for proto in protocols:
+        for cls in proto.__mro__:
+            if cls.__module__ not in ("typing", "builtins"):
+                out |= {k for k in {**cls.__dict__, **cls.__dict__.get("__annotations__", {})} if not k.startswith("_")}
+    return out
+
+
+def test_boundary_objects_are_typed_everywhere():
+    """Every parameter that takes a generator, the trainer or the config says which protocol (or class) it is
+    (the config package's own helpers, which take the Config being built, aside: typing them would import
+    `fields.py` back into the modules it imports, a circle)."""
+    found = {str(p.relative_to(ROOT)): got for p in PKG.rglob("*.py") if "config" not in p.parts
+             if (got := untyped_boundaries(ast.parse(p.read_text())))}
+    assert not found, found
+    assert untyped_boundaries(ast.parse("def f(trainer, cfg: int): ...")) == ["f(trainer)"]  # positive control
+
+
+def test_nothing_probes_a_generator():
+    found = {str(p.relative_to(ROOT)): got for p in PKG.rglob("*.py")
+             if (got := generator_probes(ast.parse(p.read_text())))}
+    assert not found, found
+    assert generator_probes(ast.parse("hasattr(self.generator, 'engine'); getattr(x, 'y')")) == \
+        ["hasattr(self.generator, 'engine')"]  # positive control
+
+
+def test_sync_imports_nothing_of_generators():
+    edges = imports(modules())
+    bad = {m: sorted(t for t in ts if component(t) == "generators") for m, ts in edges.items()
+           if component(m) == "sync" and any(component(t) == "generators" for t in ts)}
+    assert not bad, bad
+    assert any(component(t) == "sync" for t in edges["minirl.generators"])  # positive control: the graph sees edges
+
+
+def test_each_protocol_lists_every_member_its_callers_use():
+    """What each caller uses of the trainer, of a generator and of the episode runner's generator, read off the
+    code, is declared by the protocol it is typed with."""
+    from minirl.sync import AdapterTarget
+    from minirl.sync.servers import ServerTarget
+    from minirl.sync.tensor import InMemoryTarget
+    from minirl.types import (AdapterSource, AsyncGenerator, Checkpointable, PolicyTrainer, RolloutSource, Scorable,
+                              Sleeper, TurnSampler)
+
+    def uses(paths, names, cls=None):  # cls: only inside that class (a module may use the same name for another thing)
+        trees = [ast.parse((PKG / p).read_text()) for p in paths]
+        if cls is not None:
+            trees = [n for t in trees for n in ast.walk(t) if isinstance(n, ast.ClassDef) and n.name == cls]
+        return set().union(*(member_uses(t, names) for t in trees))
+    sync_files = [str(p.relative_to(PKG)) for p in (PKG / "sync").glob("*.py")]
+    checks = {  # (callers, the names they hold it under) -> the protocols that declare it
+        "trainer in sync/": (uses(sync_files, {"trainer"}), protocol_members(AdapterSource)),
+        "trainer in make_generator, SyncCheck": (uses(["generators/__init__.py", "sync_check.py"], {"trainer"}),
+                                                 protocol_members(PolicyTrainer)),
+        "trainer in checkpoints": (uses(["checkpoint.py", "run_dir.py"], {"trainer"}),
+                                   protocol_members(Checkpointable)),
+        "generator in sync/": (uses(sync_files, {"generator", "_gen"}),  # sync.verify checks a Scorable
+                               protocol_members(AdapterTarget, InMemoryTarget, ServerTarget, Scorable)),
+        "generator in the run": (uses(["run.py", "parts.py", "sync_check.py", "evaluation.py"],
+                                      {"generator", "gen", "rollouts", "sleeper"})
+                                 | uses(["rollout.py"], {"gen", "generator"}, cls="Pipeline"),
+                                 protocol_members(AsyncGenerator, Sleeper)),
+        "generator in episodes": (uses(["episodes.py"], {"gen", "generator"}),
+                                  protocol_members(RolloutSource, TurnSampler)),
+    }
+    undeclared = {k: sorted(used - declared) for k, (used, declared) in checks.items() if used - declared}
+    assert not undeclared, undeclared
+    assert all(used for used, _ in checks.values())  # positive control: the uses are read at all
+    assert member_uses(ast.parse("trainer.opt.step(); self.trainer.version"), {"trainer"}) == {"opt", "version"}

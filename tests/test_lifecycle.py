@@ -25,9 +25,9 @@ PARENT = textwrap.dedent("""
     lifecycle.keep_tidy(shm)
     folder = tempfile.mkdtemp(prefix="minirl-test-")
     lifecycle.keep_tidy(folder)
-    while not (os.path.exists(sys.argv[2]) and os.path.getsize(sys.argv[2])):
+    while not (os.path.exists(sys.argv[2]) and os.path.getsize(sys.argv[2])):  # the grandchild runs
         time.sleep(0.05)
-    time.sleep(1.5)  # let the watchdog sample the grandchild
+    assert lifecycle.settle()  # the watchdog has scanned the tree since: it knows the grandchild
     print(json.dumps({"pids": [sleeper.pid, tree.pid, int(open(sys.argv[2]).read())], "paths": [shm, folder],
                       "watchdog": lifecycle.watchdog_pid()}), flush=True)
     if sys.argv[3] == "exit":
@@ -45,6 +45,7 @@ def _alive(pid: int) -> bool:
 
 
 def _gone_within(pids, paths, seconds: float) -> float:
+    """Wait for the pids to end and the paths to go; `seconds` only bounds a hang (the watchdog's grace is 3 s)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < seconds:
         if not any(_alive(p) for p in pids) and not any(os.path.exists(p) for p in paths):
@@ -63,30 +64,38 @@ def test_children_grandchildren_and_files_end_with_the_trainer(tmp_path, ending)
     if ending == "SIGKILL":
         parent.send_signal(signal.SIGKILL)
     parent.wait(30)
-    took = _gone_within(info["pids"] + [info["watchdog"]], info["paths"], 10)
-    assert took < 10
+    _gone_within(info["pids"] + [info["watchdog"]], info["paths"], 30)
 
 
-def test_a_reused_pid_is_never_touched(tmp_path):
+def _stat_start(pid: int) -> str:
+    """A process's start time as /proc gives it (what the watchdog matches a pid with)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[19]
+
+
+def test_a_reused_pid_is_never_touched():
     """The watchdog matches a pid with its start time: a process it was told about that ended, and whose pid now
-    belongs to someone else (simulated: an adopted pid with a wrong start time), is left alone."""
+    belongs to someone else (simulated: a pid told with a wrong start time), is left alone, while a process told
+    with its own start time (the positive control, in the same watchdog) is ended. The watchdog program is driven
+    through its documented stdin protocol (`watchdog_main.py`), this test standing for the trainer."""
     import minirl.lifecycle as lifecycle
-    bystander = subprocess.Popen(["sleep", "1000"])
+    bystander, victim = subprocess.Popen(["sleep", "1000"]), subprocess.Popen(["sleep", "1000"])
+    program = str(Path(lifecycle.__file__).with_name("watchdog_main.py"))
+    wd = subprocess.Popen([sys.executable, "-I", "-S", program, str(os.getpid()), "0.5", "3"],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        script = textwrap.dedent(f"""
-            import importlib.util, sys
-            spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
-            lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
-            lc._send("pid {bystander.pid} 1")  # its pid, another start time: not the process we were told about
-            print(lc.watchdog_pid(), flush=True)
-        """)
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30)
-        watchdog = int(out.stdout.split()[0])
-        _gone_within([watchdog], [], 10)
+        assert wd.stdout.readline() == b"ready\n"
+        wd.stdin.write(f"pid {bystander.pid} 1\npid {victim.pid} {_stat_start(victim.pid)}\nscan\n".encode())
+        wd.stdin.flush()
+        assert wd.stdout.readline() == b"scanned\n"  # both lines taken in
+        wd.stdin.close()  # the trainer "died": the watchdog ends what it was told about, then exits
+        wd.wait(30)
+        assert not _alive(victim.pid)  # the control: a pid told with its start time is ended
         assert _alive(bystander.pid)
     finally:
-        bystander.kill()
-        bystander.wait()
+        for p in (bystander, victim, wd):
+            p.kill()
+            p.wait()
 
 
 def test_a_watchdog_started_inside_adopting_does_not_adopt_itself(tmp_path):
@@ -98,11 +107,10 @@ def test_a_watchdog_started_inside_adopting_does_not_adopt_itself(tmp_path):
         import importlib.util, json, subprocess, sys, time
         spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
         lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
-        with lc.adopting():
+        with lc.adopting():  # starts the watchdog inside the block; the block's sweep adopts the child
             child = subprocess.Popen([sys.executable, "-c", "import signal, time; "  # SIGKILL is needed to end it
                                       "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(1000)"])
-            time.sleep(3 * lc.POLL_S)  # the block's poll adopts it, starting the watchdog inside the block
-        time.sleep(3 * lc.POLL_S)
+        assert lc.settle()  # the watchdog has taken the adoption in and scanned
         print(json.dumps([child.pid, lc.watchdog_pid()]), flush=True)
         time.sleep(1000)
     """)
@@ -111,7 +119,7 @@ def test_a_watchdog_started_inside_adopting_does_not_adopt_itself(tmp_path):
     assert _alive(child) and _alive(watchdog)
     parent.send_signal(signal.SIGKILL)
     parent.wait(30)
-    _gone_within([child, watchdog], [], 10)
+    _gone_within([child, watchdog], [], 30)
 
 
 def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_path):
@@ -121,9 +129,7 @@ def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_pat
     if not os.access("/dev/shm", os.W_OK):
         pytest.skip("no writable /dev/shm")
     older = Path(f"/dev/shm/minirl-test-older-{os.getpid()}")
-    older.write_bytes(b"\0" * 4096)
-    os.utime(older)
-    time.sleep(1.5)  # the watchdog's guard is the file's ctime against its own start, with 1 s of slack
+    older.write_bytes(b"\0" * 4096)  # in /dev/shm before the run's watchdog takes its snapshot
     child_code = ("import mmap, os, sys, time\n"
                   "maps = []\n"
                   "for p in sys.argv[1:]:\n"
@@ -135,13 +141,12 @@ def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_pat
         import importlib.util, json, subprocess, sys, time
         spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
         lc = importlib.util.module_from_spec(spec); spec.loader.exec_module(lc)
-        with lc.adopting():  # starts the watchdog
+        with lc.adopting():  # starts the watchdog: its /dev/shm snapshot is taken before this returns
             pass
-        time.sleep(1.5)
         child = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]], stdout=subprocess.PIPE)
         child.stdout.readline()
         lc.adopt(child.pid)
-        time.sleep(3 * lc.POLL_S)  # the watchdog reads its mappings
+        assert lc.settle()  # the watchdog has read its mappings
         print(child.pid, flush=True)
         time.sleep(1000)
     """)
@@ -153,7 +158,7 @@ def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_pat
         assert os.path.exists(made)
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
-        _gone_within([child], [made], 10)
+        _gone_within([child], [made], 30)
         assert older.exists()
     finally:
         older.unlink(missing_ok=True)
@@ -197,7 +202,7 @@ def test_the_watchdog_removes_only_shared_memory_this_run_made(tmp_path):
         assert os.path.exists(made) and Path(older).read_bytes()[0] == 1  # the child wrote to the older file
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
-        _gone_within([child, watchdog], [made], 10)  # the watchdog has finished
+        _gone_within([child, watchdog], [made], 30)  # the watchdog has finished
         assert os.path.exists(older) and os.path.exists(shared)
     finally:
         other.kill()

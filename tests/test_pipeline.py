@@ -66,15 +66,19 @@ def test_stop_in_the_middle_leaves_no_thread_behind(toy_cfg):
     before = set(threading.enumerate())
     run = Run(toy_cfg.replace(steps=200, max_async_steps=1), data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:44])
     run.start()
-    t0 = time.time()
-    while len(run.history) < 2 and time.time() - t0 < 120:
+    deadline = time.monotonic() + 600  # only bounds a hang (a loaded 2-core machine once needed > 120 s)
+    while len(run.history) < 2:
+        assert time.monotonic() < deadline and run.running, "the run never got 2 steps in"
         time.sleep(0.05)
-    t = time.time()
+
+    def ours():
+        return [th for th in set(threading.enumerate()) - before if th.is_alive() and th.name.startswith("minirl")]
+    assert ours()  # the control: the run's threads are there while it runs
     run.stop(timeout=30)
-    assert time.time() - t < 30 and not run.running
-    time.sleep(0.5)
-    left = [th for th in set(threading.enumerate()) - before if th.is_alive() and th.name.startswith("minirl")]
-    assert not left, left
+    assert not run.running
+    for th in ours():
+        th.join(30)  # a thread that ends does so now; one that never does is left below
+    assert not ours(), ours()
     procs = [p for p in multiprocessing.active_children() if p.name.startswith("minirl")]
     assert not procs, procs  # the generator process is gone too
     assert 2 <= run.summary["steps"] < 200

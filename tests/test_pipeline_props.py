@@ -27,7 +27,7 @@ class FakeEngine:
 
     async def _one(self, p: Prompt, n: int):
         v = self.version
-        await asyncio.sleep(self.rng.random() * self.max_delay)
+        await asyncio.sleep(self.rng.random() * self.max_delay)  # the thing under test: groups finish out of order
         comps = tuple(Completion((1, 2), (-0.5, -0.5), (v, v), f"{p.index}-{j}-{self.rng.random()}", "stop")
                       for j in range(n))
         return Group(p, comps)
@@ -65,7 +65,7 @@ def test_staleness_bound_and_exact_accounting(K, S, P, steps, seed, train_delay)
             if S is not None:
                 assert all(version - g.group.oldest_version <= S for g in kept)
             seen += [c.text for g in kept for c in g.group.completions]
-            time.sleep(train_delay)
+            time.sleep(train_delay)  # the thing under test: a slower or faster trainer than the generator
             version += 1
             eng.load_adapter(None, version)
             pipe.signal_version()

@@ -5,12 +5,14 @@ import ctypes
 import fractions
 import importlib
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import types
 
 import numpy as np
 import psutil
@@ -77,16 +79,24 @@ def test_a_timeout_also_kills_the_subprocesses_of_the_reward(tmp_path):
                 os.kill(pid, 9)
 
 
+def _tied_to_this_thread():
+    """A child that the kernel kills when the thread that started it ends (PR_SET_PDEATHSIG = SIGKILL)."""
+    return subprocess.Popen(["sleep", "600"], preexec_fn=lambda: ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0))
+
+
 def test_workers_outlive_the_thread_that_made_the_pool():
-    made = []
-    maker = threading.Thread(target=lambda: made.append(pool({})))
+    """The maker thread also starts a child tied to itself (the positive control): once the kernel has killed
+    that one, a worker tied to the maker thread would have had its signal too."""
+    made, control = [], []
+    maker = threading.Thread(target=lambda: (made.append(pool({})), control.append(_tied_to_this_thread())))
     maker.start()
     maker.join()
-    workers = psutil.Process().children()
-    time.sleep(0.5)  # a worker tied to the maker thread (PR_SET_PDEATHSIG) would be killed by now
+    assert control[0].wait(60) == -signal.SIGKILL  # the maker thread is gone and its tied child with it
     with made[0] as rw:
-        assert not any(gone(w.pid) for w in workers)
+        workers = [w for w in psutil.Process().children() if w.pid != control[0].pid]
+        assert len(workers) >= 2 and not any(gone(w.pid) for w in workers)  # the pool's 2 (and the watchdog)
         assert [o.value for o in rw.call_many(calls("ok", "ok"))] == [1.0, 1.0]
+        assert not any(gone(w.pid) for w in workers)  # the same workers answered (none was replaced)
 
 
 @pytest.mark.parametrize("how", ["busy", "sleep"])
@@ -232,17 +242,16 @@ def test_rewards_that_cannot_reach_a_worker_fail_at_construction(tmp_path, monke
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_each_call_has_its_own_timeout(workers):
-    def cpu(p, c, **_):
-        start = time.process_time()
-        while time.process_time() - start < 0.15:
-            pass
+    def slow(p, c, **_):
+        time.sleep(0.2)  # the thing under test: a call's own duration, in wall time as timeouts are
         return 1.0
 
-    # 16 calls of 0.15 s CPU: 1.2 s per worker (2.4 s under one GIL), so a timeout budget shared by the group runs
-    # out, while each call alone stays under its own 1 s even on a machine busy enough to make CPU 6x slower.
-    with pool({"cpu": cpu}, workers=workers, timeout_s=1.0) as rw:
-        out = rw.call_many(calls(*["cpu"] * 16))
-        assert [o.error for o in out] == [None] * 16
+    # 24 calls of 0.2 s: 2.4 s per worker (4.8 s one after another in-process), so a timeout budget shared by the
+    # group runs out, while each call alone stays well under its own 1.5 s. (Wall-clock sleeps rather than CPU
+    # work: a loaded machine slowed a 0.15 s CPU loop past a 1 s timeout.)
+    with pool({"slow": slow}, workers=workers, timeout_s=1.5) as rw:
+        out = rw.call_many(calls(*["slow"] * 24))
+        assert [o.error for o in out] == [None] * 24
 
 
 def test_a_worker_that_died_while_idle_is_replaced_without_blaming_a_call():
@@ -253,25 +262,56 @@ def test_a_worker_that_died_while_idle_is_replaced_without_blaming_a_call():
         assert [(o.value, o.error) for o in rw.call_many(calls(*["ok"] * 4))] == [(1.0, None)] * 4
 
 
-def test_a_reward_that_closes_its_output_does_not_make_the_trainer_spin():
+def test_a_reward_that_closes_its_output_does_not_make_the_trainer_spin(monkeypatch):
+    """The trainer's waits on its workers are counted (each return of its poll): one still watching the closed
+    pipe would return at once, again and again, for the 2 s the reward takes; it must wake only for the reply."""
+    from minirl.rewards import workers as W
+    wakeups = []
+
+    class CountingPoll:
+        def __init__(self):
+            self.poller = select.poll()
+
+        def register(self, *a):
+            self.poller.register(*a)
+
+        def poll(self, *a):
+            wakeups.append(self.poller.poll(*a))
+            return wakeups[-1]
+
     def mute_and_wait(p, c, **_):
         os.close(1)
         os.close(2)
-        time.sleep(2)
+        time.sleep(2)  # the thing under test: a while with the pipe closed and no reply yet
         return 1.0
 
     with pool({"mute": mute_and_wait}, workers=1) as rw:
-        cpu = time.process_time()
+        monkeypatch.setattr(W, "select", types.SimpleNamespace(poll=CountingPoll, POLLIN=select.POLLIN))
         assert rw.call_many(calls("mute"))[0].value == 1.0
-        assert time.process_time() - cpu < 1.0  # a trainer polling a closed pipe would burn the whole 2 s
+        assert 1 <= len(wakeups) <= 10, f"{len(wakeups)} wakeups"  # spinning: thousands
 
 
-def test_an_interrupted_call_many_leaves_the_pool_usable():
-    with pool({"slow": lambda p, c, **_: time.sleep(1) or 5.0}) as rw:
-        threading.Timer(0.3, signal.pthread_kill, [threading.main_thread().ident, signal.SIGINT]).start()
+def test_an_interrupted_call_many_leaves_the_pool_usable(tmp_path):
+    """Ctrl-C while both calls run (each says so with a file): the next call gets its own result, never theirs."""
+    folder = str(tmp_path)
+
+    def slow(p, c, **_):
+        open(os.path.join(folder, f"started-{os.getpid()}"), "w").close()
+        time.sleep(600)  # until the interrupted pool replaces its worker
+        return 5.0
+
+    def interrupt_once_both_run():
+        deadline = time.monotonic() + 120  # only bounds a hang
+        while len(os.listdir(folder)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    with pool({"slow": slow}) as rw:
+        threading.Thread(target=interrupt_once_both_run, daemon=True).start()
         with pytest.raises(KeyboardInterrupt):
             rw.call_many(calls("slow", "slow"))
-        # the interrupted calls' late replies must not land in the next call's results
+        assert len(os.listdir(folder)) == 2  # it was interrupted with both calls running
+        # the interrupted calls' replies must not land in the next call's results
         assert [(o.value, o.error) for o in rw.call_many(calls("ok"))] == [(1.0, None)]
 
 

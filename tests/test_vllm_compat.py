@@ -128,6 +128,59 @@ def test_gloo_group_binds_loopback_and_falls_back_without_the_private_options(tm
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
 
 
+def test_nccl_group_sets_the_timeout_and_falls_back_without_the_private_field(monkeypatch):
+    """On a stand-in for `ProcessGroupNCCL` (CPU torch has none): the timeout goes into the options' private
+    `_timeout`; a torch whose options lack it gets a group anyway, after one warning."""
+    import torch.distributed as dist
+    made = []
+
+    class Options:
+        _timeout = None
+
+    class Strict:  # a torch whose NCCL options take no `_timeout`
+        __slots__ = ()
+
+    class FakeNCCL:
+        def __init__(self, store, rank, size, opts):
+            made.append((store, rank, size, opts))
+    FakeNCCL.Options = Options
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    compat.nccl_group("store", 0, 2, timedelta(seconds=7))
+    assert made[-1][:3] == ("store", 0, 2) and made[-1][3]._timeout == timedelta(seconds=7)
+    FakeNCCL.Options = Strict
+    with pytest.warns(RuntimeWarning, match="NCCL options take no timeout"):
+        compat.nccl_group("store", 1, 2, timedelta(seconds=7))
+    assert made[-1][1] == 1 and isinstance(made[-1][3], Strict)
+
+
+def test_cuda_ipc_handles_go_through_torchs_private_storage_calls(monkeypatch):
+    """`share_cuda` / `open_cuda` on stand-ins with torch's private names (a real handle needs a GPU): the handle
+    travels as plain values and is opened with the same values."""
+    opened = []
+
+    class Storage:
+        def _share_cuda_(self):
+            return ("device", "handle", 64)
+    raw = types.SimpleNamespace(untyped_storage=lambda: Storage())
+    handle = compat.share_cuda(raw)
+    assert handle == ["device", "handle", 64]
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", lambda *h: opened.append(h) or "storage",
+                        raising=False)
+    assert compat.open_cuda(handle) == "storage" and opened == [("device", "handle", 64)]
+
+
+def test_the_hooked_names_exist_in_the_installed_torch():
+    """The torch hooks' private names are there in this torch (the GPU ones as methods, even on a CPU build)."""
+    import torch.distributed as dist
+    assert compat.checked(torch.__version__, compat.TORCH_CHECKED), \
+        f"torch {torch.__version__}: add it to TORCH_CHECKED once these tests pass on it"
+    assert hasattr(torch.UntypedStorage, "_share_cuda_") and hasattr(torch.UntypedStorage, "_new_shared_cuda")
+    assert hasattr(dist.ProcessGroupGloo, "_Options") and hasattr(torch, "_foreach_copy_")
+    assert hasattr(torch, "_foreach_mul_")
+    if hasattr(dist, "ProcessGroupNCCL"):
+        assert hasattr(dist.ProcessGroupNCCL.Options(), "_timeout")
+
+
 @pytest.mark.parametrize("private", [True, False])
 def test_foreach_ops_with_and_without_torchs_private_ones(monkeypatch, private):
     if not private:

@@ -186,7 +186,7 @@ def test_a_server_that_stops_answering_stops_the_run_in_bounded_time():
         with pytest.raises(ServerError, match=rf"vLLM server 0 \({url}\) did not answer a 1-token request within "
                                               r"2 s; restart it and run again"):
             gen.generate([Prompt(0, (1, 2, 3), "q")], 2, SamplingParams(max_tokens=4))
-        assert time.monotonic() - t0 < 2.0 + 10.0
+        assert time.monotonic() - t0 < 60  # detection within the 2 s timeout's polls; generous for a loaded machine
     finally:
         _FakeServer.gone.set()
         gen.close()

@@ -79,6 +79,14 @@ def hf_logprobs(model, prompt_ids, completion_ids, temperature):
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1).tolist()
 
 
+def _until(ready, what: str, timeout_s: float = 120) -> None:
+    """A condition wait; the deadline only bounds a hang."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} within {timeout_s:.0f} s"
+        time.sleep(0.05)
+
+
 def _params(**kw):
     from minirl.types import SamplingParams
     return SamplingParams(**{"max_tokens": 10, "seed": 0, **kw})
@@ -186,7 +194,7 @@ def test_old_versions_unloaded_and_folders_removed(gen, prompts, adapters, tmp_p
     done = []
     slow = threading.Thread(target=lambda: done.append(gen.generate(prompts[4:], 2, _params(max_tokens=300))))
     slow.start()  # a long story (the seed makes it long every time) on version 1, in flight while 2 and 3 are pushed
-    time.sleep(2.0)
+    _until(lambda: gen.adapters.in_flight() == {1}, "the long request in flight on version 1")
     for v in (2, 3):
         trainer.version = v
         sync.push(trainer, gen)
@@ -194,7 +202,7 @@ def test_old_versions_unloaded_and_folders_removed(gen, prompts, adapters, tmp_p
     assert gen.versions_in_use() == {1, 3} and listed() == [[3, 3], ["v1", "v3"]]
     slow.join(timeout=300)
     assert all(c.versions == (1,) * len(c.token_ids) for c in done[0][0].completions)
-    time.sleep(1.0)  # the unload runs in the background once the request is done
+    _until(lambda: gen.versions_in_use() == {3}, "version 1 unloaded")  # in the background once the request is done
     trainer.version = 4
     sync.push(trainer, gen)
     assert gen.versions_in_use() == {4}
@@ -202,10 +210,7 @@ def test_old_versions_unloaded_and_folders_removed(gen, prompts, adapters, tmp_p
     def left():
         return [d["id"] for s in gen.fleet.servers for d in gen.call(s.api.models())["data"]
                 if d["id"].startswith(f"minirl-{gen.tag}")]
-    t0 = time.monotonic()
-    while left() != [f"minirl-{gen.tag}-v4"] * 2:  # the unloads run in the background
-        assert time.monotonic() - t0 < 30, left()
-        time.sleep(0.2)
+    _until(lambda: left() == [f"minirl-{gen.tag}-v4"] * 2, "the unloads")  # they run in the background
     gen.load_adapter(None, 0)
     sync.close()
 

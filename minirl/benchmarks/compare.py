@@ -5,7 +5,10 @@ both alike; each side's tokens compared with the other's token by token; and the
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+if TYPE_CHECKING:
+    from ..generators.vllm import VLLMGenerator
 
 Tokens = Sequence[Sequence[int]]  # one side's token sequences of a round, in a fixed order (prompt, then sample)
 
@@ -59,6 +62,6 @@ def interleaved(sides: Mapping[str, Callable[[], Tokens]], rounds: int,
             "tokens": toks, "tok_s_rounds": rates, "rounds": rounds, "order": order}
 
 
-def empty_prefix_cache(gen) -> None:
+def empty_prefix_cache(gen: VLLMGenerator) -> None:
     """Drop the engine's cached KV blocks: the next requests pay their prefills."""
     gen.call(gen.engine.reset_prefix_cache())

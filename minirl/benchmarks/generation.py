@@ -42,9 +42,15 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..types import Prompt, SamplingParams
+from ..sync import WeightSync
+from ..types import AdapterSource, Prompt, SamplingParams
 from .compare import empty_prefix_cache, interleaved, sequences
+
+if TYPE_CHECKING:
+    from ..generators.vllm import VLLMGenerator
+    from ..trainer import Trainer
 
 
 def bench_prompts(tokenizer, count: int) -> list[Prompt]:
@@ -66,7 +72,7 @@ def demo_prompts(tokenizer, count: int = 8) -> list[Prompt]:
     return D.to_prompts(D.arithmetic_splits(64, 0)[0][:count], tokenizer)
 
 
-def fake_step(trainer, scale: float = 1e-3) -> None:
+def fake_step(trainer: AdapterSource, scale: float = 1e-3) -> None:
     """Stand-in for an optimizer step: every lora_B moves by seeded noise, in place; the version goes up."""
     import torch
     g = torch.Generator().manual_seed(trainer.version + 1)
@@ -77,7 +83,7 @@ def fake_step(trainer, scale: float = 1e-3) -> None:
     trainer.version += 1
 
 
-def raw_generate(gen, prompts, n: int, params: SamplingParams, seed: int) -> list[tuple[int, ...]]:
+def raw_generate(gen: VLLMGenerator, prompts, n: int, params: SamplingParams, seed: int) -> list[tuple[int, ...]]:
     """Raw vLLM: one `AsyncLLM.generate` per prompt, gathered on the engine loop, with the per-request seed
     minirl gives a prompt's first visit (`request_seed(seed, index, 0)`) and the adapter it serves."""
     import asyncio
@@ -102,7 +108,7 @@ def raw_generate(gen, prompts, n: int, params: SamplingParams, seed: int) -> lis
     return gen.call(run())
 
 
-def _minirl_generate(gen, prompts, n, params):
+def _minirl_generate(gen: VLLMGenerator, prompts, n, params):
     gen.restart_seeds()  # each prompt's first visit: the seeds raw_generate uses
     return sequences(gen.generate(prompts, n, params))
 
@@ -112,7 +118,8 @@ def _settings(prompts, n: int, params: SamplingParams, **more) -> dict:
             **more}
 
 
-def bench_raw_vs_minirl(gen, prompts, n: int, params: SamplingParams, rounds: int = 4, seeds=(0, 0)) -> dict:
+def bench_raw_vs_minirl(gen: VLLMGenerator, prompts, n: int, params: SamplingParams, rounds: int = 4,
+                        seeds=(0, 0)) -> dict:
     """minirl vs raw AsyncLLM tokens/s on `gen`; `seeds` = (raw's, minirl's) (equal: the same tokens)."""
     seed = dict(zip(("raw", "minirl"), seeds))
     sides = {"raw": lambda: raw_generate(gen, prompts, n, params, seed["raw"]),
@@ -122,7 +129,8 @@ def bench_raw_vs_minirl(gen, prompts, n: int, params: SamplingParams, rounds: in
         prompts, n, params, prefix_cache="emptied before each side", adapter=gen.serving and gen.serving.lora_name)}
 
 
-def bench_vllm_vs_hf(trainer, gen, sync, prompts, n: int, params: SamplingParams, rounds: int = 4,
+def bench_vllm_vs_hf(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, prompts, n: int, params: SamplingParams,
+                     rounds: int = 4,
                      seeds=(0, 0)) -> dict:
     """vLLM (the LoRA served, pushed by `sync`) vs transformers `generate` on the trainer's model (merged LoRA on
     CPU, as the synchronous loop runs it); `seeds` = (transformers', vLLM's). A fake step and a push before each
@@ -145,7 +153,8 @@ def bench_vllm_vs_hf(trainer, gen, sync, prompts, n: int, params: SamplingParams
         note="vLLM and transformers sample from different random streams: tokens differ, compare tokens/s")}
 
 
-def bench_cpu_lora(trainer, gen, sync, prompts, n: int, params: SamplingParams, rounds: int = 4,
+def bench_cpu_lora(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, prompts, n: int, params: SamplingParams,
+                   rounds: int = 4,
                    seed: int = 0) -> dict:
     """vLLM's own CPU LoRA ops vs minirl's (`minirl.cpu_lora`), swapped in and out of the same engine between
     sides (`minirl_cpu_lora`): the demo's step with the adapter served, pushed as a run pushes it (a fake step and
@@ -182,7 +191,7 @@ def bench_cpu_lora(trainer, gen, sync, prompts, n: int, params: SamplingParams, 
         note="the same engine and seed: tokens differ only where the two ops' float rounding flips a sample")}
 
 
-def bench_check(trainer, gen, sync, prompt, rounds: int = 4) -> dict:
+def bench_check(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, prompt, rounds: int = 4) -> dict:
     """The probe scored whole (one request) vs position by position on the same engine and adapter (module
     docstring: `check`); order alternated per round."""
     import statistics
@@ -207,7 +216,7 @@ def bench_check(trainer, gen, sync, prompt, rounds: int = 4) -> dict:
                          "lora_rank": trainer.cfg.lora_rank, "transport": sync.transport, "temperature": 1.0}}
 
 
-def bench_hf_merge(trainer, prompts, n: int, params: SamplingParams, rounds: int = 4, seeds=(0, 0),
+def bench_hf_merge(trainer: Trainer, prompts, n: int, params: SamplingParams, rounds: int = 4, seeds=(0, 0),
                    merge_reps: int = 5) -> dict:
     """transformers tokens/s with the LoRA merged for generation (the CPU default) vs unmerged, on the trainer's
     model; `seeds` = (unmerged's, merged's). A fake step before each round: the merged side re-merges, timed."""
@@ -232,7 +241,7 @@ def bench_hf_merge(trainer, prompts, n: int, params: SamplingParams, rounds: int
         torch_threads=torch.get_num_threads(), merge_in_timing="a new adapter every round: merged once per round")}
 
 
-def bench_hf_decode(trainer, prompts, n: int, params: SamplingParams, rounds: int = 4) -> dict:
+def bench_hf_decode(trainer: Trainer, prompts, n: int, params: SamplingParams, rounds: int = 4) -> dict:
     """transformers `generate` vs minirl's `decode` on the trainer's model (LoRA merged, as the synchronous loop
     generates), the same seed on both sides."""
     import torch

@@ -22,8 +22,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from ..metrics import memory_metrics
 from . import _write
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
 
 ROWS = {"lora": {}, "qlora": {"load_in_4bit": True}, "lora_token_budget_4096": {"token_budget": 4096},
         "lora_token_budget_1024": {"token_budget": 1024}}
@@ -78,7 +83,7 @@ def model_mb(model) -> float:
     return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]) / 2**20
 
 
-def micro_tokens(trainer, groups) -> int:
+def micro_tokens(trainer: Trainer, groups) -> int:
     """The padded tokens (rows x longest row) of the step's largest micro-batch, as the trainer splits it: what
     the activations of a training step scale with (the memory plan's calibration reads it)."""
     from ..batch import make_batch, samples_from_groups

@@ -132,9 +132,8 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
 def _steady_mean(step_s: list[float], warmup: int) -> float:
     """A run's mean step seconds in steady state: after `warmup` steps, and without the last step. An asynchronous
     run drains at its end: its last batch was generated beside the step before, and nothing is generated beside
-    the last step, which takes only its training (~1 s when no group has a non-zero advantage). Counted in, it
-    made K = 1 look 1.4x faster than the synchronous loop on the long-tail workload (4 measured steps) where the
-    steps before it were no faster."""
+    the last step, which takes only its training: counted in, it makes an asynchronous run look faster than the
+    steps before it were (BENCHMARKS.md, "Figures moved out of docstrings")."""
     return statistics.mean(step_s[warmup:-1] if len(step_s) > warmup + 1 else step_s[warmup:])
 
 

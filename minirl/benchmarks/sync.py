@@ -31,6 +31,12 @@ import threading
 import time
 import types
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..types import PolicyTrainer
+
+if TYPE_CHECKING:
+    from ..generators.vllm import VLLMGenerator
 
 RANKS = (8, 16, 64)
 PATHS = (("files", "continue"), ("ipc", "continue"), ("ipc", "inflight"), ("collective", "continue"),
@@ -75,7 +81,7 @@ class Check:
     """The check `Run._push` makes after a push: the trainer's probe logprobs, then `verify` (which raises if the
     engine does not serve the push); each check is the next one's `previous`."""
 
-    def __init__(self, trainer, gen, tok, temperature: float = 1.0):
+    def __init__(self, trainer: PolicyTrainer, gen: VLLMGenerator, tok, temperature: float = 1.0):
         from minirl.sync import make_probe
         prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
                                          add_generation_prompt=True, tokenize=True)
@@ -99,7 +105,7 @@ def make_path_sync(transport: str, policy: str, timeout_s: float = 60.0):
     return TensorSync(transport, inflight=policy == "inflight", timeout_s=timeout_s)
 
 
-def throughput(gen, rounds: list, push=None, max_tokens: int = 24) -> tuple[float, list]:
+def throughput(gen: VLLMGenerator, rounds: list, push=None, max_tokens: int = 24) -> tuple[float, list]:
     """(Generated tokens/s, the token sequences) over `rounds` (one round = one step's rollouts: a list of prompts,
     2 samples each). With `push`, an adapter sync is issued at the start of every round, concurrently with that
     round's generation (as the async pipeline does). Seeded and restarted per call, so that calls with the same
@@ -151,7 +157,7 @@ def pin_trainer(cores: set[int] | None) -> None:
         torch.set_num_threads(len(cores))
 
 
-def latencies(tr, gen, check: Check, rank: int, rounds: int, per_round: int, paths=PATHS,
+def latencies(tr: PolicyTrainer, gen: VLLMGenerator, check: Check, rank: int, rounds: int, per_round: int, paths=PATHS,
               checked_paths=CHECKED) -> list[dict]:
     """Every path, and `checked_paths` with the check, interleaved (see the module's docstring): p50/p95 each."""
     syncs = {p: make_path_sync(*p) for p in paths}
@@ -195,7 +201,8 @@ def latencies(tr, gen, check: Check, rank: int, rounds: int, per_round: int, pat
     return [*out, {"rank": rank, "rounds": rounds, "per_round": per_round, "order": order}]
 
 
-def generation_blocks(tr, gen, check: Check, tok, steps: int, pairs: int, max_tokens: int = 24,
+def generation_blocks(tr: PolicyTrainer, gen: VLLMGenerator, check: Check, tok, steps: int, pairs: int,
+                      max_tokens: int = 24,
                       per_step: int = 8) -> dict:
     """Generation tokens/s without and with a push per step (see the module's docstring)."""
     from .compare import empty_prefix_cache, identical_fraction
@@ -247,7 +254,8 @@ def generation_blocks(tr, gen, check: Check, tok, steps: int, pairs: int, max_to
 
 
 def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, gen_rank: int = 16, steps: int = 2,
-               pairs: int = 5, max_tokens: int = 24, per_step: int = 8, paths=PATHS, generator=None) -> dict:
+               pairs: int = 5, max_tokens: int = 24, per_step: int = 8, paths=PATHS,
+               generator: VLLMGenerator | None = None) -> dict:
     """Latency of `paths` at every rank (`latencies`), then at `gen_rank` generation with syncs
     (`generation_blocks`, `per_step` prompts a step). `generator`: a running `VLLMGenerator` to use for every rank
     instead of one engine per rank on the core split (it must take the largest rank; not closed here)."""
@@ -289,7 +297,7 @@ def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, g
             try:
                 tr = fake_trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), rank)
                 check = Check(tr, gen, tok)
-                checked = CHECKED if rank == gen_rank else ()  # ~1 s or more a check: at one rank only
+                checked = CHECKED if rank == gen_rank else ()  # a check is slow: at one rank only
                 *rows, how = latencies(tr, gen, check, rank, rounds, per_round, paths, checked)
                 results += rows
                 orders.append(how)

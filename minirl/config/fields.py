@@ -4,6 +4,7 @@ docstrings are the config reference (`cli.field_docs`); checks live in `validate
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,15 @@ class Config:
     """Extra keyword arguments for the base model's `from_pretrained`, e.g. {attn_implementation: sdpa,
     revision: main}; `revision` (and `trust_remote_code`) also reach the tokenizer. On the command line:
     --model_kwargs '{attn_implementation: sdpa}'."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: a group whose rewards have no spread (all advantages zero) is replaced by a group of
+    a fresh prompt until the step holds prompts_per_step informative groups or max_resample_rounds rounds are done
+    (then its remaining slots keep groups without spread). Refill prompts are drawn from the training prompts by a
+    seeded order of (seed, step, round), none already in the step, so a resumed run draws those of an unbroken one.
+    Logged: batch/resampled_groups, batch/informative_groups."""
+    max_resample_rounds: int = 3
+    """With dynamic_sampling: at most this many refill rounds per step, each generating a group for every slot
+    still without spread."""
     mask_truncated: bool = False
     """A completion cut by max_tokens (finish_reason 'length'; an episode cut by max_turns / max_episode_tokens)
     contributes no loss; its reward still counts in its group's baseline (DAPO's overlong filtering). Pair it with
@@ -140,10 +150,28 @@ class Config:
     """Passes over each batch; each pass is one optimizer step. >1 makes the clip ratio active."""
 
     # --- loss ----------------------------------------------------------------------------------------------
+    loss_type: str | None = None
+    """A preset by TRL's name that sets loss_agg, scale_rewards, clip_low, clip_high and importance_level; a field
+    you set yourself (Python, YAML or a flag) wins over it, and config.yaml records the fields it resolved to.
+    'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo': constant, none, 0.2 / 0.2, token. 'dapo':
+    token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as 'dapo' (TRL's two differ only in counting
+    tokens per device or over the whole step; minirl's weights always span the step). 'gspo': seq-mean, group,
+    3e-4 / 4e-4, sequence. No preset touches kl_coef (0 = off, as TRL's beta), tis_cap, behav_clip or opsm_delta.
+    None: the fields as set (their defaults equal 'dapo'). Table: docs/recipes.md."""
     loss_agg: str = "token-mean"
     """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO)."""
-    scale_adv_by_std: bool = True
-    """Divide group advantages by the group std (GRPO); False = Dr. GRPO."""
+    scale_rewards: str = "group"
+    """How group-centred advantages are scaled: 'group' (divided by the group's reward std, GRPO), 'batch' (by the
+    std of every reward in the step's batch, TRL's 'batch') or 'none' (Dr. GRPO). Replaces scale_adv_by_std, still
+    accepted: true = 'group', false = 'none'."""
+    importance_level: str = "token"
+    """'token': each token's own ratio. 'sequence' (GSPO): the sequence's length-normalised ratio
+    exp(mean_t(logp - old_logp)) replaces the token ratio in the PPO clip, in the capped IS weight (tis_cap, on the
+    sequence's mean log ratio to the sampling policy) and in behav_clip, so a sequence is clipped, capped or masked
+    whole; each token's gradient flows through the sequence ratio (GSPO-token). opsm_delta is unchanged: it was
+    already a per-sequence test (mean |log ratio| to the sampling policy) masking whole sequences. With GSPO's
+    clip range behav_clip masks a sequence whose mean log-prob moved more than ~4e-4 since it was sampled (an
+    engine whose numerics differ from the trainer's shows it in clip_frac/behav)."""
     clip_low: float = 0.2
     """Lower ratio clip: ratio >= 1 - clip_low."""
     clip_high: float = 0.28
@@ -205,8 +233,8 @@ class Config:
     naming the server and its log."""
     server_timeout_s: float = 120.0
     """A server that answers nothing (neither a 1-token request, asked every 2 s, nor any other) for this many
-    seconds is down. Measured here: at 60 s, a server on 2 cores loaded ~15 by other jobs was declared down while
-    it was generating, slowly, with nothing wrong in its log."""
+    seconds is down. Too short a timeout declares a slow, loaded server down while it generates
+    (BENCHMARKS.md, "Figures moved out of docstrings")."""
     adapter_dir: str | None = None
     """The folder each adapter version is written to for the servers, which must read it at the same path (across
     machines: a shared mount). None: a tmpfs folder for servers minirl starts, out_dir/server_adapters for
@@ -236,9 +264,21 @@ class Config:
 
     # ------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
-        from .io import coerce_fields
+        from .io import apply_preset, coerce_fields
         coerce_fields(self)
+        apply_preset(self)
         self.validate()
+
+    @property
+    def explicit(self) -> frozenset[str]:
+        """The fields given when this config was made (keyword, YAML key or flag), kept by `replace`: those a
+        `loss_type` preset does not override."""
+        return self.__dict__.get("_explicit", frozenset())
+
+    @property
+    def scale_adv_by_std(self) -> bool:
+        """The old name: whether advantages are divided by the group std (scale_rewards == 'group')."""
+        return self.scale_rewards == "group"
 
     def validate(self) -> None:
         """Raise one `ConfigError` naming the field and the fix for a bad setting (`validate.py`)."""
@@ -271,11 +311,30 @@ class Config:
         return from_yaml(cls, path)
 
     def replace(self, **kw: Any) -> "Config":
-        return dataclasses.replace(self, **kw)
+        """A copy with `kw` changed; the fields given explicitly stay so, and the others follow the (new) preset."""
+        from .io import translate_aliases
+        return type(self)(**{**{k: getattr(self, k) for k in self.explicit}, **translate_aliases(kw)})
 
 
-# The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized to ~10 minutes on
-# 2 CPU cores. `minirl bench learning` runs this same config.
+def _track_explicit(init):
+    """Config's generated __init__, recording which fields were given (`Config.explicit`) and taking the old
+    names of renamed fields (`io.ALIASES`)."""
+    names = [f.name for f in dataclasses.fields(Config)]
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        from .io import translate_aliases
+        kw = translate_aliases(kw)
+        object.__setattr__(self, "_explicit", frozenset(names[:len(args)]) | frozenset(kw))
+        init(self, *args, **kw)
+    return __init__
+
+
+Config.__init__ = _track_explicit(Config.__init__)  # type: ignore[method-assign]
+
+
+# The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized for 2 CPU cores
+# (its time: BENCHMARKS.md). `minirl bench learning` runs this same config.
 # token_budget=512: on CPU smaller micro-batches cost no time and much less memory (BENCHMARKS.md, "Memory").
 DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
             checkpoint_every=2, token_budget=512, out_dir="runs/demo")

@@ -27,6 +27,51 @@ def coerce_fields(cfg) -> None:
         object.__setattr__(cfg, "gradient_checkpointing", gc.strip().lower() in ("true", "yes"))
 
 
+def _scale_rewards(v: Any) -> str:
+    b = _bool(v)
+    if not isinstance(b, bool):
+        raise ConfigError(f"scale_adv_by_std: expected true or false, got {v!r}; or use scale_rewards: group, batch "
+                          "or none")
+    return "group" if b else "none"
+
+
+def _bool(v: Any) -> Any:
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no"):
+        return v.strip().lower() in ("true", "yes")
+    return v
+
+
+# old field name -> (new name, old value -> new value, what the old values meant): old YAML and keywords still load
+ALIASES: dict[str, tuple[str, Any, str]] = {
+    "scale_adv_by_std": ("scale_rewards", _scale_rewards, "true = 'group', false = 'none'"),
+}
+
+
+def translate_aliases(kw: dict[str, Any]) -> dict[str, Any]:
+    """`kw` with old field names replaced by the new ones (one ConfigError when both are given and disagree)."""
+    for old, (new, convert, meaning) in ALIASES.items():
+        if old in kw:
+            kw = dict(kw)
+            value = convert(kw.pop(old))
+            if new in kw and kw[new] != value:
+                raise ConfigError(f"{old} and {new}={kw[new]!r} disagree ({old} is the old name of {new}: {meaning}); "
+                                  f"give only {new}")
+            kw[new] = value
+    return kw
+
+
+def apply_preset(cfg) -> None:
+    """The fields `cfg.loss_type` names (`loss.PRESETS`) set on `cfg`, except those given explicitly."""
+    from ..loss import PRESETS
+    if cfg.loss_type is None:
+        return
+    if cfg.loss_type not in PRESETS:
+        raise ConfigError(f"loss_type={cfg.loss_type!r}: use one of {', '.join(PRESETS)}, or none")
+    for name, value in PRESETS[cfg.loss_type].items():
+        if name not in cfg.explicit:
+            object.__setattr__(cfg, name, value)
+
+
 def to_yaml(cfg, path: str | Path | None = None) -> str:
     text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
     if path is not None:
@@ -35,7 +80,7 @@ def to_yaml(cfg, path: str | Path | None = None) -> str:
 
 
 def from_dict(cls, d: dict[str, Any]) -> Any:
-    known = {f.name for f in dataclasses.fields(cls)}
+    known = {f.name for f in dataclasses.fields(cls)} | set(ALIASES)
     unknown = sorted(map(str, set(d) - known))
     if unknown:
         import difflib

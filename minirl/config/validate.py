@@ -71,6 +71,7 @@ RANGES: dict[str, Range] = {
     "tis_cap": Range(1, why="a cap on pi_trainer / pi_behaviour; None = no correction"),
     "opsm_delta": Range(0, why="a mean |log ratio|; None = off"),
     "kl_coef": Range(0, why="0 = off"),
+    "max_resample_rounds": Range(1, why="refill rounds per step (dynamic_sampling)"),
     "max_async_steps": Range(0, why="or 'auto'"),
     "max_staleness": Range(0, why="or None = keep all"),
     "gpu_memory_utilization": Range(0, 1, lo_open=True, why="vLLM's share of GPU memory"),
@@ -107,6 +108,7 @@ def range_problems(cfg) -> list[str]:
 
 def validate(cfg) -> None:
     """Raise one ConfigError holding a line per bad setting, each naming the field and what it accepts."""
+    from ..loss import IMPORTANCE_LEVELS, SCALE_REWARDS  # (torch: imported when a config is made, not before)
     problems = range_problems(cfg)
 
     def need(ok: bool, msg: str) -> None:
@@ -115,6 +117,9 @@ def validate(cfg) -> None:
     need(cfg.lr_schedule in ("constant", "cosine"), f"lr_schedule={cfg.lr_schedule!r}: use 'constant' or 'cosine'")
     need(cfg.loss_agg in ("token-mean", "seq-mean", "constant"),
          f"loss_agg={cfg.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
+    need(cfg.scale_rewards in SCALE_REWARDS, f"scale_rewards={cfg.scale_rewards!r}: use 'group', 'batch' or 'none'")
+    need(cfg.importance_level in IMPORTANCE_LEVELS,
+         f"importance_level={cfg.importance_level!r}: use 'token' or 'sequence' (GSPO)")
     need(cfg.backend in ("auto", "vllm", "vllm-server", "hf"),
          f"backend={cfg.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
     for i, url in enumerate(cfg.server_urls):

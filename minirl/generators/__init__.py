@@ -20,7 +20,7 @@ import importlib.util
 
 from ..config import Config
 from ..sync import WeightSync
-from ..types import AsyncGenerator, Generator
+from ..types import AsyncGenerator, Generator, PolicyTrainer
 
 __all__ = ["Generator", "AsyncGenerator", "make_generator", "pick_backend", "split_devices", "vllm_available"]
 
@@ -49,7 +49,7 @@ def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
     return "vllm", "vllm is installed and a GPU is present"
 
 
-def make_generator(cfg: Config, trainer, backend: str, asynchronous: bool,
+def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchronous: bool,
                    gen_devices: str | None, sleep_mode: bool = False) -> tuple[Generator, WeightSync, str]:
     """(generator, sync, why) for a run: vLLM with the configured transport; the transformers generator in a
     process of its own when generation runs ahead of training (`asynchronous`); else the trainer's own model.
@@ -105,7 +105,8 @@ def split_devices(spec: str | None, n: int, on_gpu: bool) -> list[str]:
     return [",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(n)]
 
 
-def _server_generator(cfg: Config, trainer, gen_devices: str | None, on_gpu: bool):
+def _server_generator(cfg: Config, trainer: PolicyTrainer, gen_devices: str | None,
+                      on_gpu: bool) -> tuple[Generator, WeightSync, str]:
     """(ServerGenerator, ServerSync, why): the servers minirl starts (`num_servers`, pinned by `split_devices`),
     or yours (`server_urls`, key from VLLM_API_KEY)."""
     import os

@@ -32,7 +32,7 @@ def _mergeable_lora_layers(model) -> list | None:
 def merged_lora(model, cache: dict, version: int = 0):
     """Run `model` (a peft LoRA model) with each LoRA folded into its base weight: `W + scaling * B @ A` computed
     into a buffer of its own (one fused `addmm`) and swapped in for the frozen `W`, adapters disabled. One matmul
-    per layer instead of three: 1.11x the tokens/s on CPU here, the same tokens (`scripts/hf_merge_check.py`;
+    per layer instead of three, the same tokens (its speed: BENCHMARKS.md; `scripts/hf_merge_check.py`, and
     `hf_merge` in `minirl bench generation`, merge cost included). The base weights are swapped back untouched afterwards, so training never sees
     merge/unmerge rounding. `cache` keeps the merged buffers for the next call; they are recomputed when `version`
     or any LoRA tensor's in-place version counter or scaling changed. A model that cannot be merged exactly
@@ -247,7 +247,7 @@ class HFGenerator(LocalEngine):
         seqs = out.sequences[:, width:].cpu()
         # out.scores are the processed logits (temperature / top-k / top-p applied) that were sampled from; one
         # (rows, vocab) step at a time, each freed once its tokens' logprobs are taken (the stacked log-softmax of
-        # every step was 2x the scores' own memory: 0.6 GB at the demo's 64 rows x 24 tokens).
+        # every step held a second copy of all the scores).
         scores = list(out.scores)
         del out
         tok_logp = torch.zeros(seqs.shape[0], len(scores))

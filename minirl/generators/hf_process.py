@@ -152,6 +152,8 @@ class ProcGenerator(LocalEngine):
         self._pending: dict[int, cf.Future] = {0: cf.Future()}
         self._lock = threading.Lock()
         self._closed = False
+        self.proc: mp.process.BaseProcess | None = None  # set as it starts (close() after a failed start)
+        self._conn = self._reader = None
         layout = make_layout(tensors, {})
         self.nbytes = layout["nbytes"]
         self.dtype = layout["dtype"].removeprefix("torch.")  # the process builds its model as the trainer did
@@ -191,7 +193,7 @@ class ProcGenerator(LocalEngine):
                     fut.set_result(out)
                 else:
                     fut.set_exception(GeneratorProcessError(f"in the generator process:\n{out}"))
-        code = self.proc.exitcode if hasattr(self, "proc") else None
+        code = self.proc.exitcode if self.proc is not None else None
         with self._lock:
             pending, self._pending = self._pending, {}
             for fut in pending.values():
@@ -253,7 +255,7 @@ class ProcGenerator(LocalEngine):
             if self._closed:
                 return
             self._closed = True
-        proc = getattr(self, "proc", None)
+        proc = self.proc
         if proc is not None:
             try:
                 self._conn.send((0, "close", ()))
@@ -263,7 +265,7 @@ class ProcGenerator(LocalEngine):
             if proc.is_alive():
                 proc.kill()
                 proc.join(5)
-        if hasattr(self, "_conn"):
+        if self._conn is not None:
             self._conn.close()
-        if hasattr(self, "_reader"):
+        if self._reader is not None:
             self._reader.join(5)

@@ -183,8 +183,9 @@ class Fleet:
 
     async def watch(self, s: Server) -> None:
         """Every POLL_S: has the process exited? Every health_every_s: a 1-token request; the server is hung when
-        neither it nor any other request to it was answered for timeout_s (a busy engine on a loaded CPU can take
-        ~20 s to fit a new request in: measured here, 2 cores, load 7). The probe has no read timeout of its own:
+        neither it nor any other request to it was answered for timeout_s (a busy engine on a loaded CPU can be
+        slow to fit a new request in: BENCHMARKS.md, "Figures moved out of docstrings"). The probe has no read
+        timeout of its own:
         a slow probe on a server whose other requests finish is not a hang."""
         while True:
             await asyncio.sleep(POLL_S)

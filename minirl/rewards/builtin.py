@@ -66,8 +66,8 @@ def code_tests_pass(prompt: str, completion: str, tests: list[str] | str, entry_
 
 
 def _sandbox():
-    """`minirl.sandbox`; in a reward worker, which never imports minirl (nor torch with it: 2 s and 230 MB a
-    worker), loaded from its folder as a package of its own (it imports nothing from minirl)."""
+    """`minirl.sandbox`; in a reward worker, which never imports minirl (nor torch with it: see
+    `minirl.rewards.workers`), loaded from its folder as a package of its own (it imports nothing from minirl)."""
     if "minirl.sandbox" in sys.modules:
         return sys.modules["minirl.sandbox"]
     if "minirl_sandbox" not in sys.modules:

@@ -17,15 +17,16 @@ wrong in a call becomes its `RewardOutcome.error`, one line, and the pool goes o
   unpickler that builds only plain data and numpy scalars: a worker running hostile code cannot run code here.
 Checking the value (finite, within the clip) is the Scorer's job: `value` is the returned object as is.
 
-Functions travel by cloudpickle (installed with vLLM; it has to become a declared dependency): notebook,
-`__main__`, closure and lambda rewards by value; functions of importable modules by reference, imported in the
-worker from the trainer's `sys.path`. minirl's own rewards go by value, so a worker never imports minirl (and
-torch with it: 3 s and 230 MB a worker). A worker is a fresh interpreter from `subprocess.Popen` (no fork of a
-process running torch or vLLM threads, no re-run of the trainer's `__main__` as multiprocessing's spawn does)
-that loads `worker_main.py` by path (standard library only). It runs one BLAS/OpenMP thread. It dies with the
-trainer, even by SIGKILL: it sets PR_SET_PDEATHSIG (Linux), which fires when the *thread* that started it ends,
-so one pool-owned thread starts them all. Memory is capped by RLIMIT_DATA, not RLIMIT_AS: it counts what the
-reward allocates, not address space merely reserved (thread stacks, BLAS, CUDA's tens of GB once initialised).
+Functions travel by cloudpickle (installed with vLLM; it has to become a declared dependency): notebook, `__main__`,
+closure and lambda rewards by value; functions of importable modules by reference, imported in the worker from the
+trainer's `sys.path`. minirl's own rewards go by value, so a worker never imports minirl (and torch with it: its
+start-up time and memory, BENCHMARKS.md, "Figures moved out of docstrings"). A worker is a fresh interpreter from
+`subprocess.Popen` (no fork of a process running torch or vLLM threads, no re-run of the trainer's `__main__` as
+multiprocessing's spawn does) that loads `worker_main.py` by path (standard library only). It runs one BLAS/OpenMP
+thread. It dies with the trainer, even by SIGKILL: it sets PR_SET_PDEATHSIG (Linux), which fires when the *thread*
+that started it ends, so one pool-owned thread starts them all. Memory is capped by RLIMIT_DATA, not RLIMIT_AS: it
+counts what the reward allocates, not address space merely reserved (thread stacks, BLAS, CUDA's tens of GB once
+initialised).
 
 `workers=0` runs each call in-process in its own daemon thread, one call after another, with the same per-call
 timeout and the same outcomes for raised errors: the opt-in for pure, cheap rewards. It cannot stop a call that

@@ -18,9 +18,12 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, TypeVar
 
-from ..types import Scorable
+from ..types import AdapterSource, AdapterUpdate, Scorable
+
+if TYPE_CHECKING:
+    from .tensor import InMemoryTarget
 
 TRANSPORTS = ("auto", "ipc", "collective", "files")
 
@@ -55,16 +58,29 @@ class SyncStats:
         return {**out, **self.verification.metrics()} if self.verification is not None else out
 
 
-class WeightSync(Protocol):
+class AdapterTarget(Protocol):
+    """What every transport needs of the generator it delivers to: `update_adapter` runs the transport's delivery
+    and serves what it delivered (`minirl.types.Generator.update_adapter`). A transport that needs more says so in
+    a protocol of its own (`tensor.InMemoryTarget`, `servers.ServerTarget`); `generators.make_generator` pairs
+    each generator with a transport it meets."""
+
+    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate: ...
+
+
+G = TypeVar("G", bound=AdapterTarget, contravariant=True)
+
+
+class WeightSync(Protocol[G]):
+    """A transport: `WeightSync[T]` delivers the trainer's adapter to a generator that meets `T`."""
     transport: str
 
-    def push(self, trainer, generator) -> SyncStats:
+    def push(self, trainer: AdapterSource, generator: G) -> SyncStats:
         """Hand the trainer's current adapter (version `trainer.version`) to the generator."""
 
     def close(self) -> None: ...
 
 
-def make_sync(transport: str, generator, trainer_device="cpu", inflight: bool = False,
+def make_sync(transport: str, generator: "InMemoryTarget", trainer_device: str = "cpu", inflight: bool = False,
               timeout_s: float = 30.0) -> tuple[WeightSync, str]:
     """The `WeightSync` for a vLLM generator and a config value, and why: 'files' → FileSync; 'ipc' /
     'collective' → TensorSync; 'auto' → in-memory when the engine has the receiver, else files."""

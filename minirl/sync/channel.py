@@ -15,20 +15,23 @@ from .wire import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, open_group
 
 class Gate:
     """One thing at a time in the worker's LoRA state: an engine step, a LoRA call, or an install. Installs that
-    are waiting go before the next step (`enter(install=True)`)."""
+    are waiting go before the next step (`enter(install=True)`). `waiting`: callers blocked in `enter` (steps and
+    installs), `installs_waiting`: the installs among them."""
 
     def __init__(self):
         self.cv = threading.Condition()
         self.busy = False
-        self.installs_waiting = 0
+        self.waiting = self.installs_waiting = 0
 
     def enter(self, install: bool = False, timeout_s: float | None = None) -> None:
         with self.cv:
             self.installs_waiting += install
+            self.waiting += 1
             try:
                 free = self.cv.wait_for(lambda: not self.busy and (install or not self.installs_waiting), timeout_s)
             finally:
                 self.installs_waiting -= install
+                self.waiting -= 1
             if not free:
                 raise TimeoutError(f"minirl adapter receiver: the engine step did not end within {timeout_s:.0f} s")
             self.busy = True

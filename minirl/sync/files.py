@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from .. import lifecycle
-from ..types import AdapterUpdate
-from . import SyncStats
+from ..types import AdapterSource, AdapterUpdate
+from . import AdapterTarget, SyncStats
 
 
 def tmpfs_dir() -> Path:
@@ -29,7 +29,7 @@ class FileSync:
         self.keep = keep
         self._dirs: list[Path] = []
 
-    def push(self, trainer, generator) -> SyncStats:
+    def push(self, trainer: AdapterSource, generator: AdapterTarget) -> SyncStats:
         t0 = time.perf_counter()
         version = trainer.version
         path = trainer.save_adapter(self.root / f"v{version}")

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import time
 
-from ..types import AdapterUpdate
-from . import SyncStats
+from ..types import AdapterSource, AdapterUpdate
+from . import AdapterTarget, SyncStats
 
 
 class SharedSync:
     """The generator runs on the trainer's own model (the synchronous transformers loop): nothing has to move."""
     transport = "shared"
 
-    def push(self, trainer, generator) -> SyncStats:
+    def push(self, trainer: AdapterSource, generator: AdapterTarget) -> SyncStats:
         return SyncStats(trainer.version, 0.0, 0, self.transport)
 
     def close(self) -> None:
@@ -24,7 +24,7 @@ class ShmSync:
     process mapped (the CPU twin of the vLLM `ipc` transport), and the process copies it before answering."""
     transport = "shm"
 
-    def push(self, trainer, generator) -> SyncStats:
+    def push(self, trainer: AdapterSource, generator: AdapterTarget) -> SyncStats:
         t0 = time.perf_counter()
         version = trainer.version
         update = generator.update_adapter(lambda: AdapterUpdate(version))  # it packs its mapped buffer

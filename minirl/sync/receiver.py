@@ -23,13 +23,13 @@ How an adapter gets in, without files:
   the store instead of files; so a LoRARequest with such a path can be served, evicted and reloaded like a file
   adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry.
 
-The doorbell (CPU and GPU alike): vLLM's utility call reaches the worker through the engine core (client loop →
-ZMQ → engine core → the executor's shared-memory queue → worker, and back): ~5-7 ms on this 2-core machine, more
-than the copy it carries. So a channel also opens a doorbell: a local socket (`multiprocessing.connection`, with an
-authkey) served by a thread in the worker process. The sender rings it for in-place pushes to an installed id;
-the thread runs the same install (`Receiver.ring`). A gate makes it exclusive with engine steps (a step is
-`execute_model` through `sample_tokens`) and with the worker's other LoRA calls; a waiting install gets in before
-the next step.
+The doorbell (CPU and GPU alike): vLLM's utility call reaches the worker through the engine core (client loop → ZMQ
+→ engine core → the executor's shared-memory queue → worker, and back), which takes longer than the copy it carries
+(BENCHMARKS.md, "Figures moved out of docstrings"). So a channel also opens a doorbell: a local socket
+(`multiprocessing.connection`, with an authkey) served by a thread in the worker process. The sender rings it for
+in-place pushes to an installed id; the thread runs the same install (`Receiver.ring`). A gate makes it exclusive
+with engine steps (a step is `execute_model` through `sample_tokens`) and with the worker's other LoRA calls; a
+waiting install gets in before the next step.
 
 Everything an engine call needs travels as plain msgpack-able values (ints, strings, bytes, lists, dicts).
 """
@@ -198,12 +198,7 @@ class Receiver:
     def snapshot(self, lora_id: int) -> dict[str, int]:
         """Output tokens produced so far by each request the worker holds on `lora_id` (between two steps these
         were all sampled with the weights in place until now)."""
-        out = {}
-        for rid, rs in compat.runner_requests(self.worker.model_runner).items():
-            lr = getattr(rs, "lora_request", None)
-            if lr is not None and lr.lora_int_id == lora_id:
-                out[rid] = len(rs.output_token_ids)
-        return out
+        return {rid: n for rid, (lid, n) in self.requests().items() if lid == lora_id}
 
     # ---- installs --------------------------------------------------------------------------------------------
 
@@ -310,7 +305,16 @@ class Receiver:
                 "slots": list(mgr.lora_index_to_id), "stored": sorted(self.store), "channels": sorted(self.channels),
                 "lora_dtype": str(wm.lora_config.lora_dtype), "max_lora_rank": wm.lora_config.max_lora_rank,
                 "modules": len(mgr.modules), "device_uuid": _device_uuid(dev),
-                "cpu_lora": cpu_lora.installed()}
+                "cpu_lora": cpu_lora.installed(), "requests": self.requests()}
+
+    def requests(self) -> dict[str, list]:
+        """Each request the worker holds now: worker request id -> [its LoRA id (None: the base model), the output
+        tokens it has so far]."""
+        out = {}
+        for rid, rs in compat.runner_requests(self.worker.model_runner).items():
+            lr = getattr(rs, "lora_request", None)
+            out[rid] = [None if lr is None else lr.lora_int_id, len(rs.output_token_ids)]
+        return out
 
 
 class AdapterReceiver:

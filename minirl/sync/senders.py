@@ -38,14 +38,14 @@ from .wire import (PROGRESS_BITS, PROGRESS_MASK, EngineHost, InstallRequest, ada
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
 
-def _llm(generator: "EngineHost"):
+def _llm(generator: EngineHost):
     llm = generator.engine
     if llm is None:
         raise SyncError("the generator's vLLM engine is not running (closed)")
     return llm
 
 
-async def rpc(generator, method: str, *args, timeout_s: float = 30.0):
+async def rpc(generator: EngineHost, method: str, *args, timeout_s: float = 30.0):
     """`AsyncLLM.collective_rpc` on the engine loop, bounded; returns the (single) worker's result."""
     try:
         res = await asyncio.wait_for(_llm(generator).collective_rpc(method, args=args), timeout_s)
@@ -58,12 +58,12 @@ async def rpc(generator, method: str, *args, timeout_s: float = 30.0):
     return res[0]
 
 
-def call_on_loop(generator, coro, timeout_s: float):
+def call_on_loop(generator: EngineHost, coro, timeout_s: float):
     """Run `coro` on the generator's loop from another thread; bounded wait, clear errors."""
     return _result(asyncio.run_coroutine_threadsafe(coro, generator.loop), timeout_s)
 
 
-async def install(generator, channel: str, lora_id: int, version: int, timeout_s: float = 30.0,
+async def install(generator: EngineHost, channel: str, lora_id: int, version: int, timeout_s: float = 30.0,
                   seq: int | None = None) -> dict:
     """On the engine loop: the worker takes the channel's bytes as LoRA `lora_id` (the generator then serves it:
     `update_adapter`). With `seq`, the worker reads the bytes as the sender's push number `seq` marks them packed
@@ -124,8 +124,9 @@ class Sender:
     doorbell connection; `send` packs, then installs by engine call (or rings the doorbell: `ring`)."""
     transport = "?"
 
-    def __init__(self, generator, tensors: dict[str, torch.Tensor], peft_config: dict, timeout_s: float = 30.0,
-                 scales: dict[str, float] | None = None, wire_dtype: torch.dtype | None = None):
+    def __init__(self, generator: EngineHost, tensors: dict[str, torch.Tensor], peft_config: dict,
+                 timeout_s: float = 30.0, scales: dict[str, float] | None = None,
+                 wire_dtype: torch.dtype | None = None):
         self.generator, self.tensors, self.timeout_s = generator, tensors, timeout_s
         if scales is not None:  # lora_B goes pre-scaled: the worker's in-place swap is then copies only
             missing = [n for n in tensors if ".lora_B." in n and n not in scales]
@@ -211,7 +212,8 @@ class IpcSender(Sender):
     transport = "ipc"
     HEADER = 64  # bytes
 
-    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None, zero_copy: bool = False,
+    def __init__(self, generator: EngineHost, tensors: dict[str, torch.Tensor], peft_config: dict,
+                 timeout_s: float = 30.0, scales: dict[str, float] | None = None, zero_copy: bool = False,
                  chunk_bytes: int = 1 << 20, overlap: bool | None = None):
         params = list(tensors.values())
         zero_copy = zero_copy and uniform(params)
@@ -246,22 +248,22 @@ class IpcSender(Sender):
         if self.closed:
             raise SyncError("this adapter sender is closed")
         self.seq += 1
-        self._progress(0)
+        self.publish_progress(0)
         pending = _Install(self, lora_id, version, self.seq, ring)
         try:
             if self.packer is None:
-                self._progress(self.layout["numel"])
+                self.publish_progress(self.layout["numel"])
             else:
                 for done in self.packer.pack_chunks(self.chunk):
-                    self._progress(done)
+                    self.publish_progress(done)
             t_packed = time.monotonic()
         except BaseException:
-            self._progress(PROGRESS_MASK)  # the worker stops waiting and reports it
+            self.publish_progress(PROGRESS_MASK)  # the worker stops waiting and reports it
             pending.cancel()
             raise
         return {**pending.result(), "t_packed": t_packed}
 
-    def _progress(self, done: int) -> None:
+    def publish_progress(self, done: int) -> None:
         """Publish `done` packed elements of push `seq`: one aligned 64-bit store, push number and progress
         together, so that no reader can pair a new number with an old progress."""
         self.header[0] = (self.seq << PROGRESS_BITS) | done
@@ -294,7 +296,8 @@ class CollectiveSender(Sender):
     """Two-rank torch.distributed group with the engine worker; each sync broadcasts the flat buffer."""
     transport = "collective"
 
-    def __init__(self, generator, tensors, peft_config, timeout_s: float = 30.0, scales=None,
+    def __init__(self, generator: EngineHost, tensors: dict[str, torch.Tensor], peft_config: dict,
+                 timeout_s: float = 30.0, scales: dict[str, float] | None = None,
                  chunk_bytes: int = 4 << 20):
         super().__init__(generator, tensors, peft_config, timeout_s, scales)
         dtype = getattr(torch, self.layout["dtype"].removeprefix("torch."))

@@ -15,18 +15,16 @@ import secrets
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .. import lifecycle
-from ..types import AdapterUpdate
-from . import SyncStats
+from ..types import AdapterSource, AdapterUpdate
+from . import AdapterTarget, SyncStats
 
 
-class ServerTarget(Protocol):
+class ServerTarget(AdapterTarget, Protocol):
     """What `ServerSync` needs of the servers' generator: it serves a folder (`update_adapter`) and says which
     versions a server may still read from theirs (`versions_in_use`)."""
-
-    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate: ...
 
     def versions_in_use(self) -> set[int]: ...
 
@@ -53,7 +51,7 @@ class ServerSync:
         self.written: set[int] = set()  # the versions this run wrote (the only folders it prunes)
         self.last: dict[str, float] = {}
 
-    def push(self, trainer, generator: "ServerTarget") -> SyncStats:
+    def push(self, trainer: AdapterSource, generator: ServerTarget) -> SyncStats:
         t0 = time.perf_counter()
         version = trainer.version
         final = self.root / f"v{version}"

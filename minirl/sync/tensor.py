@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
 from ..adapter import adapter_params, b_scalings, peft_config_dict
-from . import SyncError, SyncStats
+from . import AdapterTarget, SyncError, SyncStats
 from .senders import SENDERS, Sender, call_on_loop, rpc
-from ..types import AdapterUpdate
+from ..types import AdapterSource, AdapterUpdate
 from .wire import WORKER_EXTENSION, EngineHost
 
 _LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
@@ -39,11 +39,9 @@ def pick_transport(generator: EngineHost, trainer_device: str | torch.device = "
     return "collective", "engine and trainer on different GPUs: NCCL broadcast"
 
 
-class InMemoryTarget(EngineHost, Protocol):
+class InMemoryTarget(EngineHost, AdapterTarget, Protocol):
     """A generator the in-memory transports deliver to: its engine (`EngineHost`), and `update_adapter`, which
     runs the delivery and serves what the worker installed."""
-
-    def update_adapter(self, deliver: Callable[[], AdapterUpdate], in_place: bool = False) -> AdapterUpdate: ...
 
 
 class TensorSync:
@@ -60,11 +58,11 @@ class TensorSync:
         self.requested, self.transport, self.why = transport, transport, ""
         self.inflight, self.timeout_s = inflight, timeout_s
         self.sender: Sender | None = None
-        self._gen = None
+        self._gen: InMemoryTarget | None = None
         self.lora_id: int | None = None
         self.last: dict = {}
 
-    def _sender(self, trainer, generator) -> Sender:
+    def _sender(self, trainer: AdapterSource, generator: InMemoryTarget) -> Sender:
         if self.sender is None or self._gen is not generator:
             if self.sender is not None:
                 self.sender.close()
@@ -82,7 +80,7 @@ class TensorSync:
             self._gen, self.lora_id = generator, None
         return self.sender
 
-    def push(self, trainer, generator: "InMemoryTarget") -> SyncStats:
+    def push(self, trainer: AdapterSource, generator: InMemoryTarget) -> SyncStats:
         t0 = time.perf_counter()
         sender = self._sender(trainer, generator)
         ring = self.inflight and self.lora_id is not None  # an in-place swap of the installed id: the doorbell

@@ -253,6 +253,12 @@ class Dashboard:
             return False
         return getattr(r, "error", None) is not None or "steps" in (getattr(r, "summary", None) or {})
 
+    @property
+    def timer(self):
+        """The periodic refresh (an asyncio Task on the kernel's event loop; None where no loop runs): it ends by
+        itself once the run has ended and its last state is drawn, so `await dash.timer` waits for that."""
+        return self._task
+
     def start_timer(self) -> None:
         """(Re)start the periodic refresh on the kernel's event loop (it stops itself once a run has ended)."""
         if self._task is None or self._task.done():

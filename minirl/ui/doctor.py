@@ -124,5 +124,6 @@ def doctor(history: Sequence[dict], *, min_steps: int = 6) -> list[Alert]:
                            "deterministic (see entropy); raise temperature.")
             add("zero_advantage", "warn", f"{z1:.0%} of groups have zero advantage (was {z0:.0%})",
                 "All completions of such a group got the same reward, so they teach nothing: the step is "
-                "wasted compute." + why + " A larger group_size also helps.")
+                "wasted compute." + why + " A larger group_size also helps, and dynamic_sampling: true replaces "
+                "such groups within the step.")
     return alerts

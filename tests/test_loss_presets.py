@@ -1,0 +1,186 @@
+"""Issue 37, item 1: `loss_type` presets, GSPO's sequence-level ratio (off-policy, by hand), `scale_rewards`."""
+import argparse
+import math
+
+import pytest
+import torch
+import yaml
+
+from minirl import Config, ConfigError
+from minirl.batch import scale_by_batch
+from minirl.config import add_cli_args, overrides_from_args
+from minirl.loss import PRESETS, LossSettings, group_advantages, policy_loss, token_weights
+from minirl.rewards import Scorer
+from minirl.types import Completion, Group, Prompt
+
+# Two sequences (the second one token shorter), OFF-policy: the trainer's logprobs moved since the proximal policy
+# (`old`, as in a second ppo epoch) and the proximal policy differs from the one that sampled (`behav`, K >= 1).
+MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+LOGP = [[-1.0, -0.5, -2.0], [-0.3, -1.2, 0.0]]
+OLD = [[-1.1, -0.45, -2.05], [-0.1, -0.8, 0.0]]
+BEHAV = [[-1.05, -0.5, -2.0], [-0.3, -1.1, 0.0]]
+ADV = [1.0, -0.5]
+GSPO = LossSettings(clip_low=0.2, clip_high=0.28, tis_cap=1.2, behav_clip=True, importance_level="sequence")
+
+
+def _loss(settings, agg="seq-mean"):
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    w = token_weights(MASK, agg).to(torch.float64)
+    out = policy_loss(logp, torch.tensor(OLD, dtype=torch.float64), torch.tensor(BEHAV, dtype=torch.float64),
+                      torch.tensor(ADV, dtype=torch.float64), w, MASK, settings)
+    out.loss.backward()
+    return out, logp.grad
+
+
+def _mean(row, xs, ys):
+    n = int(MASK[row].sum())
+    return sum(xs[row][t] - ys[row][t] for t in range(n)) / n
+
+
+def _hand_gspo():
+    """GSPO by hand: s_i = exp(mean_t(logp - old)), the IS weight min(exp(mean_t(old - behav)), cap), seq-mean
+    weights 1 / (|y_i| * 2). Sequence 0 (A = 1): s = exp(0.1 / 3) in [0.8, 1.28]: the unclipped branch, each
+    token's gradient -w * A * s * is. Sequence 1 (A = -0.5): s = exp(-0.3) < 0.8: clipped (min picks 0.8 * A):
+    constant, no gradient; its IS weight exp(0.25) = 1.28 hits the cap 1.2."""
+    loss, grad = 0.0, [[0.0] * 3, [0.0] * 3]
+    for i in range(2):
+        n = int(MASK[i].sum())
+        s = math.exp(_mean(i, LOGP, OLD))
+        is_w = min(math.exp(_mean(i, OLD, BEHAV)), 1.2)
+        clipped = min(max(s, 0.8), 1.28)
+        surr = min(s * ADV[i], clipped * ADV[i])
+        loss += -is_w * surr * (n * (1 / (n * 2)))
+        if s * ADV[i] <= clipped * ADV[i]:  # the unclipped branch is the min: the gradient flows through s
+            for t in range(n):
+                grad[i][t] = -is_w * ADV[i] * s / (n * 2)
+    return loss, grad
+
+
+def test_gspo_loss_and_gradient_by_hand_off_policy():
+    hand_loss, hand_grad = _hand_gspo()
+    assert math.exp(_mean(0, LOGP, OLD)) != 1.0 and math.exp(_mean(1, LOGP, OLD)) < 0.8  # off-policy, one clipped
+    out, grad = _loss(GSPO)
+    assert out.loss.item() == pytest.approx(hand_loss, rel=1e-6)  # (token_weights are float32)
+    torch.testing.assert_close(grad, torch.tensor(hand_grad, dtype=torch.float64), rtol=1e-6, atol=1e-9)
+    assert out.clipped == 2 and out.is_truncated == 2  # sequence 1 whole: clipped and capped
+    # the gradient is that of GSPO's sequence objective (1/G) sum_i is_i * min(s_i A_i, clip(s_i) A_i) itself
+    logp = torch.tensor(LOGP, dtype=torch.float64, requires_grad=True)
+    obj = 0.0
+    for i in range(2):
+        n = int(MASK[i].sum())
+        s = torch.exp((logp[i, :n] - torch.tensor(OLD[i][:n], dtype=torch.float64)).mean())
+        is_w = min(math.exp(_mean(i, OLD, BEHAV)), 1.2)
+        obj = obj - is_w * torch.minimum(s * ADV[i], s.clamp(0.8, 1.28) * ADV[i]) / 2
+    obj.backward()
+    torch.testing.assert_close(grad, logp.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_the_token_level_ratio_fails_the_gspo_hand_value():
+    """The same batch at importance_level 'token' (each token its own ratio, IS weight and clip) gives another loss
+    and gradient: the hand value above tells the two apart (on-policy at one epoch it could not)."""
+    hand_loss, hand_grad = _hand_gspo()
+    out, grad = _loss(LossSettings(clip_low=0.2, clip_high=0.28, tis_cap=1.2, importance_level="token"))
+    assert abs(out.loss.item() - hand_loss) > 1e-3
+    assert (grad - torch.tensor(hand_grad, dtype=torch.float64)).abs().max() > 1e-3
+    assert grad[1, 0] != 0  # a token of sequence 1 is inside the clip range on its own
+
+
+def test_sequence_level_behav_clip_masks_whole_sequences():
+    """behav_clip at sequence level: a token far past the trust region inside a sequence whose mean is not keeps its
+    gradient; a sequence whose mean moved past it (in its advantage's direction) loses all of it."""
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    behav = torch.zeros(2, 3, dtype=torch.float64) - 1.0
+    logp = torch.tensor([[-0.5, -1.2, -1.2], [-0.6, -0.6, -0.6]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    w = token_weights(mask, "token-mean").to(torch.float64)
+    seq = policy_loss(logp, logp.detach(), behav, adv, w, mask, LossSettings(tis_cap=None, importance_level="sequence"))
+    seq.loss.backward()
+    assert seq.behav_clipped == 3  # sequence 1: mean log ratio 0.4 > log 1.28; sequence 0: mean 0.0333
+    assert (logp.grad[1] == 0).all() and (logp.grad[0] != 0).all()
+    logp.grad = None
+    tok = policy_loss(logp, logp.detach(), behav, adv, w, mask, LossSettings(tis_cap=None))
+    tok.loss.backward()
+    assert tok.behav_clipped == 4 and logp.grad[0, 0] == 0  # token level: sequence 0's first token is masked
+
+
+def test_presets_set_the_fields_explicit_ones_win_and_config_yaml_records_them(tmp_path):
+    for name, fields in PRESETS.items():
+        cfg = Config(loss_type=name)
+        assert {k: getattr(cfg, k) for k in fields} == fields
+    assert PRESETS["bnpo"] == PRESETS["dapo"]  # said in the docs: the same settings here
+    loss_fields = set(PRESETS["dapo"])
+    assert {k: getattr(Config(), k) for k in loss_fields} == PRESETS["dapo"]  # no preset: the defaults are dapo's
+    g = Config(loss_type="gspo")
+    assert (g.clip_low, g.clip_high, g.loss_settings().importance_level) == (3e-4, 4e-4, "sequence")
+    # Python: an explicit field wins, even one set to its default; replace keeps it and re-resolves the rest
+    c = Config(loss_type="gspo", clip_high=0.28, scale_rewards="group")
+    assert (c.clip_low, c.clip_high, c.importance_level) == (3e-4, 0.28, "sequence")
+    d = c.replace(loss_type="dr_grpo")
+    assert (d.loss_agg, d.scale_rewards, d.clip_high, d.clip_low) == ("constant", "group", 0.28, 0.2)
+    # YAML
+    (tmp_path / "c.yaml").write_text("loss_type: gspo\nclip_high: 0.01\n")
+    y = Config.from_yaml(tmp_path / "c.yaml")
+    assert (y.clip_low, y.clip_high, y.loss_agg) == (3e-4, 0.01, "seq-mean")
+    # CLI flags over a YAML file (`minirl train`): the flag and the file's fields win over the preset
+    ap = argparse.ArgumentParser()
+    add_cli_args(ap)
+    flags = overrides_from_args(ap.parse_args(["--loss-type", "dr_grpo", "--clip-low", "0.1"]))
+    f = y.replace(**flags)
+    assert (f.loss_agg, f.scale_rewards, f.clip_low, f.clip_high) == ("constant", "none", 0.1, 0.01)
+    # config.yaml (Run writes cfg.to_yaml()) records the resolved fields, and loads back to the same config
+    saved = yaml.safe_load(y.to_yaml())
+    assert (saved["loss_type"], saved["clip_low"], saved["importance_level"]) == ("gspo", 3e-4, "sequence")
+    y.to_yaml(tmp_path / "config.yaml")
+    assert Config.from_yaml(tmp_path / "config.yaml") == y
+    with pytest.raises(ConfigError, match="loss_type='ppo'"):
+        Config(loss_type="ppo")
+
+
+def test_scale_adv_by_std_still_loads_as_scale_rewards(tmp_path):
+    (tmp_path / "old.yaml").write_text("scale_adv_by_std: false\n")
+    assert Config.from_yaml(tmp_path / "old.yaml").scale_rewards == "none"
+    assert Config(scale_adv_by_std=True).scale_rewards == "group" and Config(scale_rewards="batch").scale_adv_by_std is False
+    assert Config(loss_type="grpo", scale_adv_by_std=False).scale_rewards == "none"  # explicit under its old name
+    with pytest.raises(ConfigError, match="give only scale_rewards"):
+        Config(scale_adv_by_std=False, scale_rewards="group")
+    with pytest.raises(ConfigError, match="scale_rewards='std'"):
+        Config(scale_rewards="std")
+
+
+def _scored(scale_by_std):
+    table = {"a": [1.0, 0.0, 0.0, 0.0], "b": [3.0, 1.0]}
+
+    def r(prompt, completion, **_):
+        return table[prompt][int(completion)]
+    groups = [Group(Prompt(i, (1,), p), tuple(Completion((1,), (-1.0,), (0,), str(j), "stop")
+                                              for j in range(len(table[p]))))
+              for i, p in enumerate(table)]
+    return Scorer([("r", r)], [1.0], 5.0, scale_by_std=scale_by_std).score_groups(groups)
+
+
+def test_scale_rewards_group_and_batch_by_hand():
+    """Rewards [1, 0, 0, 0] and [3, 1]. 'group': each group by its own std (sqrt(3)/4 and 1); 'batch': centred on
+    each group's mean, divided by the std of all six rewards, sqrt(41)/6; 'none': centred only."""
+    group = _scored(True)
+    s1 = math.sqrt(3) / 4
+    assert group[0].advantages == pytest.approx([0.75 / s1, -0.25 / s1, -0.25 / s1, -0.25 / s1], rel=1e-5)
+    assert group[1].advantages == pytest.approx([1.0, -1.0], rel=1e-5)
+    batch = scale_by_batch(_scored(False))
+    sb = math.sqrt(41) / 6
+    assert batch[0].advantages == pytest.approx([0.75 / sb, -0.25 / sb, -0.25 / sb, -0.25 / sb], rel=1e-5)
+    assert batch[1].advantages == pytest.approx([1.0 / sb, -1.0 / sb], rel=1e-5)
+    assert _scored(False)[1].advantages == pytest.approx([1.0, -1.0])
+    assert group_advantages([2.0, 2.0]) == [0.0, 0.0]  # no spread stays zero at every scale
+
+
+def test_the_trainer_scales_by_the_batch_std_when_asked(tiny_model, monkeypatch):
+    """scale_rewards='batch' reaches the loss: the trainer's batch holds the batch-scaled advantages."""
+    import minirl.trainer as T
+    seen = []
+    real = T.make_batch
+    monkeypatch.setattr(T, "make_batch", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    tr = T.Trainer(Config(model=tiny_model, backend="hf", lora_rank=4, max_tokens=8, scale_rewards="batch"))
+    tr.step(_scored(False))
+    sb = math.sqrt(41) / 6
+    assert sorted(seen[0].adv_B.tolist()) == pytest.approx(sorted([0.75 / sb] + [-0.25 / sb] * 3 + [1 / sb, -1 / sb]),
+                                                          rel=1e-5)
