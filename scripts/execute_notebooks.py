@@ -138,6 +138,9 @@ def write_index() -> None:
         pngs = ", ".join(f"[{f}]({path.stem}/{f})" for f, _ in images(nb)) or "none"
         lines.append(f"| [{path.stem}](../../notebooks/{path.name}) | [{path.name}]({path.name}) | {pngs} | "
                      f"{meta.get('commit', '?')} | {meta.get('machine', '?')} |")
+    for path in sorted(SOURCES.glob("*.ipynb")):
+        if not (OUT / path.name).exists():
+            lines.append(f"| [{path.stem}](../../notebooks/{path.name}) | not executed yet | | | |")
     (OUT / "README.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
