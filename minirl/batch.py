@@ -14,6 +14,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .loss import batch_scale, token_weights
+from .sampling import Processing, histories, processed_logits, seen_tokens
 from .types import ScoredGroup
 
 LOGIT_CHUNK = 1024  # completion tokens per lm_head chunk
@@ -117,13 +118,13 @@ def make_batch(samples: Sequence[Sample], pad_id: int, agg: str, max_tokens: int
 
 
 def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool = False,
-                        recompute: bool = True):
+                        recompute: bool = True, proc: Processing = Processing()):
     """Per-token logprobs (B, L) of the completion tokens under `model` (a peft or plain causal LM), with
     temperature applied — each row's own (`batch.temp_B`), or `temperature` for all — plus the summed entropy of
     those positions when asked (no grad). With grad enabled each chunk's logits are recomputed in backward
     (`_chunk_logp` under activation checkpointing) rather than kept: autograd holds (N, vocab) float32 logits for
     every completion token of the micro-batch until backward otherwise (`recompute=False`: one lm_head matmul
-    per chunk less)."""
+    per chunk less). `proc`: the sampler's min_p / repetition penalty, applied as it applied them."""
     inner, head = _decoder_and_head(model)
     hidden = inner(input_ids=batch.input_ids_B_L, attention_mask=batch.attn_B_L).last_hidden_state
     pick = batch.tgt_mask_B_L[:, 1:]
@@ -133,22 +134,27 @@ def completion_logprobs(model, batch: Batch, temperature: float | None = None, w
         temp_N = batch.temp_B[:, None].expand(pick.shape)[pick].to(h_N_H.device)
     else:
         temp_N = torch.full(targets_N.shape, float(temperature), device=h_N_H.device)
-    return hidden_logprobs(h_N_H, targets_N, temp_N, head, batch.tgt_mask_B_L, with_entropy, recompute)
+    return hidden_logprobs(h_N_H, targets_N, temp_N, head, batch, with_entropy, recompute, proc)
 
 
-def hidden_logprobs(h_N_H, targets_N, temp_N, head, tgt_mask_B_L, with_entropy: bool = False, recompute: bool = True):
+def hidden_logprobs(h_N_H, targets_N, temp_N, head, rows: Batch, with_entropy: bool = False, recompute: bool = True,
+                    proc: Processing = Processing()):
     """Logprobs of `targets_N` from the final hidden states that predict them, by lm_head chunks, scattered into
-    the (B, L) layout of `tgt_mask_B_L` (row-major order), plus their summed entropy (the shared tail of the padded
-    and the packed path)."""
+    the (B, L) layout of `rows.tgt_mask_B_L` (row-major order), plus their summed entropy (the shared tail of the
+    padded and the packed path). With a repetition penalty each target's history is its row's ids before it."""
     recompute = recompute and torch.is_grad_enabled() and h_N_H.requires_grad
+    tgt_mask_B_L = rows.tgt_mask_B_L
+    hist = histories(rows.input_ids_B_L, rows.attn_B_L, tgt_mask_B_L) if proc.penalised else None
     logps, ent = [], 0.0
     for s in range(0, h_N_H.shape[0], LOGIT_CHUNK):
-        args = (h_N_H[s: s + LOGIT_CHUNK], targets_N[s: s + LOGIT_CHUNK], temp_N[s: s + LOGIT_CHUNK], head)
+        sl = slice(s, s + LOGIT_CHUNK)
+        hist_c = None if hist is None else (hist[0][sl].to(h_N_H.device), hist[1][sl].to(h_N_H.device))
+        args = (h_N_H[sl], targets_N[sl], temp_N[sl], head)
         if recompute:
             from torch.utils.checkpoint import checkpoint
-            lp, e = checkpoint(_chunk_logp, *args, with_entropy, use_reentrant=False)
+            lp, e = checkpoint(_chunk_logp, *args, with_entropy, proc, hist_c, use_reentrant=False)
         else:
-            lp, e = _chunk_logp(*args, with_entropy)
+            lp, e = _chunk_logp(*args, with_entropy, proc, hist_c)
         logps.append(lp)
         ent += e
     logp_N = torch.cat(logps) if logps else h_N_H.new_zeros(0)
@@ -157,16 +163,21 @@ def hidden_logprobs(h_N_H, targets_N, temp_N, head, tgt_mask_B_L, with_entropy: 
     return out, ent
 
 
-def _chunk_logp(h_N_H, targets_N, temp_N, head, with_entropy: bool):
-    """Logprobs of `targets_N` from hidden states `h_N_H` (float32 logits / temperature) and their summed
-    entropy (a float, no grad; 0.0 unless asked)."""
-    logits = head(h_N_H).float() / temp_N[:, None]
+def _chunk_logp(h_N_H, targets_N, temp_N, head, with_entropy: bool, proc: Processing = Processing(), hist=None):
+    """Logprobs of `targets_N` from hidden states `h_N_H` (float32 logits, processed as the sampler did: penalty
+    from `hist`, temperature, min_p) and their summed entropy (a float, no grad; 0.0 unless asked)."""
+    logits = head(h_N_H).float()
+    seen = None if hist is None else seen_tokens(hist[0], hist[1], logits.shape[-1])
+    logits = processed_logits(logits, temp_N, proc, seen)
     lse = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets_N[:, None]).squeeze(-1) - lse
     ent = 0.0
     if with_entropy:  # after logp: a recompute in backward stops once logp's saved tensors are back
         with torch.no_grad():
-            ent = float((lse - (torch.softmax(logits, -1) * logits).sum(-1)).sum())
+            plogp = torch.softmax(logits, -1) * logits
+            if proc.min_p > 0:  # the cut tokens: 0 * -inf
+                plogp = torch.where(torch.isfinite(logits), plogp, 0.0)
+            ent = float((lse - plogp.sum(-1)).sum())
     return logp, ent
 
 
@@ -175,11 +186,12 @@ def _decoder_and_head(model):
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float) -> list[float]:
+def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float,
+                      proc: Processing = Processing()) -> list[float]:
     """Logprobs of one completion: the trainer-side reference for sync verification and tests."""
     s = Sample(tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), (0,) * len(completion_ids), 0.0)
     b = make_batch([s], pad_id=0, agg="token-mean", max_tokens=len(completion_ids))
     b = b.to(next(model.parameters()).device)
     with torch.no_grad():
-        lp, _ = completion_logprobs(model, b, temperature)
+        lp, _ = completion_logprobs(model, b, temperature, proc=proc)
     return lp[b.tgt_mask_B_L].tolist()

@@ -31,8 +31,9 @@ class ChatFormat:
     """The rendering of episodes for one tokenizer. `tool_format`: the template renders a `tools=` list (the
     schemas go to the model that way); else tools are described in a system message (`minirl.envs`)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
         self.tok = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})  # Config.chat_template_kwargs, on every rendering
         self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.tool_format = False
         if not self.templated:  # the plain fallback of `data.to_prompts`: one message per line
@@ -60,6 +61,7 @@ class ChatFormat:
 
     def _render(self, messages: Sequence[dict], generation_prompt: bool, tools: list | None = None) -> str:
         kw = {"tools": tools} if tools else {}
+        kw.update(self.template_kwargs)
         return self.tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
                                             **kw)
 

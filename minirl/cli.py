@@ -139,7 +139,7 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
 
 def _eval(cfg: Config, adapter: str | None = None) -> dict:
     """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
-    from .evaluation import evaluate
+    from .evaluation import eval_options, evaluate
     from .run import Run
     run = Run(cfg.replace(steps=0))
     run.load()  # no out_dir of its own: nothing is written
@@ -150,8 +150,8 @@ def _eval(cfg: Config, adapter: str | None = None) -> dict:
             set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
-        acc = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens)
-        return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), "accuracy": acc,
+        res = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens, **eval_options(cfg, 0))
+        return {"model": cfg.model, "adapter": adapter, "eval_size": len(run.eval_prompts), **res.fields(),
                 "backend": run.backend}
     finally:
         run.close()

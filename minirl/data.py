@@ -198,9 +198,9 @@ def make_splits(data: Any, eval_data: Any, *, prompt_column: str, eval_fraction:
 
 def to_prompts(rows: Sequence[dict], tokenizer, prompt_column: str = "prompt", system_prompt: str | None = None,
                max_prompt_tokens: int | None = None, start_index: int = 0,
-               indices: Sequence[int] | None = None) -> list[Prompt]:
-    """Apply the chat template and tokenize. A prompt's index is `indices[i]` (its row in the source) when given,
-    else `start_index + i`. Errors name the row and the fix."""
+               indices: Sequence[int] | None = None, template_kwargs: dict | None = None) -> list[Prompt]:
+    """Apply the chat template (with `template_kwargs`: Config.chat_template_kwargs) and tokenize. A prompt's index
+    is `indices[i]` (its row in the source) when given, else `start_index + i`. Errors name the row and the fix."""
     limit = max_prompt_tokens or getattr(tokenizer, "model_max_length", None) or 10**9
     out = []
     for i, row in enumerate(rows):
@@ -213,7 +213,8 @@ def to_prompts(rows: Sequence[dict], tokenizer, prompt_column: str = "prompt", s
         if system_prompt:
             msgs = [{"role": "system", "content": system_prompt}] + msgs
         if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                                 **(template_kwargs or {}))
         else:
             text = "\n".join(m["content"] for m in msgs) + "\n"
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

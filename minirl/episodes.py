@@ -86,9 +86,9 @@ class EpisodeRunner:
     gen: RolloutSource
 
     def __init__(self, generator: RolloutSource | TurnSampler, make_env: Callable[[], Env], tokenizer, max_turns: int,
-                 max_episode_tokens: int):
+                 max_episode_tokens: int, template_kwargs: dict | None = None):
         self.gen, self.make_env, self.tok = generator, make_env, tokenizer
-        self.chat = ChatFormat(tokenizer)
+        self.chat = ChatFormat(tokenizer, template_kwargs)
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.rows: dict[int, dict] = {}  # prompt index -> its dataset row (what `reset` gets)
 
@@ -292,11 +292,11 @@ class AsyncEpisodeRunner(EpisodeRunner):
 
 
 def make_runner(generator: Generator, make_env: Callable[[], Env], tokenizer, max_turns: int,
-                max_episode_tokens: int) -> EpisodeRunner:
+                max_episode_tokens: int, template_kwargs: dict | None = None) -> EpisodeRunner:
     """The runner for `generator`: one coroutine per episode where it samples on its own loop (vLLM), else
-    batched turns."""
+    batched turns. `template_kwargs`: Config.chat_template_kwargs."""
     cls = EpisodeRunner if generator.loop is None else AsyncEpisodeRunner
-    return cls(generator, make_env, tokenizer, max_turns, max_episode_tokens)
+    return cls(generator, make_env, tokenizer, max_turns, max_episode_tokens, template_kwargs)
 
 
 def _run_awaitable(aw) -> Any:

@@ -45,7 +45,7 @@ def export_merged(run_dir: str | Path, out: str | Path) -> dict:
     merged = PeftModel.from_pretrained(base, str(run_dir / "adapter")).merge_and_unload()
     merged = merged.to(save_dtype)
     merged.config.use_cache = True
-    tok = load_tokenizer(cfg.model, cfg.model_kwargs)
+    tok = load_tokenizer(cfg.model, cfg.model_kwargs, cfg.chat_template)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

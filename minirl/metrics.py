@@ -65,6 +65,13 @@ METRICS: dict[str, str] = {
                   "generation and training (reward workers and a generator process of its own not included)",
     "mem/cuda_mb": "peak CUDA memory (MB) allocated by torch since the previous step (GPU runs only)",
     "prompt_ids": "indices of the prompts trained on at this step (their rows in the training data)",
+    # evaluation ("eval" events and summary.json's eval_before / eval_after hold them as dicts; the tracker as these
+    # names, <reward> being each reward's name)
+    "eval/accuracy": "held-out greedy accuracy: the first reward's mean over the eval prompts (a failed score = 0)",
+    "eval/greedy/<reward>": "held-out greedy mean of each reward",
+    "eval/mean@k/<reward>": "eval_samples = k: mean of each reward over k samples per eval prompt at eval_temperature",
+    "eval/pass@k/<reward>": "eval_samples = k: share of eval prompts where at least one of the k samples has a "
+                            "positive reward (the unbiased pass@k estimator with n = k samples)",
     # environment runs (multi-turn episodes, minirl/episodes.py); absent from single-turn runs
     "episode/turns": "mean model replies per episode",
     "episode/turns_max": "most replies in one episode",

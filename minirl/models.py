@@ -133,12 +133,29 @@ def _hub_model(name: str) -> str:
 TOKENIZER_KWARGS = ("revision", "trust_remote_code")  # the `model_kwargs` that the tokenizer's loading takes too
 
 
-def load_tokenizer(name: str, model_kwargs: dict | None = None):
+def chat_template_text(value: str | None) -> str | None:
+    """Config.chat_template as template text: Jinja text as is (it holds '{{' or '{%'), else the file it names
+    read. A missing file is one line naming it."""
+    if value is None or "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise ValueError(f"chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') nor a file that "
+                         "exists; give the template text or the path of a file holding it")
+    return path.read_text()
+
+
+def load_tokenizer(name: str, model_kwargs: dict | None = None, chat_template: str | None = None):
+    """The model's tokenizer (a pad token set if it has none), with `chat_template` (Config.chat_template: text or a
+    file) replacing its own template."""
     from transformers import AutoTokenizer
     kw = {k: v for k, v in (model_kwargs or {}).items() if k in TOKENIZER_KWARGS}
+    template = chat_template_text(chat_template)
     tok = AutoTokenizer.from_pretrained(resolve_model(name), **kw)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if template is not None:
+        tok.chat_template = template
     return tok
 
 

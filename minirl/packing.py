@@ -28,6 +28,7 @@ from typing import Sequence
 import torch
 
 from .batch import Batch, Sample, _decoder_and_head, hidden_logprobs
+from .sampling import Processing
 
 MASKABLE_ATTENTION = ("eager", "sdpa")  # attention implementations that take an arbitrary 4-D mask
 
@@ -147,7 +148,7 @@ def _build(segs, samples: Sequence[Sample], batch: Batch) -> PackedMicroBatch:
 
 
 def packed_completion_logprobs(model, mb: PackedMicroBatch, temperature: float | None = None,
-                               with_entropy: bool = False):
+                               with_entropy: bool = False, proc: Processing = Processing()):
     """`completion_logprobs` for a packed micro-batch: the same (rows, L) logprobs of `mb.rows`' completion tokens
     (and summed entropy), from one forward over the packed row."""
     inner, head = _decoder_and_head(model)
@@ -160,4 +161,4 @@ def packed_completion_logprobs(model, mb: PackedMicroBatch, temperature: float |
         temp_N = rows.temp_B[:, None].expand(rows.tgt_mask_B_L.shape)[rows.tgt_mask_B_L].to(h_N_H.device)
     else:
         temp_N = torch.full(mb.target_N.shape, float(temperature), device=h_N_H.device)
-    return hidden_logprobs(h_N_H, mb.target_N, temp_N, head, rows.tgt_mask_B_L, with_entropy)
+    return hidden_logprobs(h_N_H, mb.target_N, temp_N, head, rows, with_entropy, proc=proc)

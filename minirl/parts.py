@@ -13,7 +13,7 @@ from .checkpoint import Checkpoint, restore
 from .config import Config, ConfigError
 from .episodes import make_runner
 from .generators import Generator, make_generator
-from .models import cpu_dtype_warning, resolve_model
+from .models import chat_template_text, cpu_dtype_warning, resolve_model
 from .placement import CpuThreads, Placement
 from .plan import MemoryPlan, check_plan
 from .rewards import Scorer, check_columns, check_data_columns
@@ -78,7 +78,8 @@ def resolve_rewards(cfg: Config, rewards: Sequence[str | Callable] | None, env: 
 
 def sampling_params(c: Config, step: int) -> SamplingParams:
     """How step `step` samples (its seed: the run's and the step's, so a resumed run samples as an uninterrupted one)."""
-    return SamplingParams(c.temperature, c.top_p, c.top_k, c.max_tokens, seed=c.seed * 100_003 + step)
+    return SamplingParams(c.temperature, c.top_p, c.top_k, c.max_tokens, tuple(c.stop), seed=c.seed * 100_003 + step,
+                          min_p=c.min_p, repetition_penalty=c.repetition_penalty)
 
 
 def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any, place: Placement,
@@ -87,6 +88,7 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     On a failure, what was opened is closed."""
     c = cfg
     check_tracker(c.report_to)
+    chat_template_text(c.chat_template)  # a template file that is not there: one line, before anything loads
     scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.scale_rewards == "group",
                                 c.reward_workers, c.reward_clip, c.reward_memory_mb)
     data = data if data is not None else c.data
@@ -139,12 +141,14 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
     parts.sleeper = parts.generator if place.engine_sleeps else None
     if env is None:
         parts.rollouts = parts.generator
+        kw = dict(template_kwargs=c.chat_template_kwargs)
         parts.train_prompts = D.to_prompts(sp.train, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
-                                           indices=sp.train_ids)
+                                           indices=sp.train_ids, **kw)
         parts.eval_prompts = D.to_prompts(sp.eval, tok, c.prompt_column, c.system_prompt, c.max_prompt_tokens,
-                                          indices=sp.eval_ids)
+                                          indices=sp.eval_ids, **kw)
     else:  # episodes open with reset(row); an eval row's index follows the train rows' (the runner finds rows by it)
-        parts.rollouts = runner = make_runner(parts.generator, env, tok, c.max_turns, c.max_episode_tokens)
+        parts.rollouts = runner = make_runner(parts.generator, env, tok, c.max_turns, c.max_episode_tokens,
+                                              c.chat_template_kwargs)
         parts.train_prompts = runner.prompts(sp.train, c.prompt_column, c.max_prompt_tokens, indices=sp.train_ids)
         first = 1 + max(sp.train_ids, default=-1)
         parts.eval_prompts = runner.prompts(sp.eval, c.prompt_column, c.max_prompt_tokens,

@@ -19,7 +19,7 @@ from . import data as D
 from .background import Background, attempt
 from .checkpoint import Checkpoint, resume_point
 from .config import Config
-from .evaluation import evaluate
+from .evaluation import evaluate, eval_options
 from .export import export_merged
 from .metrics import rollout_metrics, sample_rows, step_summary
 from .parts import RunParts, build_parts, resolve_rewards, sampling_params
@@ -184,14 +184,16 @@ class Run(Background):
             for cb in self.on_eval:
                 cb({"step": step, "done": done, "total": total})
         t0 = time.perf_counter()
-        acc = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress)
-        rec = self.log.log("eval", step=step, version=self.trainer.version, accuracy=acc,
+        res = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress,
+                       **eval_options(self.cfg, step))
+        rec = self.log.log("eval", step=step, version=self.trainer.version, **res.fields(),
                            seconds=time.perf_counter() - t0)
+        self.summary["eval_before" if step == 0 else "eval_after"] = res.fields()
         if self.tracker is not None:
-            self.tracker.log({"eval/accuracy": acc}, step)
+            self.tracker.log(res.scalars(), step)
         for cb in self.on_eval:
             cb(rec)
-        return acc
+        return res.accuracy
 
     def _checkpoint(self) -> None:
         """A checkpoint after `next_step` steps (nothing when this process trained none)."""

@@ -16,6 +16,7 @@ from .metrics import memory_metrics
 from .models import build_model, checkpointing_on, load_tokenizer, resolve_model
 from .packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completion_logprobs
 from .plan import resolve_token_budget
+from .sampling import Processing
 from .types import ScoredGroup
 
 class Trainer:
@@ -29,7 +30,7 @@ class Trainer:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.model_path = resolve_model(cfg.model)
         self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
-        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs, cfg.chat_template)
         torch.manual_seed(cfg.seed)
         self.checkpointing = checkpointing_on(cfg, self.device)
         self.model = build_model(cfg, self.device, checkpointing=self.checkpointing)
@@ -139,9 +140,12 @@ class Trainer:
         return m
 
     def _logprobs(self, mb: "Batch | PackedMicroBatch", with_entropy: bool = False):
+        """The completion tokens' logprobs under the distribution they were sampled from: temperature (each
+        group's own), min_p and repetition_penalty re-applied as the generator applied them (`sampling.py`)."""
+        proc = Processing(self.cfg.min_p, self.cfg.repetition_penalty)
         if isinstance(mb, Batch):
-            return completion_logprobs(self.model, mb, with_entropy=with_entropy)
-        return packed_completion_logprobs(self.model, mb, with_entropy=with_entropy)
+            return completion_logprobs(self.model, mb, with_entropy=with_entropy, proc=proc)
+        return packed_completion_logprobs(self.model, mb, with_entropy=with_entropy, proc=proc)
 
     def adapter_is_finite(self) -> bool:
         """No NaN or inf in any LoRA weight (checked before every push and save)."""

@@ -26,6 +26,8 @@ class SamplingParams:
     max_tokens: int = 48
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    min_p: float = 0.0               # see minirl/sampling.py: the trainer re-applies these two
+    repetition_penalty: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -103,16 +103,16 @@ def test_top_k_one_samples_the_greedy_tokens(trainer):
     assert all(lp == pytest.approx(0.0, abs=1e-6) for g in top1 for c in g.completions for lp in c.logprobs)
 
 
-def test_stop_strings_go_through_generate(trainer, monkeypatch):
-    """`decode` has no stop strings: a request with any goes to transformers' `generate` (the tiny model's
-    word-level tokenizer cannot run generate's stop-string matcher, so both are recorded, not run)."""
+def test_stop_strings_go_through_decode(trainer, monkeypatch):
+    """`decode` ends a row at a stop string (its `stopped` check): a request with stop strings no longer goes to
+    transformers' `generate`, so its rows leave the batch as they end."""
     gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
     calls = []
-    monkeypatch.setattr(H, "decode", lambda *a, **k: calls.append("decode") or ([[5]] * 2, [[-1.0]] * 2))
+    monkeypatch.setattr(H, "decode", lambda *a, **k: calls.append(("decode", a[-1])) or ([[5]] * 2, [[-1.0]] * 2))
     monkeypatch.setattr(gen, "_generate", lambda *a, **k: calls.append("generate") or ([[5]] * 2, [[-1.0]] * 2))
     gen.generate(_prompts(trainer)[:1], 2, SamplingParams(max_tokens=4, stop=("zzz",), seed=0))
     gen.generate(_prompts(trainer)[:1], 2, SamplingParams(max_tokens=4, seed=0))
-    assert calls == ["generate", "decode"]
+    assert [c[0] for c in calls] == ["decode", "decode"] and callable(calls[0][1]) and calls[1][1] is None
 
 
 def test_one_prefill_per_prompt_samples_what_one_prefill_per_sample_did(trainer):

@@ -93,6 +93,33 @@ def test_stop_strings_and_seed_mapping(gen, prompts):
         assert " " not in c.text.strip() or c.finish_reason == "length"
 
 
+def test_a_completion_ends_at_its_stop_string(gen, prompts):
+    (free,) = gen.generate(prompts[1:2], 1, _params(max_tokens=32, temperature=0.0))  # greedy: the same twice
+    text = free.completions[0].text
+    word = max(text.split()[1:-1], key=len)  # a word inside the completion
+    (cut,) = gen.generate(prompts[1:2], 1, _params(max_tokens=32, temperature=0.0, stop=(word,)))
+    c = cut.completions[0]
+    assert c.finish_reason == "stop" and c.text == text[:text.find(word)], (text, word, c.text)
+    assert c.token_ids == free.completions[0].token_ids[:len(c.token_ids)] and len(c.token_ids) < 32
+
+
+def test_min_p_and_repetition_penalty_logprobs_are_the_trainers(gen, prompts, base):
+    """vLLM's processed logprobs with min_p and a repetition penalty on are what the trainer computes when it
+    re-applies them (minirl.sampling), and not the temperature-only logprobs."""
+    from minirl.batch import sequence_logprobs
+    from minirl.sampling import Processing
+    proc = Processing(min_p=0.05, repetition_penalty=1.5)
+    groups = gen.generate(prompts[:2], 2, _params(temperature=0.8, min_p=0.05, repetition_penalty=1.5, max_tokens=16))
+    gap = 0.0
+    for g in groups:
+        for c in g.completions:
+            ids = (list(g.prompt.token_ids), list(c.token_ids))
+            ref = sequence_logprobs(base, *ids, 0.8, proc)
+            assert max(abs(a - b) for a, b in zip(c.logprobs, ref)) < ATOL
+            gap = max([gap] + [abs(a - b) for a, b in zip(c.logprobs, hf_logprobs(base, *ids, 0.8))])
+    assert gap > 0.05
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_behaviour_logprobs_match_transformers(gen, prompts, base, adapters, temperature):
     path, peft_model = adapters["a"]

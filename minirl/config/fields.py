@@ -104,6 +104,24 @@ class Config:
     """Nucleus sampling; keep 1.0 unless you accept a biased IS ratio (the trainer does not renormalise)."""
     top_k: int = 0
     """Top-k sampling, 0 = off."""
+    min_p: float = 0.0
+    """Min-p sampling, 0 = off: tokens less likely than min_p times the most likely one (after temperature) are
+    never sampled. Same meaning on both backends; the trainer applies the same cut (and renormalises) when it
+    scores, so behaviour and trainer logprobs stay the same distribution (unlike top_p / top_k)."""
+    repetition_penalty: float = 1.0
+    """Penalty > 1 on tokens already in the prompt or the completion so far (1 = off; a seen token's logit is
+    divided by it when positive, multiplied when negative, before temperature), as transformers and vLLM define
+    it. The trainer applies it to each position from that position's own history when it scores, so the logprobs
+    it trains on are the ones sampled with."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a completion ends where one first appears (its finish_reason is 'stop'; the string is
+    dropped from the text rewards see on vLLM, kept on transformers). Evaluation stops at them too."""
+    chat_template: str | None = None
+    """A chat template (Jinja text, or the path of a file holding it) replacing the tokenizer's own, for training,
+    evaluation and episodes alike; None = the tokenizer's."""
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra variables every chat-template rendering gets (training, evaluation and episodes alike), e.g.
+    {enable_thinking: false} for Qwen3."""
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are an error."""
 
@@ -247,6 +265,13 @@ class Config:
     """Seed for data order, sampling and initialisation."""
     out_dir: str = "runs/minirl"
     """Where the adapter, metrics.jsonl, checkpoints and plots go."""
+    eval_samples: int = 0
+    """0 = greedy evaluation only. k >= 1: each evaluation also samples k completions per held-out prompt at
+    eval_temperature and reports, per reward, mean@k (the mean reward of the samples) and pass@k (the share of
+    prompts where at least one of the k samples has a positive reward: the unbiased estimator with n = k samples).
+    Costs k times the greedy evaluation's generation."""
+    eval_temperature: float = 1.0
+    """Sampling temperature of the eval_samples completions."""
     eval_every: int = 0
     """Evaluate held-out accuracy every N steps (0 = only before and after)."""
     checkpoint_every: int = 10

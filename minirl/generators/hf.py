@@ -7,6 +7,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..batch import sequence_logprobs
+from ..sampling import Processing, min_p_cut, penalise, seen_tokens
 from ..types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 
 
@@ -68,8 +69,8 @@ def merged_lora(model, cache: dict, version: int = 0):
 
 
 @torch.no_grad()
-def decode(model, input_ids, attn, params: SamplingParams, eos: int,
-           n: int = 1) -> tuple[list[list[int]], list[list[float]]]:
+def decode(model, input_ids, attn, params: SamplingParams, eos: int, n: int = 1,
+           stopped: Callable[[list[int]], bool] | None = None) -> tuple[list[list[int]], list[list[float]]]:
     """Sample `n` rows per prompt of the left-padded `input_ids` (prompt i's samples are rows i*n .. i*n+n-1):
     each prompt is prefilled once and its KV cache and last logits repeated for its `n` samples (the same tensors
     as prefilling it `n` times, so the same tokens for a seed). Up to `params.max_tokens` tokens per row, each row
@@ -77,8 +78,10 @@ def decode(model, input_ids, attn, params: SamplingParams, eos: int,
     with every finished row dropped from the batch and its KV cache at once. transformers' `generate` keeps a
     finished row in the batch (it emits padding) until the last row ends, so on a long tail (most answers short, a
     few running to `max_tokens`) most of its work is padding; here the work is what the live rows need. The same
-    warpers in `generate`'s order (temperature, top-k, top-p); the logprob of each token is taken from the
-    distribution it was sampled from (processed logprobs). temperature 0 = greedy. Returns each row's tokens (`eos`
+    warpers in `generate`'s order (repetition penalty on the prompt and the row so far, temperature, top-k, top-p,
+    min-p: `minirl.sampling`, which the trainer re-applies); the logprob of each token is taken from the
+    distribution it was sampled from (processed logprobs). temperature 0 = greedy. `stopped(row tokens)`: the
+    row ends there too (stop strings). Returns each row's tokens (`eos`
     included when it ended there) and their logprobs. Same distribution as `generate`; the same tokens for greedy,
     but not the same sampled tokens for a seed once a row has been dropped (the random draws shift)."""
     from transformers import DynamicCache
@@ -93,6 +96,8 @@ def decode(model, input_ids, attn, params: SamplingParams, eos: int,
     if not greedy and params.top_p < 1.0:
         warp.append(TopPLogitsWarper(params.top_p))
     dev = model.device
+    proc = Processing(0.0 if greedy else params.min_p, params.repetition_penalty)
+    seen = None  # (live rows, vocab): the tokens each row's penalty applies to
     B = input_ids.shape[0] * n
     rows, attn = torch.arange(B), attn.to(dev)
     toks: list[list[int]] = [[] for _ in range(B)]
@@ -108,23 +113,38 @@ def decode(model, input_ids, attn, params: SamplingParams, eos: int,
         if t == 0 and n > 1:  # the prompts' one prefill: each sample gets its prompt's cache and logits
             cache.batch_repeat_interleave(n)
             logits, attn, pos, step_ids = (x.repeat_interleave(n, 0) for x in (logits, attn, pos, step_ids))
-        scores = warp(step_ids, logits)
+        if proc.penalised:
+            if seen is None:
+                seen = seen_tokens(step_ids, attn[:, -step_ids.shape[1]:], logits.shape[-1])
+            else:
+                seen[torch.arange(seen.shape[0], device=dev), step_ids[:, 0]] = True
+            logits = penalise(logits, seen, proc.repetition_penalty)
+        scores = min_p_cut(warp(step_ids, logits), proc.min_p)
         nxt = scores.argmax(-1) if greedy else torch.multinomial(torch.softmax(scores, -1), 1).squeeze(1)
         lp = torch.log_softmax(scores, -1).gather(-1, nxt[:, None]).squeeze(1)
         for r, tk, l in zip(rows.tolist(), nxt.tolist(), lp.tolist()):
             toks[r].append(tk)
             logps[r].append(l)
         live = nxt != eos
+        if stopped is not None:
+            live &= torch.tensor([not stopped(toks[r]) for r in rows.tolist()], device=live.device)
         if t + 1 == params.max_tokens or not live.any():
             break
         if not live.all():  # drop the rows that ended, from the batch and from the cache
             keep = live.nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             rows, attn, nxt, pos = rows[keep.cpu()], attn[keep], nxt[keep], pos[keep]
+            seen = None if seen is None else seen[keep]
         attn = torch.cat([attn, attn.new_ones(attn.shape[0], 1)], 1)
         pos = pos[:, -1:] + 1
         step_ids = nxt[:, None]
     return toks, logps
+
+
+def _cut(text: str, stop: Sequence[str]) -> str:
+    """The text before the first stop string (vLLM's default: the string itself is not returned)."""
+    at = min((i for i in (text.find(x) for x in stop) if i >= 0), default=-1)
+    return text if at < 0 else text[:at]
 
 
 class LocalEngine:
@@ -143,8 +163,8 @@ class LocalEngine:
 
 
 class HFGenerator(LocalEngine):
-    """transformers models decoding through `decode` (finished rows leave the batch; `compact=False` or a request
-    with stop strings uses transformers' `generate`). With `get_version` it runs on the trainer's own peft model
+    """transformers models decoding through `decode` (finished rows leave the batch, a row also at a stop string;
+    `compact=False` uses transformers' `generate`). With `get_version` it runs on the trainer's own peft model
     (no copy: the synchronous loop's free "sync"); without, on a model of its own that `load_adapter` updates (the
     asynchronous pipeline runs one in a process of its own: `hf_process.py`). On CPU, generation runs with the LoRA
     merged into a copy of the base weights (`merged_lora`: faster; on the trainer's own model the copy is dropped
@@ -197,7 +217,7 @@ class HFGenerator(LocalEngine):
         """temperature 0 = greedy decoding (logprobs are then reported as 0)."""
         greedy = params.temperature == 0
         version = self.version
-        compact = self.compact and not params.stop
+        compact = self.compact
         ids = [list(p.token_ids) for p in prompts for _ in range(1 if compact else n)]  # decode prefills once
         width = max(len(x) for x in ids)
         pad = self.tok.pad_token_id
@@ -211,7 +231,7 @@ class HFGenerator(LocalEngine):
         try:
             with merged_lora(self.model, self._merge_cache, version) if self.merge else nullcontext():
                 if compact:
-                    rows, row_lp = decode(self.model, input_ids, attn, params, eos, n)
+                    rows, row_lp = decode(self.model, input_ids, attn, params, eos, n, self._stopper(params.stop))
                 else:
                     rows, row_lp = self._generate(input_ids, attn, params)
         finally:
@@ -226,19 +246,31 @@ class HFGenerator(LocalEngine):
                 end = next((k + 1 for k, t in enumerate(toks) if t == eos), None)
                 finish = "stop" if end is not None else "length"
                 toks = toks[:end] if end is not None else toks
-                if end is None and len(toks) < params.max_tokens:  # stopped by a stop string
-                    finish = "stop"
+                text = self.tok.decode(toks, skip_special_tokens=True)
+                if end is None and (len(toks) < params.max_tokens or any(x in text for x in params.stop)):
+                    finish = "stop"  # stopped by a stop string
                 lp = [0.0] * len(toks) if greedy else lp[: len(toks)]
                 comps.append(Completion(tuple(toks), tuple(lp), (version,) * len(toks),
-                                        self.tok.decode(toks, skip_special_tokens=True), finish))
+                                        _cut(text, params.stop), finish))
             groups.append(Group(p, tuple(comps), params.temperature))
         return groups
 
+    def _stopper(self, stop: Sequence[str]) -> Callable[[list[int]], bool] | None:
+        """Whether a row's text has reached a stop string, looking at its last tokens only (a stop string of k
+        characters spans at most k tokens, plus skipped special ones)."""
+        if not stop:
+            return None
+        window = max(len(x) for x in stop) + 4
+        return lambda toks: any(x in self.tok.decode(toks[-window:], skip_special_tokens=True) for x in stop)
+
     def _generate(self, input_ids, attn, params: SamplingParams) -> tuple[list[list[int]], list[list[float]]]:
-        """transformers' `generate` (stop strings need it): every row's tokens and their processed logprobs."""
+        """transformers' `generate` (`compact=False`): every row's tokens and their processed logprobs. Its
+        repetition penalty also counts the left padding of shorter prompts, which `decode` does not."""
         width = input_ids.shape[1]
         kw = dict(do_sample=False) if params.temperature == 0 else dict(
-            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+            do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+            min_p=params.min_p or None)
+        kw["repetition_penalty"] = params.repetition_penalty
         out = self.model.generate(
             input_ids=input_ids.to(self.model.device), attention_mask=attn.to(self.model.device),
             max_new_tokens=params.max_tokens, output_scores=True, return_dict_in_generate=True,

@@ -51,6 +51,10 @@ def completion_body(model: str, token_ids: Sequence[int], n: int, params: Sampli
         body["top_k"] = params.top_k
     if params.stop:
         body["stop"] = list(params.stop)
+    if params.min_p > 0:
+        body["min_p"] = params.min_p
+    if params.repetition_penalty != 1.0:
+        body["repetition_penalty"] = params.repetition_penalty
     if seed is not None:
         body["seed"] = seed
     return body

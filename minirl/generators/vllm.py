@@ -128,7 +128,8 @@ class VLLMGenerator(LoopGenerator):
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
         return VSP(n=n, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0),
-                   max_tokens=params.max_tokens, stop=list(params.stop) or None, seed=seed,
+                   max_tokens=params.max_tokens, stop=list(params.stop) or None, seed=seed, min_p=params.min_p,
+                   repetition_penalty=params.repetition_penalty,
                    logprobs=0, flat_logprobs=True, output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def _release(self, lora):

@@ -48,7 +48,7 @@ class View:
 
 
 
-PANELS = ("reward", "reward_hist", "length", "loss", "policy", "is_weight", "staleness", "throughput",
+PANELS = ("reward", "eval", "reward_hist", "length", "loss", "policy", "is_weight", "staleness", "throughput",
           "groups", "sync", "memory", "episodes", "timeline")
 EPISODE_PANELS = ("episodes",)  # drawn only for environment runs (their steps carry `episode/*` metrics)
 
@@ -87,6 +87,27 @@ def _empty(ax, text: str = "no data yet") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, color="0.5", transform=ax.transAxes)
 
 
+def eval_lines(evals: Sequence[dict]) -> list[tuple[str, list[int], list[float], str]]:
+    """The eval panel's lines, (label, steps, values, style): greedy accuracy, then with eval_samples each reward's
+    mean@k and pass@k (k from the events)."""
+    def series(get) -> tuple[list[int], list[float]]:
+        pts = [(e["step"], get(e)) for e in evals]
+        pts = [(x, y) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
+        return [x for x, _ in pts], [y for _, y in pts]
+    out = []
+    xs, ys = series(lambda e: e.get("accuracy"))
+    if xs:
+        out.append(("greedy accuracy", xs, ys, "s-"))
+    k = next((e["k"] for e in reversed(evals) if e.get("k")), None)
+    names = list(dict.fromkeys(n for e in evals for n in (e.get("pass_at_k") or {})))
+    for n in names:
+        for key, what, style in (("mean_at_k", "mean", "o--"), ("pass_at_k", "pass", "^:")):
+            xs, ys = series(lambda e: (e.get(key) or {}).get(n))
+            if xs:
+                out.append((f"{what}@{k} {n}", xs, ys, style))
+    return out
+
+
 # panels that are only lines: name -> (title, [(metric, label, plot kwargs)])
 LINE_PANELS = {
     "loss": ("loss", [("loss", "loss", {})]),
@@ -117,6 +138,13 @@ def draw_panel(ax, name: str, v: View) -> None:
         if not s and not ev:
             _empty(ax)
         _finish(ax, "reward")
+    elif name == "eval":
+        lines = eval_lines(v.evals)
+        for label, xs, ys, style in lines:
+            ax.plot(xs, ys, style, label=label, ms=4)
+        if not lines:
+            _empty(ax, "no evaluation yet")
+        _finish(ax, "held-out evaluation")
     elif name == "reward_hist":
         latest = v.samples[-3:]
         vals = [x.get("reward") for e in latest for x in e.get("samples", [])]
