@@ -176,17 +176,6 @@ def test_the_readme_is_short_and_opens_with_the_command_ci_runs():
     assert kind == "bash" and len(commands) == 2 and commands[1] == ci[-1], (commands, ci)
 
 
-def test_the_environments_tutorial_is_its_notebooks_code():
-    """Each python block of tutorials/environments.md is a code cell of notebooks/environments.ipynb (the
-    notebook runs in tests/test_notebooks.py), so the tutorial shows code that runs. The other tutorials' code
-    still differs from their notebooks' (issue 38, item 5)."""
-    import json
-    nb = json.loads((ROOT / "notebooks/environments.ipynb").read_text(encoding="utf-8"))
-    cells = {"".join(c["source"]).strip() for c in nb["cells"] if c["cell_type"] == "code"}
-    shown = [c.strip() for k, c in blocks(ROOT / "tutorials/environments.md") if k == "python"]
-    assert shown and all(c in cells for c in shown)
-
-
 MEASURED = re.compile(r"\d+(?:\.\d+)?\s?(?:ms|s|min|minutes|hours?|GB|GiB|MB|tokens/s|x)\b|\d+(?:\.\d+)?\s?→\s?\d")
 
 
