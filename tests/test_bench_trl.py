@@ -89,11 +89,11 @@ def test_the_harness_interleaves_seeds_scores_every_saved_adapter_and_resumes(ti
 
     def refuse(spec):
         raise AssertionError(f"run again: {spec['out']}")
-    calls.clear()
-    again = bench_trl(tmp_path, seeds=(0, 1, 2), sides={"trl": fake("trl"), "minirl": fake("minirl")}, **kw)
-    assert calls == [("trl", 2), ("minirl", 2)]  # the runs in trl.json are kept; only the new seed runs
-    assert {k: again["runs"][k] for k in res["runs"]} == res["runs"]
-    bench_trl(tmp_path, seeds=(0, 1, 2), sides={"trl": refuse, "minirl": refuse}, **kw)  # all done: nothing runs
+    again = bench_trl(tmp_path, seeds=(0, 1), sides={"trl": refuse, "minirl": refuse}, **kw)
+    assert again["runs"] == res["runs"]  # the runs in trl.json are kept: nothing runs again
+    changed = dict(kw, eval_size=3)
+    with pytest.raises(AssertionError, match="run again"):  # another config: the old runs do not count
+        bench_trl(tmp_path, seeds=(0,), sides={"trl": refuse, "minirl": refuse}, **changed)
 
 
 def test_the_summary_gives_mean_spread_and_seconds_to_trls_final_accuracy():
