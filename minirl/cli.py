@@ -197,10 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("run_dir", help="the run's out_dir (its config.yaml and adapter/)")
     export.add_argument("--merged", required=True, metavar="OUT", help="new folder for the merged model + tokenizer")
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
-    bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning", "memory"])
+    bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning", "memory", "trl"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
     bench.add_argument("--seed", type=int, default=0, help="seed of the pipeline benchmark's runs")
-    bench.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="comma-separated seeds of the learning benchmark")
+    bench.add_argument("--seeds", type=_seeds, default=(0, 1, 2), help="comma-separated seeds of the learning and trl "
+                       "benchmarks")
     bench.add_argument("--ks", type=_seeds, default=(0, 1, 2), help="comma-separated K (max_async_steps) of the "
                        "learning benchmark")
     bench.add_argument("--workloads", type=_names, default=None, help="comma-separated workloads of the pipeline "
@@ -209,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                        "benchmark (default: each workload's own; sync, k1, k1_shared, k2, sync_vllm, k1_vllm)")
     bench.add_argument("--steps", type=int, default=None, help="steps per run (pipeline, memory)")
     bench.add_argument("--rounds", type=int, default=None, help="interleaved rounds (pipeline, memory)")
+    bench.add_argument("--lr", type=float, default=None, help="learning rate of both toolkits (trl; default 2e-4, "
+                       "the demo task's 5e-4)")
+    bench.add_argument("--task", default=None, help="trl: 'addition' (default: a, b in 0..49) or 'demo' (the demo's)")
+    bench.add_argument("--eval-size", type=int, default=None, help="held-out problems per adapter (trl; default 64)")
+    bench.add_argument("--save-every", type=int, default=None, help="steps between saved, scored adapters (trl; "
+                       "default 2)")
     pl = sub.add_parser("plan", help="the memory plan of a YAML config, from the model's config.json alone")
     pl.add_argument("config", help="YAML file with Config fields")
     pl.add_argument("--gpu-gb", type=float, default=None, help="plan for a GPU of this many GB (default: this "
@@ -255,7 +262,8 @@ def _command(args: argparse.Namespace) -> int:
         print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
     elif args.cmd == "bench":
         from .benchmarks import run as bench
-        sizes = {k: v for k in ("workloads", "variants", "steps", "rounds") if (v := getattr(args, k)) is not None}
+        sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every")
+                 if (v := getattr(args, k)) is not None}
         print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks, **sizes), indent=2))
     return 0
 

@@ -229,12 +229,14 @@ def to_prompts(rows: Sequence[dict], tokenizer, prompt_column: str = "prompt", s
 class PromptStream:
     """Endless shuffled passes over the prompts: epoch e is the seeded shuffle of epoch e - 1's order. The order is
     a function of (seed, position), so `position` (prompts handed out so far) is the stream's whole state: a
-    stream made with the position a checkpoint saved continues exactly where the run left off."""
+    stream made with the position a checkpoint saved continues exactly where the run left off. `shuffle=False`
+    takes the prompts in their given order, pass after pass (the same rows in the same order as another trainer)."""
 
-    def __init__(self, prompts: Sequence[Prompt], seed: int, position: int = 0):
+    def __init__(self, prompts: Sequence[Prompt], seed: int, position: int = 0, shuffle: bool = True):
         if not prompts:
             raise ValueError("no training prompts: the data is empty after holding out the evaluation split")
         self._rng = random.Random(seed)
+        self._shuffle = shuffle
         self._order = list(prompts)
         self._epoch = -1
         self._next_epoch()
@@ -242,7 +244,8 @@ class PromptStream:
         self.skip(position)
 
     def _next_epoch(self) -> None:
-        self._rng.shuffle(self._order)
+        if self._shuffle:
+            self._rng.shuffle(self._order)
         self._epoch += 1
 
     def skip(self, n: int) -> None:

@@ -94,7 +94,7 @@ class Run(Background):
         self.parts = build_parts(c, self._reward_refs, self._env, self._data, self._eval_data, self.placement,
                                  self._cpu, self.checkpoint)
         position = self.checkpoint.state["data_position"] if self.checkpoint else 0
-        self.stream = D.PromptStream(self.train_prompts, c.seed, position)
+        self.stream = D.PromptStream(self.train_prompts, c.seed, position, shuffle=c.shuffle)
         if c.verify_sync and self.sync.transport != "shared":  # "shared": the generator runs on the trainer's model
             self._check = SyncCheck.for_run(c, self.trainer, self.train_prompts[0].token_ids)
             self._check(self.trainer, self.generator)  # before any push: the engine serves the (restored) policy

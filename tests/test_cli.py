@@ -66,6 +66,10 @@ BAD = [  # (what, files, argv, the line's content)
     ("bench size", {}, ["bench", "sync", "--steps", "2"], "bench sync does not take --steps (it takes none of them)"),
     ("bench variant", {}, ["bench", "pipeline", "--variants", "sync,k3"],
      "unknown variant 'k3': choose from sync, k1, k1_shared, k2, sync_vllm, k1_vllm"),
+    ("bench trl task", {}, ["bench", "trl", "--task", "chess"], "unknown task 'chess': choose from addition, demo"),
+    ("bench trl flag elsewhere", {}, ["bench", "learning", "--eval-size", "8"],
+     "bench learning does not take --eval-size (it takes none of them)"),
+    ("bench trl eval size", {}, ["bench", "trl", "--eval-size", "0"], "--eval-size must be at least 1, got 0"),
 ]
 
 

@@ -69,6 +69,14 @@ def test_prompt_stream_position_is_its_whole_state():
         assert [p.index for p in s.take(40 - k)] == whole[k:] and s.position == 40
 
 
+def test_prompt_stream_without_shuffle_takes_the_given_order_pass_after_pass():
+    prompts = [Prompt(i, (), "", {}) for i in (4, 0, 6, 2, 5)]
+    assert [p.index for p in D.PromptStream(prompts, seed=3, shuffle=False).take(12)] == [4, 0, 6, 2, 5] * 2 + [4, 0]
+    s = D.PromptStream(prompts, seed=3, position=7, shuffle=False)  # resumed mid-pass
+    assert [p.index for p in s.take(4)] == [6, 2, 5, 4]
+    assert [p.index for p in D.PromptStream(prompts, seed=3).take(5)] != [4, 0, 6, 2, 5]  # the default shuffles
+
+
 def test_bad_rows_name_the_file_and_line(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_text('{"prompt": "a", "answer": 1}\n\n{"answer": 2}\n')

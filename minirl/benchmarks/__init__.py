@@ -12,20 +12,24 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
 
 
 # the sizing flags (`minirl bench WHAT --workloads/--steps/--rounds`) each benchmark takes
-SIZES = {"pipeline": ("workloads", "variants", "steps", "rounds"), "memory": ("steps", "rounds")}
+SIZES = {"pipeline": ("workloads", "variants", "steps", "rounds"), "memory": ("steps", "rounds"),
+         "trl": ("steps", "lr", "task", "eval_size", "save_every")}
+BENCHMARKS = ("generation", "pipeline", "sync", "learning", "memory", "trl")
 
 
 def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2), **sizes) -> dict:
-    """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds) go to the benchmarks that take them."""
-    if what not in ("generation", "pipeline", "sync", "learning", "memory"):
-        raise ValueError(f"unknown benchmark {what!r}: use generation, pipeline, sync, learning or memory")
+    """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds; trl: lr, task, eval_size, save_every) go
+    to the benchmarks that take them."""
+    if what not in BENCHMARKS:
+        raise ValueError(f"unknown benchmark {what!r}: use {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]}")
     wrong = sorted(set(sizes) - set(SIZES.get(what, ())))
     if wrong:
-        takes = ", ".join("--" + k for k in SIZES.get(what, ())) or "none of them"
-        raise ValueError(f"bench {what} does not take --{', --'.join(wrong)} (it takes {takes})")
-    for k in ("steps", "rounds"):
+        flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+        takes = ", ".join(map(flag, SIZES.get(what, ()))) or "none of them"
+        raise ValueError(f"bench {what} does not take {', '.join(map(flag, wrong))} (it takes {takes})")
+    for k in ("steps", "rounds", "eval_size", "save_every"):
         if k in sizes and sizes[k] < 1:
-            raise ValueError(f"--{k} must be at least 1, got {sizes[k]}")
+            raise ValueError(f"--{k.replace('_', '-')} must be at least 1, got {sizes[k]}")
     if what == "generation":
         from .generation import bench_generation
         return bench_generation(str(out))
@@ -41,6 +45,12 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
     if what == "sync":
         from .sync import bench_sync
         return bench_sync(str(out))
+    if what == "trl":
+        from .trl import TASKS
+        from .trl_bench import bench_trl
+        if sizes.get("task", "addition") not in TASKS:
+            raise ValueError(f"unknown task {sizes['task']!r}: choose from {', '.join(TASKS)}")
+        return bench_trl(out, seeds=seeds, **sizes)
     if what == "learning":
         from .learning import bench_learning
         return bench_learning(out, seeds=seeds, ks=ks)

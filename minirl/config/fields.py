@@ -33,6 +33,9 @@ class Config:
     """Prompts (a 'prompt' column: text or chat messages): the built-in task 'arithmetic', a .jsonl, .json, .csv or
     .parquet file, a folder written by `Dataset.save_to_disk`, or 'hf:NAME[:CONFIG][@SPLIT]' (a Hugging Face
     dataset through `datasets.load_dataset`, split 'train' by default; offline, only what the local cache holds)."""
+    shuffle: bool = True
+    """Take the training prompts in a seeded shuffle, a new one each pass over the data (the default). False takes
+    them in the data's own order, pass after pass: to train on the same rows in the same order as another trainer."""
     prompt_column: str = "prompt"
     """Column holding the prompt; every other column reaches reward functions as a keyword argument."""
     system_prompt: str | None = None
