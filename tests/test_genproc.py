@@ -2,6 +2,8 @@
 it serves, versions are exact, and a dead or closed process never leaves a caller waiting."""
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -98,6 +100,25 @@ def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_un
         c = again[0].completions[0]
         assert c.logprobs == pytest.approx(
             trainer.logprobs(list(again[0].prompt.token_ids), list(c.token_ids), 1.0), abs=1e-4)
+
+
+def test_an_interrupt_to_the_process_group_leaves_the_generator_serving(trainer, toy_cfg):
+    """A notebook's "interrupt kernel" sends SIGINT to the kernel's process group, the generator process included;
+    it once died of it (exit -6) and the background run with it."""
+    control = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdout.write('up\\n'); "
+                                "sys.stdout.flush(); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    assert control.stdout.readline() == "up\n"
+    control.send_signal(signal.SIGINT)
+    assert control.wait(timeout=60) != 0  # the control: a process with Python's own handler dies of it
+    gen = ProcGenerator(toy_cfg, adapter_params(trainer.model))
+    try:
+        params = SamplingParams(temperature=1.0, max_tokens=4, seed=1)
+        gen.generate(_prompts(trainer, 1), 2, params)  # serving
+        os.kill(gen.proc.pid, signal.SIGINT)
+        got = gen.generate(_prompts(trainer, 1), 2, params)
+        assert gen.proc.is_alive() and len(got[0].completions) == 2
+    finally:
+        gen.close()
 
 
 def test_a_dead_generator_process_raises_a_clear_error(trainer, toy_cfg):

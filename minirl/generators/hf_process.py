@@ -56,6 +56,9 @@ def _die_with(parent: int) -> None:
 def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | None, device: str,
            parent: int) -> None:
     """The generator process: the main thread takes messages, one worker thread runs generate/score in order."""
+    # A notebook's "interrupt kernel" signals the kernel's whole process group, this process included: the trainer
+    # ends us (its close, PDEATHSIG, the watchdog), so an interrupt meant for the user's cell must not.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(parent)
     import queue
     from ..adapter import adapter_params, unpack
