@@ -13,8 +13,9 @@ The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): w
 row of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per
 decoder layer and token, autograd keeps what `Shape.layer_activation_bytes` lists (a census of the saved tensors,
 `scripts/activation_census.py`); with checkpointing a layer keeps only its input, and one layer's full set lives
-during its recompute. On CPU resident memory follows these live bytes once the trainer fixes glibc's mmap
-threshold (`trainer.fix_malloc_threshold`; before, the heap kept ~2.5x the live bytes). The calibration test
+during its recompute. On CPU resident memory follows these live bytes with `cpu_compact_memory: true` (the
+trainer fixes glibc's mmap threshold, `trainer.fix_malloc_threshold`); by default, for speed, glibc's heap may
+keep up to ~2x them. The calibration test
 (tests/test_plan_calibration.py) checks the predicted increase of the training peak between token budgets and
 completion lengths against recorded `minirl bench memory` rows.
 

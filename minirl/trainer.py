@@ -44,7 +44,7 @@ class Trainer:
     def __init__(self, cfg: Config, device: str | None = None):
         self.cfg = cfg
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device == "cpu":
+        if self.device == "cpu" and cfg.cpu_compact_memory:
             fix_malloc_threshold()  # resident memory then follows the live tensors (the memory plan counts those)
         self.model_path = resolve_model(cfg.model)
         self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice

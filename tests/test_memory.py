@@ -131,7 +131,7 @@ def test_load_in_4bit_without_bitsandbytes_is_one_line_naming_the_fix(tiny_model
 
 
 def test_fixed_malloc_threshold_gives_freed_activations_back():
-    """`trainer.fix_malloc_threshold` (the CPU trainer calls it): with glibc's dynamic threshold, once an 8 MB
+    """`trainer.fix_malloc_threshold` (the CPU trainer calls it with `cpu_compact_memory`): with glibc's dynamic threshold, once an 8 MB
     block was freed, 4 MB tensors come from the heap, which keeps them after they are freed (one survivor at the
     top pins the rest); fixed, each is mapped on its own and given back. In fresh processes (the threshold is
     process-wide)."""
@@ -155,6 +155,17 @@ def test_fixed_malloc_threshold_gives_freed_activations_back():
             pytest.skip("not glibc")
         kept[mode] = float(out)
     assert kept["dynamic"] > 200 and kept["fix"] < 40, kept
+
+
+def test_the_cpu_trainer_fixes_the_threshold_only_when_asked(toy_cfg, monkeypatch):
+    """The fixed threshold made a demo step ~1.7x slower (BENCHMARKS.md), so it is opt-in: `cpu_compact_memory`."""
+    import minirl.trainer as T
+    calls = []
+    monkeypatch.setattr(T, "fix_malloc_threshold", lambda *a, **k: calls.append(1) or True)
+    T.Trainer(toy_cfg)
+    assert calls == []
+    T.Trainer(toy_cfg.replace(cpu_compact_memory=True))
+    assert calls == [1]
 
 
 def test_qlora_engine_loads_the_4bit_base_where_vllm_can_else_says_so(monkeypatch, capsys):

@@ -9,7 +9,8 @@ phase's `torch.cuda.max_memory_allocated` is added. The reward worker processes 
 total RSS), as is the model's own bytes (parameters + buffers: a 4-bit base counts its packed bytes).
 Rows: `lora` (the demo: token_budget 512), `qlora`, the demo at token_budget 4096 and 1024 and at 4096 with
 max_tokens 48 (the memory plan's calibration: tests/test_plan_calibration.py), and `Config()`'s defaults at
-max_tokens 32.
+max_tokens 32. Every row but the defaults' runs with `cpu_compact_memory` on (resident memory follows the live
+tensors, which the plan counts); the defaults' row is what a user gets.
 Writes DIR/memory.json: {"rows": {name: {...}}, "vs_lora": {name: {peak and step-time ratios to lora}}, "order"}.
 """
 from __future__ import annotations
@@ -32,9 +33,11 @@ from . import _write
 if TYPE_CHECKING:
     from ..trainer import Trainer
 
-ROWS = {"lora": {}, "qlora": {"load_in_4bit": True}, "lora_token_budget_4096": {"token_budget": 4096},
-        "lora_token_budget_1024": {"token_budget": 1024},
-        "lora_token_budget_4096_max_tokens_48": {"token_budget": 4096, "max_tokens": 48},
+_COMPACT = {"cpu_compact_memory": True}  # resident memory follows the live tensors: what the plan counts
+ROWS = {"lora": {**_COMPACT}, "qlora": {"load_in_4bit": True, **_COMPACT},
+        "lora_token_budget_4096": {"token_budget": 4096, **_COMPACT},
+        "lora_token_budget_1024": {"token_budget": 1024, **_COMPACT},
+        "lora_token_budget_4096_max_tokens_48": {"token_budget": 4096, "max_tokens": 48, **_COMPACT},
         "config_defaults_max_tokens_32": {"defaults": True, "max_tokens": 32}}
 # `defaults`: the row starts from `Config()` (every default, token_budget 'auto' included) instead of the demo's
 # config: issue 36's workload, 8 prompts x 8 completions x 32 tokens with the defaults.

@@ -167,6 +167,12 @@ class Config:
     """Recompute each decoder layer's activations in backward instead of keeping them: much less memory per
     token for ~30% more training compute. 'auto': on when training on a GPU (as TRL and Unsloth default), off on
     CPU (where memory is rarely the limit and time is); true / false force it."""
+    cpu_compact_memory: bool = False
+    """On CPU: fix glibc's mmap threshold (process-wide) so that freed activations go back to the system and
+    resident memory follows the live tensors (what `minirl plan` counts), instead of the heap keeping up to ~2x
+    them. Off by default: every large tensor is then mapped and zeroed anew, which made a demo step ~1.7x slower
+    (generation too, as it shares the process; BENCHMARKS.md, "Training speed"). Turn on when RAM, not time, is
+    the limit. No effect on GPU."""
     ppo_epochs: int = 1
     """Passes over each batch; each pass is one optimizer step. >1 makes the clip ratio active."""
 
