@@ -110,7 +110,7 @@ def evaluate_adapters(model: str, held: Sequence[dict], adapters: Sequence[str |
             set_peft_model_state_dict(run.trainer.model, tensors)
             run.trainer.version = i + 1
             run.sync.push(run.trainer, run.generator)
-            accs.append(evaluate(run.rollouts, run.eval_prompts, run.scorer, max_tokens))
+            accs.append(evaluate(run.rollouts, run.eval_prompts, run.scorer, max_tokens).accuracy)
         return accs
     finally:
         run.close()
