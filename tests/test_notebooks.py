@@ -126,10 +126,7 @@ def test_tutorial_and_index_images_exist():
 
 
 # Notebooks whose executed copy is not there yet, each with the reason; an entry whose copy exists fails (remove it).
-NOT_EXECUTED = {
-    "environments": "20 steps of 3-turn episodes took ~105 s a step on the shared 2-core machine (about 40 minutes in "
-                    "all, BENCHMARKS.md): to be executed on a quieter machine (issue 38)",
-}
+NOT_EXECUTED: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
