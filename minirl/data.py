@@ -21,10 +21,15 @@ from .types import Prompt
 ARITHMETIC_TEMPLATE = "What is {a} + {b}? Answer with just the number."
 
 
+def _free_pairs(lo: int, hi: int, exclude: set) -> int:
+    """How many ordered problems (a, b) in lo..hi are not excluded (by unordered pair)."""
+    return sum((min(a, b), max(a, b)) not in exclude for a in range(lo, hi + 1) for b in range(lo, hi + 1))
+
+
 def arithmetic_rows(n: int, seed: int, lo: int = 0, hi: int = 30, exclude: set | None = None) -> list[dict]:
     """`n` distinct addition problems (a, b); `exclude` holds unordered pairs (min, max): neither order is drawn."""
     exclude = exclude or set()
-    free = sum((min(a, b), max(a, b)) not in exclude for a in range(lo, hi + 1) for b in range(lo, hi + 1))
+    free = _free_pairs(lo, hi, exclude)
     if n > free:
         raise ValueError(f"the built-in arithmetic task has {free} problems left to draw, not {n}: use a smaller "
                          f"eval_size, or your own data and eval_data files")
@@ -45,8 +50,7 @@ def arithmetic_splits(eval_size: int, seed: int = 0, train_size: int = 600) -> t
     train on (256 held out leave ~450): train takes all that are left."""
     held = arithmetic_rows(eval_size, seed=10_000 + seed)
     exclude = {(min(r["a"], r["b"]), max(r["a"], r["b"])) for r in held}
-    left = sum((min(a, b), max(a, b)) not in exclude for a in range(31) for b in range(31))
-    return arithmetic_rows(min(train_size, left), seed=seed, exclude=exclude), held
+    return arithmetic_rows(min(train_size, _free_pairs(0, 30, exclude)), seed=seed, exclude=exclude), held
 
 
 CODE_TEMPLATE = "Write a Python function {sig} that {what}. Reply with only the code."
