@@ -213,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--lr", type=float, default=None, help="learning rate of both toolkits (trl; default 2e-4, "
                        "the demo task's 5e-4)")
     bench.add_argument("--task", default=None, help="trl: 'addition' (default: a, b in 0..49) or 'demo' (the demo's)")
-    bench.add_argument("--eval-size", type=int, default=None, help="held-out problems per adapter (trl; default 64)")
+    bench.add_argument("--eval-size", type=int, default=None, help="held-out problems per evaluation (trl: default "
+                       "64; learning: 128, with --presets 256)")
+    bench.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (learning; "
+                       "default 5)")
+    bench.add_argument("--presets", type=_names, default=None, help="learning: compare these loss_type presets "
+                       "(e.g. grpo,dr_grpo,dapo,gspo) at K = 0 instead of K")
     bench.add_argument("--save-every", type=int, default=None, help="steps between saved, scored adapters (trl; "
                        "default 2)")
     pl = sub.add_parser("plan", help="the memory plan of a YAML config, from the model's config.json alone")
@@ -262,7 +267,8 @@ def _command(args: argparse.Namespace) -> int:
         print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
     elif args.cmd == "bench":
         from .benchmarks import run as bench
-        sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every")
+        sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every",
+                                   "eval_every", "presets")
                  if (v := getattr(args, k)) is not None}
         print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks, **sizes), indent=2))
     return 0

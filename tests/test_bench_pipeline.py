@@ -131,3 +131,49 @@ def test_time_to_target_counts_training_seconds_until_the_first_evaluation_at_ta
     assert _time_to(curve, step_s, 0.7) == 20.0   # the 10 steps before the eval at step 10
     assert _time_to(curve, step_s, 0.9) is None
     assert _time_to(curve, step_s, 0.3) == 0.0
+
+
+def _learning_json(path, runs):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"config": {}, "runs": runs}))
+    return path
+
+
+def _k0(curve, step_s=(2.0, 4.0, 3.0)):
+    return {"after": curve[-1][1], "gain": curve[-1][1] - curve[0][1], "curve": curve, "step_s": list(step_s)}
+
+
+def test_presets_compare_on_the_evaluations_every_run_has_and_pair_by_seed(tmp_path):
+    from minirl.benchmarks.learning import compare_presets
+    every5 = [[0, 0.4], [5, 0.9], [10, 0.6], [15, 0.9], [20, 0.7]]  # its steps 5 and 15 are not in the other's curve
+    a = [_learning_json(tmp_path / "a" / "s0.json", {"s0_k0": _k0(every5), "s0_k1": _k0([[0, 0.0], [20, 0.0]])}),
+         _learning_json(tmp_path / "a" / "s1.json", {"s1_k0": _k0([[0, 0.4], [10, 0.5], [20, 0.6]])})]
+    b = [_learning_json(tmp_path / "b.json", {"s0_k0": _k0([[0, 0.4], [10, 0.7], [20, 0.9]], (1.0, 5.0, 9.0)),
+                                             "s2_k0": _k0([[0, 0.3], [10, 0.3], [20, 0.3]])})]
+    r = compare_presets({"a": a, "b": b})
+    assert r["common_eval_steps"] == [10, 20]
+    ra, rb = r["settings"]["a"], r["settings"]["b"]
+    assert ra["seeds"] == ["0", "1"] and rb["seeds"] == ["0", "2"]  # the K = 1 run is not a preset's
+    assert ra["after"]["mean"] == pytest.approx(0.65) and ra["gain"]["mean"] == pytest.approx(0.25)
+    assert ra["curve_mean"]["mean"] == pytest.approx((0.65 + 0.55) / 2)  # steps 10 and 20 only
+    assert rb["median_step_s"]["mean"] == pytest.approx((5.0 + 3.0) / 2)
+    assert rb["after_minus_a"] == {"mean": pytest.approx(0.2), "se": None, "n": 1}  # seed 0 only: both have it
+    assert rb["curve_mean_minus_a"]["mean"] == pytest.approx(0.8 - 0.65)
+    assert "after_minus_a" not in ra
+
+
+def test_presets_benchmark_runs_each_preset_per_seed_in_rotating_order(tmp_path, monkeypatch):
+    from minirl.benchmarks import learning
+    calls = []
+
+    def fake(out, seeds, ks, eval_size, eval_every, loss_type, **kw):
+        calls.append((seeds[0], loss_type, eval_size, eval_every, kw))
+        _learning_json(Path(out) / "learning.json", {f"s{seeds[0]}_k0": _k0([[0, 0.1], [5, 0.5]])})
+    monkeypatch.setattr(learning, "bench_learning", fake)
+    r = learning.bench_presets(tmp_path, presets=("grpo", "gspo"), seeds=(3, 4), eval_size=16, eval_every=5,
+                               data="rows.jsonl")
+    assert [(s, p) for s, p, *_ in calls] == [(3, "grpo"), (3, "gspo"), (4, "gspo"), (4, "grpo")]
+    assert all(c[2:] == (16, 5, {"data": "rows.jsonl"}) for c in calls)
+    assert json.loads((tmp_path / "presets.json").read_text()) == r and set(r["settings"]) == {"grpo", "gspo"}
+    with pytest.raises(ValueError, match="unknown preset 'ppo'"):
+        learning.bench_presets(tmp_path, presets=("ppo",))

@@ -67,8 +67,11 @@ BAD = [  # (what, files, argv, the line's content)
     ("bench variant", {}, ["bench", "pipeline", "--variants", "sync,k3"],
      "unknown variant 'k3': choose from sync, k1, k1_shared, k2, sync_vllm, k1_vllm"),
     ("bench trl task", {}, ["bench", "trl", "--task", "chess"], "unknown task 'chess': choose from addition, demo"),
-    ("bench trl flag elsewhere", {}, ["bench", "learning", "--eval-size", "8"],
-     "bench learning does not take --eval-size (it takes none of them)"),
+    ("bench trl flag elsewhere", {}, ["bench", "learning", "--save-every", "8"],
+     "bench learning does not take --save-every (it takes --eval-size, --eval-every, --presets)"),
+    ("bench preset", {}, ["bench", "learning", "--presets", "grpo,ppo"],
+     "unknown preset 'ppo': choose from grpo, dr_grpo, dapo, bnpo, gspo"),
+    ("bench eval every", {}, ["bench", "learning", "--eval-every", "0"], "--eval-every must be at least 1, got 0"),
     ("bench trl eval size", {}, ["bench", "trl", "--eval-size", "0"], "--eval-size must be at least 1, got 0"),
 ]
 

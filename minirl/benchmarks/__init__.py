@@ -13,13 +13,13 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
 
 # the sizing flags (`minirl bench WHAT --workloads/--steps/--rounds`) each benchmark takes
 SIZES = {"pipeline": ("workloads", "variants", "steps", "rounds"), "memory": ("steps", "rounds"),
-         "trl": ("steps", "lr", "task", "eval_size", "save_every")}
+         "trl": ("steps", "lr", "task", "eval_size", "save_every"), "learning": ("eval_size", "eval_every", "presets")}
 BENCHMARKS = ("generation", "pipeline", "sync", "learning", "memory", "trl")
 
 
 def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2), **sizes) -> dict:
-    """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds; trl: lr, task, eval_size, save_every) go
-    to the benchmarks that take them."""
+    """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds; trl: lr, task, eval_size, save_every;
+    learning: eval_size, eval_every, presets) go to the benchmarks that take them."""
     if what not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {what!r}: use {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]}")
     wrong = sorted(set(sizes) - set(SIZES.get(what, ())))
@@ -27,7 +27,7 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
         flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
         takes = ", ".join(map(flag, SIZES.get(what, ()))) or "none of them"
         raise ValueError(f"bench {what} does not take {', '.join(map(flag, wrong))} (it takes {takes})")
-    for k in ("steps", "rounds", "eval_size", "save_every"):
+    for k in ("steps", "rounds", "eval_size", "save_every", "eval_every"):
         if k in sizes and sizes[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be at least 1, got {sizes[k]}")
     if what == "generation":
@@ -52,7 +52,9 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
             raise ValueError(f"unknown task {sizes['task']!r}: choose from {', '.join(TASKS)}")
         return bench_trl(out, seeds=seeds, **sizes)
     if what == "learning":
-        from .learning import bench_learning
-        return bench_learning(out, seeds=seeds, ks=ks)
+        from .learning import bench_learning, bench_presets
+        if "presets" in sizes:
+            return bench_presets(out, seeds=seeds, **sizes)
+        return bench_learning(out, seeds=seeds, ks=ks, **sizes)
     from .memory import bench_memory
     return bench_memory(out, **sizes)

@@ -87,3 +87,61 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
             res[f"curve_mean_k{K}_minus_k0"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) - curve_mean(runs[f"s{s}_k0"])
                                                         for s in paired])
     return _write(out, "learning.json", res)
+
+
+def _runs(paths: list[Path]) -> dict[str, dict]:
+    """The K = 0 runs of one or more learning.json files, by seed."""
+    runs: dict[str, dict] = {}
+    for p in paths:
+        for key, r in json.loads(Path(p).read_text())["runs"].items():
+            seed, k = key[1:].split("_k")
+            if k == "0":
+                runs[seed] = r
+    return runs
+
+
+def compare_presets(files: dict[str, list[Path]]) -> dict:
+    """Per setting (name -> its learning.json files, K = 0 runs): held-out accuracy after the run, its gain, and the
+    curve's mean over the evaluations after step 0 that every run has (runs evaluated every 5 and every 10 steps
+    compare at steps 10, 20, ...), each as mean and standard error over seeds; then each setting minus the first,
+    paired by seed (same problems, same first sample), over the seeds both have."""
+    runs = {name: _runs(paths) for name, paths in files.items()}
+    steps = set.intersection(*({s for s, _ in r["curve"] if s > 0} for rs in runs.values() for r in rs.values()))
+
+    def mean_se(xs):
+        return {"mean": statistics.mean(xs), "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None,
+                "n": len(xs)}
+
+    def curve_mean(r):
+        return statistics.mean(a for s, a in r["curve"] if s in steps)
+
+    out: dict[str, Any] = {"common_eval_steps": sorted(steps), "settings": {}}
+    first = next(iter(runs))
+    for name, rs in runs.items():
+        row = {"seeds": sorted(rs, key=int), "after": mean_se([r["after"] for r in rs.values()]),
+               "gain": mean_se([r["gain"] for r in rs.values()]),
+               "curve_mean": mean_se([curve_mean(r) for r in rs.values()]),
+               "median_step_s": mean_se([statistics.median(r["step_s"]) for r in rs.values()])}
+        paired = [s for s in rs if s in runs[first]]
+        if name != first and paired:
+            row[f"after_minus_{first}"] = mean_se([rs[s]["after"] - runs[first][s]["after"] for s in paired])
+            row[f"curve_mean_minus_{first}"] = mean_se([curve_mean(rs[s]) - curve_mean(runs[first][s])
+                                                         for s in paired])
+        out["settings"][name] = row
+    return out
+
+
+def bench_presets(out: str | Path, presets=("grpo", "dr_grpo", "dapo", "gspo"), seeds=(0, 1, 2),
+                  eval_size: int = 256, eval_every: int = 5, **overrides: Any) -> dict:
+    """`minirl bench learning --presets ...`: the demo with each `loss_type` preset (K = 0, DIR/<preset>/, through
+    `bench_learning`), the presets' order rotating by seed, then `compare_presets` over them in DIR/presets.json.
+    Interrupted runs resume as `bench_learning`'s do."""
+    from ..loss import PRESETS
+    unknown = [p for p in presets if p not in PRESETS]
+    if unknown:
+        raise ValueError(f"unknown preset {unknown[0]!r}: choose from {', '.join(PRESETS)}")
+    for i, seed in enumerate(seeds):
+        for p in presets[i % len(presets):] + presets[:i % len(presets)]:
+            bench_learning(Path(out) / p, seeds=(seed,), ks=(0,), eval_size=eval_size, eval_every=eval_every,
+                           loss_type=p, **overrides)
+    return _write(out, "presets.json", compare_presets({p: [Path(out) / p / "learning.json"] for p in presets}))
