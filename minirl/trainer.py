@@ -89,7 +89,8 @@ class Trainer:
         t0 = time.perf_counter()
         if c.scale_rewards == "batch":  # the scorer centred each group; the scale is the whole step's
             groups = scale_by_batch(groups)
-        samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0, drop_truncated=c.mask_truncated)
+        samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0 or c.train_zero_adv,
+                                      drop_truncated=c.mask_truncated)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1

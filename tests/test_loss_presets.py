@@ -184,3 +184,28 @@ def test_the_trainer_scales_by_the_batch_std_when_asked(tiny_model, monkeypatch)
     sb = math.sqrt(41) / 6
     assert sorted(seen[0].adv_B.tolist()) == pytest.approx(sorted([0.75 / sb] + [-0.25 / sb] * 3 + [1 / sb, -1 / sb]),
                                                           rel=1e-5)
+
+
+def _scored_with_a_solved_group():
+    """Group 'a' rewards [1, 0, 0, 0]; group 'c' [2, 2]: no spread, advantages zero. One-token completions, so the
+    token-mean's denominator is the number of samples trained."""
+    table = {"a": [1.0, 0.0, 0.0, 0.0], "c": [2.0, 2.0]}
+    groups = [Group(Prompt(i, (1, 2), p), tuple(Completion((3,), (-1.0,), (0,), str(j), "stop")
+                                                for j in range(len(table[p]))))
+              for i, p in enumerate(table)]
+    return Scorer([("r", lambda prompt, completion, **_: table[prompt][int(completion)])], [1.0], 5.0,
+                  scale_by_std=True).score_groups(groups)
+
+
+def test_train_zero_adv_counts_the_solved_group_in_the_denominator_as_trl_does(tiny_model):
+    """The solved group adds no gradient of its own; it only grows token-mean's denominator from 4 tokens to 6,
+    so the whole gradient (its norm, before clipping) is 4/6 of the one without it."""
+    from minirl.trainer import Trainer
+    out = {}
+    for on in (False, True):
+        torch.manual_seed(0)
+        tr = Trainer(Config(model=tiny_model, backend="hf", lora_rank=4, max_tokens=8, train_zero_adv=on, seed=0))
+        out[on] = tr.step(_scored_with_a_solved_group())
+    assert out[False]["train/samples"] == 4 and out[True]["train/samples"] == 6
+    assert out[False]["grad_norm"] > 0
+    assert out[True]["grad_norm"] == pytest.approx(out[False]["grad_norm"] * 4 / 6, rel=1e-4)

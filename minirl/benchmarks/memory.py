@@ -99,7 +99,8 @@ def micro_tokens(trainer: Trainer, groups) -> int:
     from ..batch import make_batch, samples_from_groups
     from ..packing import pack
     c = trainer.cfg
-    samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0, drop_truncated=c.mask_truncated)
+    samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0 or c.train_zero_adv,
+                                  drop_truncated=c.mask_truncated)
     if not samples:
         return 0
     batch = make_batch(samples, 0, "token-mean", 1)

@@ -86,6 +86,12 @@ class Config:
     max_resample_rounds: int = 3
     """With dynamic_sampling: at most this many refill rounds per step, each generating a group for every slot
     still without spread."""
+    train_zero_adv: bool = False
+    """Train the samples of groups without a reward spread too, as TRL does: they carry no policy gradient but
+    count in loss_agg's denominator (token-mean: their tokens; seq-mean and constant: their sequences), so a step
+    whose groups are mostly solved or mostly failed moves the policy less. Off: they are left out (less compute;
+    the denominator counts only samples with a gradient). They are always trained when kl_coef > 0 (its term
+    needs them)."""
     mask_truncated: bool = False
     """A completion cut by max_tokens (finish_reason 'length'; an episode cut by max_turns / max_episode_tokens)
     contributes no loss; its reward still counts in its group's baseline (DAPO's overlong filtering). Pair it with
