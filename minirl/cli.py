@@ -268,7 +268,7 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "bench":
         from .benchmarks import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every",
-                                   "eval_every", "presets")
+                                "eval_every", "presets")
                  if (v := getattr(args, k)) is not None}
         print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks, **sizes), indent=2))
     return 0

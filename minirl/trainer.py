@@ -10,7 +10,8 @@ from typing import Sequence
 import torch
 
 from .config import Config
-from .batch import Batch, completion_logprobs, make_batch, samples_from_groups, scale_by_batch, sequence_logprobs
+from .batch import (Batch, Sample, completion_logprobs, make_batch, samples_from_groups, scale_by_batch,
+                    sequence_logprobs)
 from .loss import policy_loss
 from .metrics import memory_metrics
 from .models import build_model, checkpointing_on, load_tokenizer, resolve_model
@@ -81,6 +82,13 @@ class Trainer:
             g["initial_lr"] = cfg.lr
         self.sched.base_lrs = [cfg.lr for _ in self.sched.base_lrs]
 
+    def samples(self, groups: Sequence[ScoredGroup]) -> list[Sample]:
+        """The step's trained samples: zero-advantage ones only when the KL term or `train_zero_adv` wants them,
+        truncated ones not with `mask_truncated`."""
+        c = self.cfg
+        return samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0 or c.train_zero_adv,
+                                   drop_truncated=c.mask_truncated)
+
     def step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
         """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics. Logprobs are
         computed at the temperature each group was sampled with (it travels with the group)."""
@@ -89,8 +97,7 @@ class Trainer:
         t0 = time.perf_counter()
         if c.scale_rewards == "batch":  # the scorer centred each group; the scale is the whole step's
             groups = scale_by_batch(groups)
-        samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0 or c.train_zero_adv,
-                                      drop_truncated=c.mask_truncated)
+        samples = self.samples(groups)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1

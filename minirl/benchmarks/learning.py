@@ -16,6 +16,12 @@ def _eval_curve(metrics_jsonl: Path) -> list[list[float]]:
     return [[r["step"], r["accuracy"]] for r in recs if r.get("event") == "eval"]
 
 
+def _mean_se(xs) -> dict:
+    """Mean, standard error over the values (None for one value) and their number."""
+    return {"mean": statistics.mean(xs), "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None,
+            "n": len(xs)}
+
+
 def _time_to(curve: list[list[float]], step_s: list[float], target: float) -> float | None:
     """Training seconds (the steps' wall clock, evaluations excluded) until the first held-out evaluation at or
     above `target`; None if no evaluation reached it."""
@@ -64,27 +70,23 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
                 "train_s_to_target": _time_to(curve, step_s, target)}
             _write(out, "learning.json", res)  # partial results survive an interrupted run
 
-    def mean_se(xs):
-        m = statistics.mean(xs)
-        return {"mean": m, "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None, "n": len(xs)}
-
     def curve_mean(r):
         return statistics.mean(a for step, a in r["curve"] if step > 0)
     runs = res["runs"]
     for K in (0, 1, 2):
         have = [s for s in seeds if f"s{s}_k{K}" in runs]
         if have:
-            res[f"gain_k{K}"] = mean_se([runs[f"s{s}_k{K}"]["gain"] for s in have])
-            res[f"curve_mean_k{K}"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) for s in have])
+            res[f"gain_k{K}"] = _mean_se([runs[f"s{s}_k{K}"]["gain"] for s in have])
+            res[f"curve_mean_k{K}"] = _mean_se([curve_mean(runs[f"s{s}_k{K}"]) for s in have])
             reached = [runs[f"s{s}_k{K}"]["train_s_to_target"] for s in have]
             hit = [t for t in reached if t is not None]
             res[f"time_to_target_k{K}"] = {"mean_s": statistics.mean(hit) if hit else None, "reached": len(hit),
                                            "n": len(have)}
         paired = [s for s in have if f"s{s}_k0" in runs]
         if K and paired:
-            res[f"gain_k{K}_minus_k0"] = mean_se([runs[f"s{s}_k{K}"]["after"] - runs[f"s{s}_k0"]["after"]
+            res[f"gain_k{K}_minus_k0"] = _mean_se([runs[f"s{s}_k{K}"]["after"] - runs[f"s{s}_k0"]["after"]
                                                   for s in paired])
-            res[f"curve_mean_k{K}_minus_k0"] = mean_se([curve_mean(runs[f"s{s}_k{K}"]) - curve_mean(runs[f"s{s}_k0"])
+            res[f"curve_mean_k{K}_minus_k0"] = _mean_se([curve_mean(runs[f"s{s}_k{K}"]) - curve_mean(runs[f"s{s}_k0"])
                                                         for s in paired])
     return _write(out, "learning.json", res)
 
@@ -108,24 +110,20 @@ def compare_presets(files: dict[str, list[Path]]) -> dict:
     runs = {name: _runs(paths) for name, paths in files.items()}
     steps = set.intersection(*({s for s, _ in r["curve"] if s > 0} for rs in runs.values() for r in rs.values()))
 
-    def mean_se(xs):
-        return {"mean": statistics.mean(xs), "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None,
-                "n": len(xs)}
-
     def curve_mean(r):
         return statistics.mean(a for s, a in r["curve"] if s in steps)
 
     out: dict[str, Any] = {"common_eval_steps": sorted(steps), "settings": {}}
     first = next(iter(runs))
     for name, rs in runs.items():
-        row = {"seeds": sorted(rs, key=int), "after": mean_se([r["after"] for r in rs.values()]),
-               "gain": mean_se([r["gain"] for r in rs.values()]),
-               "curve_mean": mean_se([curve_mean(r) for r in rs.values()]),
-               "median_step_s": mean_se([statistics.median(r["step_s"]) for r in rs.values()])}
+        row = {"seeds": sorted(rs, key=int), "after": _mean_se([r["after"] for r in rs.values()]),
+               "gain": _mean_se([r["gain"] for r in rs.values()]),
+               "curve_mean": _mean_se([curve_mean(r) for r in rs.values()]),
+               "median_step_s": _mean_se([statistics.median(r["step_s"]) for r in rs.values()])}
         paired = [s for s in rs if s in runs[first]]
         if name != first and paired:
-            row[f"after_minus_{first}"] = mean_se([rs[s]["after"] - runs[first][s]["after"] for s in paired])
-            row[f"curve_mean_minus_{first}"] = mean_se([curve_mean(rs[s]) - curve_mean(runs[first][s])
+            row[f"after_minus_{first}"] = _mean_se([rs[s]["after"] - runs[first][s]["after"] for s in paired])
+            row[f"curve_mean_minus_{first}"] = _mean_se([curve_mean(rs[s]) - curve_mean(runs[first][s])
                                                          for s in paired])
         out["settings"][name] = row
     return out

@@ -96,11 +96,9 @@ def micro_tokens(trainer: Trainer, groups) -> int:
     """The tokens of the step's largest micro-batch, as the trainer lays it out (`trainer.packing`): real tokens
     of a shared-prefix packed row, rows x longest row of a padded one. What the activations of a training step
     scale with (the memory plan's calibration reads it)."""
-    from ..batch import make_batch, samples_from_groups
+    from ..batch import make_batch
     from ..packing import pack
-    c = trainer.cfg
-    samples = samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0 or c.train_zero_adv,
-                                  drop_truncated=c.mask_truncated)
+    samples = trainer.samples(groups)
     if not samples:
         return 0
     batch = make_batch(samples, 0, "token-mean", 1)
