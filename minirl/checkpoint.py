@@ -158,6 +158,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     if resume and overwrite:
         raise ConfigError("resume and overwrite exclude each other: resume continues the run in out_dir, "
                           "overwrite replaces it")
+    _refuse_if_in_use(out)
     if resume and not (out / "metrics.jsonl").exists():
         raise ConfigError(f"nothing to resume in {str(out)!r}: no run there; start one without --resume, or point "
                           "out_dir at the run to continue")
@@ -168,6 +169,26 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     if not resume and not overwrite and holds_run(out):
         raise RunExists(f"{str(out)!r} already holds a run; continue it with --resume (resume=True), replace it "
                         "with --overwrite (overwrite=True), or choose another out_dir")
+
+
+def _in_use(out: Path, pid: str) -> ConfigError:
+    return ConfigError(f"{str(out)!r} is in use by a run that is still going (pid {pid or '?'}); wait for it to end, "
+                       "stop it, or choose another out_dir")
+
+
+def _refuse_if_in_use(out: Path) -> None:
+    """Before anything loads (a resume would read checkpoints the going run is rotating away): refuse an out_dir
+    whose lock a going run holds. Probes with a shared lock, released at once; writes nothing. `lock_out_dir`
+    still takes the lock when the run claims the folder."""
+    import fcntl
+    lock = out / ".lock"
+    if lock.is_symlink() or not lock.is_file():
+        return  # no run ever held it, or a planted link that lock_out_dir refuses
+    with open(lock) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(out, f.read().strip()) from None
 
 
 def lock_out_dir(out: Path):
@@ -186,10 +207,9 @@ def lock_out_dir(out: Path):
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         f.seek(0)
-        pid = f.read().strip() or "?"
+        pid = f.read().strip()
         f.close()
-        raise ConfigError(f"{str(out)!r} is in use by a run that is still going (pid {pid}); wait for it to end, "
-                          "stop it, or choose another out_dir") from None
+        raise _in_use(out, pid) from None
     f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))

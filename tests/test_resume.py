@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from minirl import Config, ConfigError, Run
 from minirl import data as D
 from minirl.types import Prompt
-from minirl.checkpoint import RunExists, atomic_text, latest_checkpoint, save_checkpoint
+from minirl.checkpoint import RunExists, atomic_text, latest_checkpoint, lock_out_dir, save_checkpoint
 from minirl.metrics import read_log
 
 from conftest import TOY_ROWS
@@ -203,6 +203,23 @@ def test_writes_are_atomic_and_a_non_finite_adapter_is_never_checkpointed(toy_cf
         next(p for p in run.trainer.model.parameters() if p.requires_grad)[0, 0] = float("nan")
     assert save_checkpoint(out, run.trainer, {**last.state, "step": 3}, keep=5) is None
     assert latest_checkpoint(out) == last
+
+
+def test_a_resume_into_an_out_dir_a_going_run_holds_stops_before_anything_loads(toy_cfg, monkeypatch):
+    """Loading first raced the going run: a resume picked its latest checkpoint, which the run then rotated away
+    (keep_checkpoints), and failed on a missing trainer.pt instead of the one line. The lock is now probed first."""
+    out = Path(toy_cfg.out_dir)
+    out.mkdir(parents=True)
+    held = lock_out_dir(out)  # a going run's lock (flock is per open file: this process's second open conflicts)
+    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    try:
+        with pytest.raises(ConfigError, match=rf"is in use by a run that is still going \(pid {os.getpid()}\)"):
+            Run(toy_cfg, data=TOY_ROWS, resume=True).run()
+    finally:
+        held.close()
+    with pytest.raises(ConfigError, match="nothing to resume"):  # released: on to the next check
+        Run(toy_cfg, data=TOY_ROWS, resume=True).run()
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # the probe wrote nothing
 
 
 def test_a_second_run_into_the_out_dir_of_a_going_run_stops_in_one_line(toy_cfg):
