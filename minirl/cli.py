@@ -171,6 +171,20 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _settings(text: str) -> dict:
+    """`key=value,key=value` -> {key: value}, each value read as YAML (true, 0.5, [a, b])."""
+    import yaml
+    out = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise argparse.ArgumentTypeError(f"{item!r} is not key=value (e.g. train_zero_adv=true,shuffle=false)")
+        out[key.strip()] = yaml.safe_load(value)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{text!r} sets nothing: give key=value pairs (e.g. train_zero_adv=true)")
+    return out
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--resume", action="store_true", help="continue the run in out_dir from its latest checkpoint")
@@ -221,6 +235,10 @@ def main(argv: list[str] | None = None) -> int:
                        "(e.g. grpo,dr_grpo,dapo,gspo) at K = 0 instead of K")
     bench.add_argument("--save-every", type=int, default=None, help="steps between saved, scored adapters (trl; "
                        "default 2)")
+    bench.add_argument("--minirl-overrides", type=_settings, default=None, metavar="KEY=VALUE,...", help="trl: "
+                       "minirl's Config fields changed from its defaults, for an ablation (e.g. train_zero_adv=true)")
+    bench.add_argument("--trl-from", default=None, metavar="TRL_JSON", help="trl: take TRL's runs from this trl.json "
+                       "(same settings) and run minirl alone")
     pl = sub.add_parser("plan", help="the memory plan of a YAML config, from the model's config.json alone")
     pl.add_argument("config", help="YAML file with Config fields")
     pl.add_argument("--gpu-gb", type=float, default=None, help="plan for a GPU of this many GB (default: this "
@@ -268,7 +286,7 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "bench":
         from .benchmarks import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every",
-                                "eval_every", "presets")
+                                "eval_every", "presets", "minirl_overrides", "trl_from")
                  if (v := getattr(args, k)) is not None}
         print(json.dumps(bench(args.what, args.out, seed=args.seed, seeds=args.seeds, ks=args.ks, **sizes), indent=2))
     return 0

@@ -94,6 +94,18 @@ def test_the_harness_interleaves_seeds_scores_every_saved_adapter_and_resumes(ti
     changed = dict(kw, eval_size=3)
     with pytest.raises(AssertionError, match="run again"):  # another config: the old runs do not count
         bench_trl(tmp_path, seeds=(0,), sides={"trl": refuse, "minirl": refuse}, **changed)
+    ablation = bench_trl(tmp_path / "ablation", seeds=(0, 1), trl_from=tmp_path / "trl.json",
+                         minirl_overrides=dict(train_zero_adv=True), sides={"trl": refuse, "minirl": fake("minirl")}, **kw)
+    assert calls[-2:] == [("minirl", 0), ("minirl", 1)]  # TRL's runs came from the first trl.json: minirl alone ran
+    assert {k: {**r, "from": None} for k, r in ablation["runs"].items() if k.startswith("trl")} \
+        == {k: {**r, "from": None} for k, r in res["runs"].items() if k.startswith("trl")}
+    assert ablation["runs"]["trl_s0"]["from"] == str(tmp_path / "trl.json") and "from" not in ablation["runs"]["minirl_s0"]
+    with pytest.raises(ValueError, match="its TRL runs were made with other settings"):
+        bench_trl(tmp_path / "other", seeds=(0,), trl_from=tmp_path / "trl.json", sides={"trl": refuse, "minirl": refuse},
+                  **dict(kw, steps=3))
+    with pytest.raises(ValueError, match="did you mean 'train_zero_adv'"):  # before anything runs
+        bench_trl(tmp_path / "typo", seeds=(0,), minirl_overrides=dict(train_zero_advs=True),
+                  sides={"trl": refuse, "minirl": refuse}, **kw)
 
 
 def test_the_summary_gives_mean_spread_and_seconds_to_trls_final_accuracy():

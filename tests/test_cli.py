@@ -73,6 +73,13 @@ BAD = [  # (what, files, argv, the line's content)
      "unknown preset 'ppo': choose from grpo, dr_grpo, dapo, bnpo, gspo"),
     ("bench eval every", {}, ["bench", "learning", "--eval-every", "0"], "--eval-every must be at least 1, got 0"),
     ("bench trl eval size", {}, ["bench", "trl", "--eval-size", "0"], "--eval-size must be at least 1, got 0"),
+    ("bench trl override", {}, ["bench", "trl", "--minirl-overrides", "train_zero_advs=true"],
+     "'train_zero_advs' (did you mean 'train_zero_adv'?)"),
+    ("bench trl override value", {}, ["bench", "trl", "--minirl-overrides", "temperature=hot"],
+     "temperature: expected a number, got 'hot'"),
+    ("bench trl override syntax", {}, ["bench", "trl", "--minirl-overrides", "zero"], "'zero' is not key=value"),
+    ("bench trl from", {"t.json": '{"config": {"steps": 3}, "runs": {}}'}, ["bench", "trl", "--trl-from", "t.json"],
+     "t.json: its TRL runs were made with other settings than these"),
 ]
 
 

@@ -13,12 +13,14 @@ def _write(out: str | Path, name: str, result: dict) -> dict:
 
 # the sizing flags (`minirl bench WHAT --workloads/--steps/--rounds`) each benchmark takes
 SIZES = {"pipeline": ("workloads", "variants", "steps", "rounds"), "memory": ("steps", "rounds"),
-         "trl": ("steps", "lr", "task", "eval_size", "save_every"), "learning": ("eval_size", "eval_every", "presets")}
+         "trl": ("steps", "lr", "task", "eval_size", "save_every", "minirl_overrides", "trl_from"),
+         "learning": ("eval_size", "eval_every", "presets")}
 BENCHMARKS = ("generation", "pipeline", "sync", "learning", "memory", "trl")
 
 
 def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2), **sizes) -> dict:
-    """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds; trl: lr, task, eval_size, save_every;
+    """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds; trl: lr, task, eval_size, save_every,
+    minirl_overrides, trl_from;
     learning: eval_size, eval_every, presets) go to the benchmarks that take them."""
     if what not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {what!r}: use {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]}")

@@ -30,7 +30,7 @@ def minirl_config(spec: dict):
     evaluation of its own (the shared evaluator scores the saved adapters), then `spec["minirl"]` overrides."""
     from ..config import Config
     s = spec["settings"]
-    return Config(**{**dict(
+    return Config.from_dict({**dict(
         model=spec["model"], dtype="float32", seed=spec["seed"], steps=spec["steps"], shuffle=False, eval_size=0,
         checkpoint_every=0, out_dir=str(Path(spec["out"]) / "run"), rewards=["arithmetic_correct"],
         prompts_per_step=s["prompts_per_step"], group_size=s["group_size"], max_tokens=s["max_tokens"],
@@ -156,7 +156,7 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
               task: str = "addition", eval_size: int = 64, save_every: int = 2, target: float | None = None,
               model: str = "smollm2-135m-instruct", sides: dict[str, Side] | None = None,
               minirl_overrides: dict | None = None, settings: dict | None = None,
-              eval_overrides: dict | None = None) -> dict:
+              eval_overrides: dict | None = None, trl_from: str | Path | None = None) -> dict:
     """TRL's GRPOTrainer and minirl on the same rows in the same order, seeds interleaved (TRL seed s, minirl seed
     s, TRL seed s + 1, ...), each saving its adapter every `save_every` steps (and at 0 and `steps`); every adapter
     then scored by `evaluate_adapters` on the task's first `eval_size` held-out problems. Writes DIR/trl.json after
@@ -164,7 +164,8 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
     (`summarize`). Runs already in DIR/trl.json with the same config are kept (an interrupted benchmark resumes;
     more seeds add on). `settings` changes the shared settings (`trl.SETTINGS`) for both sides, `minirl_overrides`
     minirl's Config only, `eval_overrides` the evaluator's Config; `sides` replaces a side's trainer (tests: a fake
-    TRL)."""
+    TRL). `trl_from` takes TRL's runs from another trl.json made with the same settings (an ablation of minirl's
+    settings then runs minirl alone; those runs are marked "from", and their seconds were not interleaved)."""
     from ..models import resolve_model
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
@@ -177,12 +178,22 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
     probe = trl_spec(path, 0, steps, save_steps, Path(out), task=task, **settings)
     config = {"model": model, "task": task, "steps": steps, "save_steps": save_steps, "eval_size": eval_size,
               "settings": probe["settings"], "minirl": minirl_overrides or {}, "eval": eval_overrides or {}}
+    minirl_config({**probe, "minirl": minirl_overrides or {}})  # a wrong override is one line before anything runs
     res: dict[str, Any] = {"config": config, "runs": {}}
     done = Path(out) / "trl.json"
     if done.exists():
         prev = json.loads(done.read_text())
         if prev.get("config") == config:
             res["runs"] = prev.get("runs", {})
+    if trl_from is not None:
+        src = json.loads(Path(trl_from).read_text())
+        shared = lambda c: {k: v for k, v in c.items() if k != "minirl"}  # noqa: E731
+        if shared(src.get("config", {})) != shared(config):
+            raise ValueError(f"{trl_from}: its TRL runs were made with other settings than these: run TRL here "
+                             f"(leave out --trl-from) or match its steps, lr, task and eval size")
+        for key, r in src.get("runs", {}).items():
+            if r["side"] == "trl" and r["seed"] in seeds:
+                res["runs"].setdefault(key, {**r, "from": str(trl_from)})
     held = task_rows(0, task=task)[1][:eval_size]
     s = probe["settings"]
     for seed in seeds:
