@@ -80,6 +80,7 @@ BAD = [  # (what, files, argv, the line's content)
     ("bench trl override syntax", {}, ["bench", "trl", "--minirl-overrides", "zero"], "'zero' is not key=value"),
     ("bench trl from", {"t.json": '{"config": {"steps": 3}, "runs": {}}'}, ["bench", "trl", "--trl-from", "t.json"],
      "t.json: its TRL runs were made with other settings than these"),
+    ("bench trl from nothing", {}, ["bench", "trl", "--trl-from", "no.json"], "--trl-from no.json: no such file"),
 ]
 
 

@@ -186,6 +186,8 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
         if prev.get("config") == config:
             res["runs"] = prev.get("runs", {})
     if trl_from is not None:
+        if not Path(trl_from).is_file():
+            raise ValueError(f"--trl-from {trl_from}: no such file (give the trl.json a `minirl bench trl` wrote)")
         src = json.loads(Path(trl_from).read_text())
         shared = lambda c: {k: v for k, v in c.items() if k != "minirl"}  # noqa: E731
         if shared(src.get("config", {})) != shared(config):
