@@ -172,14 +172,14 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _settings(text: str) -> dict:
-    """`key=value,key=value` -> {key: value}, each value read as YAML (true, 0.5, [a, b])."""
-    import yaml
+    """`key=value,key=value` -> {key: value}, each value read as a Config flag's is (true, 0.5, 1e-3)."""
+    from .config.cli import _parse_value
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise argparse.ArgumentTypeError(f"{item!r} is not key=value (e.g. train_zero_adv=true,shuffle=false)")
-        out[key.strip()] = yaml.safe_load(value)
+        out[key.strip()] = _parse_value(value)
     if not out:
         raise argparse.ArgumentTypeError(f"{text!r} sets nothing: give key=value pairs (e.g. train_zero_adv=true)")
     return out
