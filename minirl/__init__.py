@@ -5,12 +5,12 @@ import logging
 # optional 4-bit kernel (a Hugging Face Hub download, out of reach offline) is missing; its built-in path runs.
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
-from .config import Config, ConfigError
-from .envs import Env, EnvStep, tool, tools
-from . import sandbox
-from .rewards import REGISTRY, Scorer, reward
-from .run import Run
-from .ui import Dashboard, check, doctor, preview, preview_episodes, render, rescore
+from minirl import sandbox
+from minirl.config import Config, ConfigError
+from minirl.generation.envs import Env, EnvStep, tool, tools
+from minirl.rewards import REGISTRY, Scorer, reward
+from minirl.run import Run
+from minirl.ui import Dashboard, check, doctor, preview, preview_episodes, render, rescore
 
 plot = render  # minirl.plot(out_dir or metrics.jsonl): the dashboard's panels from a saved run
 

@@ -13,8 +13,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
-from .lifecycle import Terminated, sigterm_interrupts
+from minirl.config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
+from minirl.core.lifecycle import Terminated, sigterm_interrupts
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,8 +90,8 @@ def _clock(seconds: float) -> str:
 
 def _render(out) -> None:
     """The run's pictures, drawn from its log, each written atomically."""
-    from .checkpoint import atomic_write
-    from .ui import render
+    from minirl.run.checkpoint import atomic_write
+    from minirl.ui import render
     log = out / "metrics.jsonl"
     atomic_write(out / "reward.png", lambda p: render(log, p, panels=("reward",), dpi=100))
     atomic_write(out / "dashboard.png", lambda p: render(log, p))
@@ -102,7 +102,7 @@ def _why(stop: KeyboardInterrupt) -> str:
 
 
 def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
-    from .run import Run
+    from minirl.run.loop import Run
     run = Run(cfg, resume=resume, overwrite=overwrite)
     try:
         run.setup()  # a failed set-up closes what it opened and writes nothing
@@ -120,7 +120,7 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
     try:
         summary = run.run()
     except KeyboardInterrupt as e:
-        from .checkpoint import latest_checkpoint
+        from minirl.run.checkpoint import latest_checkpoint
         progress.close()
         ckpt = latest_checkpoint(run.out)
         print(f"minirl: interrupted after {run.next_step} steps ({_why(e)}); `{again} --resume` continues after "
@@ -139,8 +139,8 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
 
 def _eval(cfg: Config, adapter: str | None = None) -> dict:
     """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
-    from .evaluation import eval_options, evaluate
-    from .run import Run
+    from minirl.run.evaluation import eval_options, evaluate
+    from minirl.run.loop import Run
     run = Run(cfg.replace(steps=0))
     run.load()  # no out_dir of its own: nothing is written
     try:
@@ -173,7 +173,7 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _settings(text: str) -> dict:
     """`key=value,key=value` -> {key: value}, each value read as a Config flag's is (true, 0.5, 1e-3)."""
-    from .config.cli import _parse_value
+    from minirl.config.cli import _parse_value
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="GRPO + LoRA on the arithmetic task with the embedded model")
     demo.add_argument("--out", default=None, help="output folder (default runs/demo)")
     demo.add_argument("--task", default="arithmetic", help="the built-in task: single-turn 'arithmetic' (default), "
-                      "or a multi-turn env task of minirl/tasks.py ('sums', 'retry')")
+                      "or a multi-turn env task of minirl/generation/tasks.py ('sums', 'retry')")
     _add_run_flags(demo)
     add_cli_args(demo, Config(**DEMO))
     train = sub.add_parser("train", help="run a YAML config (flags override its fields)")
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; 0 when it went through."""
     if args.cmd == "demo":
-        from .tasks import TASKS
+        from minirl.generation.tasks import TASKS
         if args.task != "arithmetic" and args.task not in TASKS:
             raise ValueError(f"unknown task {args.task!r}: choose 'arithmetic' or one of {sorted(TASKS)}")
         task = {} if args.task == "arithmetic" else {"env": args.task, **TASKS[args.task].demo}  # env tasks
@@ -278,13 +278,13 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
     elif args.cmd == "plan":
-        from .plan import plan
+        from minirl.training.plan import plan
         print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb).table())
     elif args.cmd == "export":
-        from .export import export_merged
+        from minirl.run.export import export_merged
         print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
     elif args.cmd == "bench":
-        from .benchmarks import run as bench
+        from minirl.benchmarks.dispatch import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every",
                                 "eval_every", "presets", "minirl_overrides", "trl_from")
                  if (v := getattr(args, k)) is not None}

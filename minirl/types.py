@@ -2,7 +2,7 @@
 
 prompt ─► Generator ─► Group (G Completions) ─► Scorer ─► ScoredGroup ─► Trainer (Batch)
 
-A multi-turn episode (`minirl.envs`, run by `minirl.episodes`) is a Completion too: everything after the prompt,
+A multi-turn episode (`minirl.generation.envs`, run by `minirl.generation.episodes`) is a Completion too: everything after the prompt,
 the model's replies and the environment's messages, as the token ids the generator was given and sampled, with a
 per-token `mask` of the sampled ones (the loss trains only those) and an `Episode` record of what happened.
 """
@@ -26,7 +26,7 @@ class SamplingParams:
     max_tokens: int = 48
     stop: tuple[str, ...] = ()
     seed: int | None = None
-    min_p: float = 0.0               # see minirl/sampling.py: the trainer re-applies these two
+    min_p: float = 0.0               # see minirl/core/logits.py: the trainer re-applies these two
     repetition_penalty: float = 1.0
 
 
@@ -154,7 +154,7 @@ class ScoredGroup:
 @runtime_checkable
 class AdapterSource(Protocol):
     """What the sync transports (`minirl.sync`) use of the trainer: its policy version, its peft model (the LoRA
-    parameters are the adapter: `minirl.adapter` packs them) and the adapter saved in peft format."""
+    parameters are the adapter: `minirl.core.adapter` packs them) and the adapter saved in peft format."""
     version: int
     model: Any  # a peft model (torch.nn.Module)
 
@@ -164,7 +164,7 @@ class AdapterSource(Protocol):
 
 @runtime_checkable
 class PolicyTrainer(AdapterSource, Protocol):
-    """What building a generator (`generators.make_generator`) and the sync check (`sync_check.SyncCheck`) use of
+    """What building a generator (`generation.make_generator`) and the sync check (`sync.check.SyncCheck`) use of
     the trainer, besides what the transports use: where it runs, the base model's folder, the tokenizer, and the
     policy's logprobs of a completion."""
     device: str      # 'cpu', 'cuda', 'cuda:0'
@@ -177,7 +177,7 @@ class PolicyTrainer(AdapterSource, Protocol):
 
 @runtime_checkable
 class Checkpointable(Protocol):
-    """What checkpoints (`minirl.checkpoint`) and the run folder (`minirl.run_dir`) use of the trainer."""
+    """What checkpoints (`minirl.run.checkpoint`) and the run folder (`minirl.run.folder`) use of the trainer."""
     version: int
 
     def save_adapter(self, path: str | os.PathLike) -> Path: ...
@@ -194,7 +194,7 @@ class Checkpointable(Protocol):
 
 @runtime_checkable
 class Scorable(Protocol):
-    """What the sync check (`minirl.sync.verify`) asks of an engine: a generator, or one of its servers."""
+    """What the sync check (`minirl.sync.check.verify`) asks of an engine: a generator, or one of its servers."""
     dtype: str            # the engine's dtype ('float32', 'bfloat16', ...): how close its logprobs can be
     same_numerics: bool   # it runs the trainer's own model code in the trainer's dtype (noise ~0)
 

@@ -21,8 +21,8 @@ def census(model, tokens: int, group: int = 8, prompt: int = 40, seed: int = 0) 
     """Saved bytes of one forward of `model` (a peft model in training mode) on one packed row of about `tokens`
     tokens: groups of one prompt and `group` completions."""
     import torch
-    from minirl.batch import Sample, make_batch
-    from minirl.packing import pack, packed_completion_logprobs
+    from minirl.training.batch import Sample, make_batch
+    from minirl.training.packing import pack, packed_completion_logprobs
     vocab = model.get_base_model().config.vocab_size
     rng = random.Random(seed)
     comp = max(1, (tokens // 2 - prompt) // group)
@@ -57,7 +57,7 @@ def census(model, tokens: int, group: int = 8, prompt: int = 40, seed: int = 0) 
 
 def plan_bytes_per_token(config: dict, rank: int, b: int = 4) -> int:
     """The plan's kept bytes per token without checkpointing (layers x per-layer + the final norm)."""
-    from minirl.plan import Shape
+    from minirl.training.plan import Shape
     s = Shape.from_config(config)
     return s.layers * s.layer_activation_bytes(b, rank) + 2 * s.hidden * b
 
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     from minirl.config import Config
-    from minirl.models import build_model
+    from minirl.training.models import build_model
     cfg = Config(model=args.model, dtype=args.dtype)
     model = build_model(cfg, args.device)
     res = census(model, args.tokens)

@@ -22,11 +22,11 @@ from pathlib import Path
 
 CODE = """
 import json
-import minirl.trainer
+import minirl.training.trainer
 from minirl.config import DEMO, Config
 if {keep_heap}:  # the side that leaves glibc's mmap threshold dynamic (as before the memory plan's heap fix)
-    minirl.trainer.fix_malloc_threshold = lambda *a, **k: False
-from minirl.run import Run
+    minirl.training.trainer.fix_malloc_threshold = lambda *a, **k: False
+from minirl.run.loop import Run
 run = Run(Config(**{{**DEMO, "steps": {steps}, "eval_size": 0, "seed": {seed}, "out_dir": {out!r}}}), overwrite=True)
 run.run()
 keys = ("time/step_s", "time/gen_s", "time/train_s")

@@ -13,7 +13,7 @@ import statistics
 import subprocess
 import time
 
-from minirl.rollout import Pipeline
+from minirl.pipeline.rollout import Pipeline
 from minirl.types import Completion, Group, Prompt, SamplingParams, ScoredGroup
 
 

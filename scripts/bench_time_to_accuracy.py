@@ -9,7 +9,7 @@ time), the final accuracy and the median step, each with its standard error over
 
     python scripts/bench_time_to_accuracy.py --old /tmp/old --new /tmp/new --out DIR --seeds 0,1,2
 
-Commits whose built-in task cannot hold out 256 problems (before the fix in minirl/data.py it looped forever) get
+Commits whose built-in task cannot hold out 256 problems (before the fix in minirl/data/rows.py it looped forever) get
 the same problems from files: `--data train.jsonl --eval-data held.jsonl` (`--write-data DIR` writes the built-in
 task's split for seed 0 with 256 held out: held.jsonl and the 531 problems left, train.jsonl).
 """
@@ -102,7 +102,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--write-data", type=Path, help="write the built-in task's split (seed 0) to DIR and exit")
     a = ap.parse_args(argv)
     if a.write_data:
-        from minirl.data import arithmetic_splits
+        from minirl.data.rows import arithmetic_splits
         a.write_data.mkdir(parents=True, exist_ok=True)
         for name, rows in zip(("train", "held"), arithmetic_splits(a.eval_size, 0)):
             (a.write_data / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

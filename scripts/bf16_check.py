@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=70)
     args = ap.parse_args()
     from minirl.config import Config
-    from minirl.models import build_model, cpu_bf16_flags
+    from minirl.training.models import build_model, cpu_bf16_flags
     models = {d: build_model(Config(dtype=d), "cpu") for d in ("float32", "bfloat16")}
     ids = torch.randint(100, 10000, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
     times = {d: [] for d in models}

@@ -5,7 +5,7 @@ minirl/benchmarks/trainer_step.py for the format). The equal-math tests (tests/t
     python scripts/capture_trainer_batches.py tiny   # tiny test model: a single-turn run and an episode run
     python scripts/capture_trainer_batches.py demo   # the embedded model on the demo's config (slow: ~1 min/step)
 
-The tiny model is `minirl.models.build_tiny_model` (seed 0: the tests build the same weights)."""
+The tiny model is `minirl.training.models.build_tiny_model` (seed 0: the tests build the same weights)."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,8 @@ from pathlib import Path
 import minirl
 from minirl.benchmarks.trainer_step import dump_groups
 from minirl.config import DEMO
-from minirl.models import build_tiny_model
-import minirl.trainer as T
+from minirl.training.models import build_tiny_model
+import minirl.training.trainer as T
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(8) for b in range(8)]

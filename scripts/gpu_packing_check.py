@@ -24,7 +24,7 @@ BATCHES = ROOT / "tests" / "data" / "trainer_batches_demo.json"
 def smollm_shaped(folder: Path) -> str:
     """A random Llama of SmolLM2-135M's shape, with the tiny test tokenizer (only its pad id is used)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from minirl.models import build_tiny_model
+    from minirl.training.models import build_tiny_model
     tiny = build_tiny_model(folder.parent / "tiny")
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, rope_theta=100000.0,
@@ -40,7 +40,7 @@ def smollm_shaped(folder: Path) -> str:
 def equal_math(model: str, ckpt: bool) -> dict:
     from minirl import Config
     from minirl.benchmarks.trainer_step import load_batches
-    from minirl.trainer import Trainer
+    from minirl.training.trainer import Trainer
     _, steps = load_batches(BATCHES)
     out, grads = {}, {}
     for packing in ("padded", "shared-prefix"):

@@ -11,7 +11,7 @@ import torch
 
 from minirl.benchmarks.generation import bench_hf_merge, demo_prompts
 from minirl.config import DEMO, Config
-from minirl.trainer import Trainer
+from minirl.training.trainer import Trainer
 from minirl.types import SamplingParams
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The `ipc` transport between two processes, without vLLM: CUDA IPC on a GPU, its shared-memory twin on CPU.
 
 The trainer side (this process) moves a rank-16-sized adapter (fp32) into one buffer, as `IpcSender` does
-(`minirl.adapter.move_into`), and shares it: a CUDA IPC handle on GPU, a shared-memory file on CPU. The receiver
+(`minirl.core.adapter.move_into`), and shares it: a CUDA IPC handle on GPU, a shared-memory file on CPU. The receiver
 (a spawned process) maps it with the engine worker's own code (`minirl.sync.channel.Channel`) and, per sync, copies it into
 a bfloat16 "slot" buffer, as the worker's fast path does. Checked: the receiver's copy equals the trainer's tensors
 after every update. Timed: trainer hands over -> receiver has copied (p50 / p95 over the syncs).
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=50)
     args = ap.parse_args()
     import torch
-    from minirl.adapter import make_layout, move_into
+    from minirl.core.adapter import make_layout, move_into
     from minirl.sync.senders import shared_buffer
     dev = torch.device(args.device)
     # the embedded model's all-linear rank-16 adapter: 30 layers x 7 projections, A (16 x in) and B (out x 16)

@@ -10,8 +10,8 @@ import tempfile
 from pathlib import Path
 
 from minirl import Config
-from minirl.plan import plan_shape, Shape
-from minirl.shapes import shape_config
+from minirl.training.plan import plan_shape, Shape
+from minirl.training.shapes.synthetic import shape_config
 
 MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")
 GPUS = (24, 48, 80)

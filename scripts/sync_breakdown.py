@@ -31,8 +31,8 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     from transformers import AutoModelForCausalLM
     from minirl.sync import senders as transports
     from minirl.benchmarks.sync import fake_trainer, pin_trainer, split_cores
-    from minirl.generators.vllm import VLLMGenerator
-    from minirl.models import resolve_model
+    from minirl.generation.vllm import VLLMGenerator
+    from minirl.training.models import resolve_model
     from minirl.sync.tensor import TensorSync
     from minirl.sync.wire import engine_kwargs
 

@@ -3,7 +3,7 @@ and how far a correct engine's logprobs sit from the trainer's (its numerics), p
 
 Real GRPO steps on the embedded SmolLM2-135M (arithmetic task, default lr / rank), rollouts from transformers on
 the trainer's model; after each step the adapter is pushed to a real vLLM engine (`ipc`) and the run's probe
-(`minirl.sync.make_probe`, 64 tokens; statistics for its first 32, as runs use, and all 64) is scored on both sides.
+(`minirl.sync.check.make_probe`, 64 tokens; statistics for its first 32, as runs use, and all 64) is scored on both sides.
 One JSON line per dtype pair, per step:
   sep          rms |trainer(v_k) - trainer(v_k-1)|           how far a step moves the probe
   noise        rms |engine(v_k) - trainer(v_k)|              a correct engine's disagreement (max_noise: over all)
@@ -41,14 +41,14 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
-    from minirl import data as D
+    from minirl.data import rows as D
     from minirl.config import Config
-    from minirl.generators.hf import HFGenerator
-    from minirl.generators.vllm import VLLMGenerator
+    from minirl.generation.hf import HFGenerator
+    from minirl.generation.vllm import VLLMGenerator
     from minirl.rewards import Scorer
     from minirl.sync.tensor import TensorSync
     from minirl.sync.wire import engine_kwargs
-    from minirl.trainer import Trainer
+    from minirl.training.trainer import Trainer
     from minirl.types import SamplingParams
 
     kw = {} if args.lr is None else {"lr": args.lr}
@@ -60,7 +60,7 @@ def main() -> None:
     prompts = D.to_prompts(rows, tok)
     scorer = Scorer.from_config(cfg.rewards, None, 10.0, True)
     local = HFGenerator(trainer.model, tok, lambda: trainer.version)
-    from minirl.sync import make_probe
+    from minirl.sync.check import make_probe
     probe = make_probe(trainer.model, prompts[0].token_ids, 64, cfg.seed, tok.all_special_ids, len(tok))
     probes = {"probe64": probe}
     gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, max_model_len=512, dtype=args.engine_dtype,

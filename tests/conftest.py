@@ -21,13 +21,13 @@ def _ctrl_c_reaches_cli_children():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """A tiny random Llama with a word-level tokenizer, built in code (no download)."""
-    from minirl.models import build_tiny_model
+    from minirl.training.models import build_tiny_model
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny"))
 
 
 @pytest.fixture(scope="session")
 def embedded_model():
-    from minirl.models import resolve_model
+    from minirl.training.models import resolve_model
     return resolve_model("smollm2-135m-instruct")
 
 
@@ -77,7 +77,7 @@ def shared_vllm(embedded_model, _shared_vllm_store):
     a new one."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed")
-    from minirl.generators.vllm import VLLMGenerator
+    from minirl.generation.vllm import VLLMGenerator
     from minirl.sync.wire import engine_kwargs
     g = _shared_vllm_store.get("gen")
     if g is None or g.closed:

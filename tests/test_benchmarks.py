@@ -8,7 +8,7 @@ import os
 import pytest
 
 from minirl.benchmarks.compare import identical_fraction, interleaved
-from minirl.generators import vllm_available
+from minirl.generation.factory import vllm_available
 
 HAS_VLLM = vllm_available()
 ENGINE_RUNS = pytest.mark.skipif(

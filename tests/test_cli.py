@@ -88,7 +88,7 @@ BAD = [  # (what, files, argv, the line's content)
 def test_bad_input_is_one_line_before_the_model_loads(what, files, argv, expect, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current directory on it
-    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("minirl.run.build.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(text if isinstance(text, bytes) else text.encode())
@@ -111,7 +111,7 @@ def test_a_model_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("minirl.run.build.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
     t0 = time.time()
     assert main(["demo", "--model", "someone/no-such-model-here"]) == 2
     assert time.time() - t0 < 30  # a generous bound: the probe times out after 3 s
@@ -151,6 +151,6 @@ def test_eval_measures_the_held_out_split_and_writes_nothing(tiny_model, tmp_pat
 def test_bench_trl_overrides_reach_the_benchmark_typed_as_config_flags(monkeypatch):
     """`--minirl-overrides lr=1e-3` is the number 0.001 (YAML 1.1 alone reads "1e-3" as a string), true a bool."""
     seen = {}
-    monkeypatch.setattr("minirl.benchmarks.run", lambda what, out, **kw: seen.update(kw) or {})
+    monkeypatch.setattr("minirl.benchmarks.dispatch.run", lambda what, out, **kw: seen.update(kw) or {})
     assert main(["bench", "trl", "--minirl-overrides", "lr=1e-3,train_zero_adv=true"]) == 0
     assert seen["minirl_overrides"] == {"lr": 1e-3, "train_zero_adv": True}

@@ -7,8 +7,8 @@ import pytest
 
 from minirl.rewards.builtin import code_tests_pass
 from minirl.sandbox import as_programs, isolation, run_tests, split_assert
-from minirl.sandbox.code_tests import SplitAssert
-from minirl.sandbox.harness import NotPlainData, decode, encode
+from minirl.rewards.sandbox.code_tests import SplitAssert
+from minirl.rewards.sandbox.harness import NotPlainData, decode, encode
 
 needs_isolation = pytest.mark.skipif(isolation() == "none", reason=f"no sandbox here: {isolation()}")
 

@@ -66,7 +66,7 @@ def test_run_set_validates_first_and_keeps_the_config_on_a_rejected_change():
 def test_a_16_bit_dtype_on_a_cpu_that_emulates_bf16_is_warned_about(tmp_path):
     """The CPU's bf16 support read from cpuinfo (faked here: an AVX2-only machine and an AMX one)."""
     import torch
-    from minirl.models import cpu_bf16_flags, cpu_dtype_warning, train_dtype
+    from minirl.training.models import cpu_bf16_flags, cpu_dtype_warning, train_dtype
     avx2, amx = tmp_path / "avx2", tmp_path / "amx"
     avx2.write_text("processor : 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
     amx.write_text("processor : 0\nflags\t\t: fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n")
@@ -85,7 +85,7 @@ def test_max_async_steps_auto_follows_the_measured_rule():
     (vLLM on 2+ GPUs); else the synchronous loop, which measured fastest on CPU (README)."""
     import pytest
     from minirl.config import ConfigError
-    from minirl.placement import pick_async_steps
+    from minirl.run.placement import pick_async_steps
     auto = Config()
     assert auto.max_async_steps == "auto"
     for backend in ("hf", "vllm"):  # on CPU, short or long completions alike
@@ -102,7 +102,7 @@ def test_max_async_steps_auto_follows_the_measured_rule():
 
 
 def test_a_run_resolves_auto_k_before_loading_and_records_why(toy_cfg):
-    from minirl.run import Run
+    from minirl.run.loop import Run
     run = Run(toy_cfg.replace(max_async_steps="auto", backend="hf"))
     assert run.cfg.max_async_steps == 0 and run.async_why.startswith("auto:")
     run = Run(toy_cfg.replace(max_async_steps=1, backend="hf"))

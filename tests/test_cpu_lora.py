@@ -1,4 +1,4 @@
-"""minirl's vLLM-CPU LoRA ops (`minirl.cpu_lora`, put in place through `minirl.vllm_compat`) against vLLM's own torch ops: the same product,
+"""minirl's vLLM-CPU LoRA ops (`minirl.sync.cpu_lora`, put in place through `minirl.sync.vllm_compat`) against vLLM's own torch ops: the same product,
 without the per-token copy of the adapter. The real engine runs them in every vLLM test (they are installed in its
 worker); `test_vllm.py::test_engine_uses_minirls_cpu_lora_ops` checks that they are the ones it runs."""
 import pytest
@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 from vllm.lora.ops.torch_ops import lora_ops  # noqa: E402
 from vllm.lora.punica_wrapper import punica_cpu  # noqa: E402
 
-from minirl import cpu_lora  # noqa: E402
+from minirl.sync import cpu_lora  # noqa: E402
 
 NAMES = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 ORIG = {n: getattr(lora_ops, n) for n in NAMES}

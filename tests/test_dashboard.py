@@ -7,7 +7,7 @@ import pytest
 
 from minirl import Run
 from minirl.ui import Dashboard, doctor, PANELS, render, samples_html
-from minirl.metrics import LogTail, read_log
+from minirl.core.metrics import LogTail, read_log
 from minirl.ui import check, preview, rescore
 
 from conftest import TOY_ROWS, yes_reward

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from minirl import Run
-from minirl import data as D
-from minirl.metrics import read_log
+from minirl.data import rows as D
+from minirl.core.metrics import read_log
 from minirl.types import Prompt
 
 from conftest import TOY_ROWS
@@ -120,8 +120,8 @@ def test_evaluating_nothing_is_explicit_and_says_so(toy_cfg, capsys, data):
 def test_builtin_code_task_rows_are_right_and_scored_in_the_sandbox():
     """Every family's asserts hold for the reference body and fail for a wrong one (one row per family run in
     the sandbox); 'code' loads like a path, with a carved held-out split."""
-    from minirl.data import _CODE_FAMILIES, code_rows, load_rows, make_splits
-    from minirl import sandbox
+    from minirl.data.rows import _CODE_FAMILIES, code_rows, load_rows, make_splits
+    from minirl.rewards import sandbox
     from minirl.rewards.builtin import code_tests_pass
     rows = code_rows()
     assert len(rows) == 120 == len({r["prompt"] for r in rows}) and rows == load_rows("code", "prompt")

@@ -3,9 +3,9 @@ and the rows that go on are decoded exactly as `generate` decodes them."""
 import pytest
 import torch
 
-from minirl.generators import hf as H
-from minirl.generators.hf import HFGenerator
-from minirl.trainer import Trainer
+from minirl.generation import hf as H
+from minirl.generation.hf import HFGenerator
+from minirl.training.trainer import Trainer
 from minirl.types import SamplingParams
 
 
@@ -22,7 +22,7 @@ def trainer(tiny_model, tmp_path_factory):
 
 
 def _prompts(trainer):
-    from minirl.data import to_prompts  # different lengths: rows are left-padded
+    from minirl.data.rows import to_prompts  # different lengths: rows are left-padded
     rows = ["What is 1 + 1 ?", "What is 12 + 30 and then what is 7 + 5 ?", "3 + 4 ?", "What is 9 + 9 ?"]
     return to_prompts([{"prompt": r} for r in rows], trainer.tokenizer)
 

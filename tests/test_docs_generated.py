@@ -18,7 +18,7 @@ def test_the_generated_references_are_current():
 
 def test_every_field_and_metric_is_in_them():
     from minirl.config import Config
-    from minirl.metrics import METRICS
+    from minirl.core.metrics import METRICS
     import dataclasses
     gen = _gen()
     config, metrics = gen.config_md(), gen.metrics_md()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from minirl import lifecycle
+from minirl.core import lifecycle
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only (/proc)")
 
@@ -223,7 +223,7 @@ def test_a_loopback_client_ignores_proxy_settings(monkeypatch):
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from minirl.generators.server_api import ServerAPI
+    from minirl.generation.server_api import ServerAPI
 
     class Models(BaseHTTPRequestHandler):
         def do_GET(self):
@@ -256,7 +256,7 @@ def test_a_loopback_client_ignores_proxy_settings(monkeypatch):
     finally:
         server.shutdown()
         proxy.close()
-    from minirl.generators.server_api import is_loopback
+    from minirl.generation.server_api import is_loopback
     assert is_loopback("http://localhost:8000") and is_loopback("http://[::1]:80") and not is_loopback("http://10.0.0.2")
 
 
@@ -268,7 +268,7 @@ print("listening", flush=True); sys.stdin.read()
 
 
 def test_a_port_is_the_servers_only_when_its_own_process_listens_there():
-    from minirl.generators.server_proc import listening_in_group
+    from minirl.generation.server_proc import listening_in_group
     decoy = Decoy()
     bystander = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE,
                                  start_new_session=True)
@@ -295,8 +295,8 @@ def test_a_decoy_on_a_started_servers_port_never_receives_the_api_key(tmp_path, 
     Authorization header); the server, finding its port taken, exits and start-up fails in one error."""
     import asyncio
 
-    from minirl.generators import server_proc
-    from minirl.generators.server_fleet import Fleet, ServerError
+    from minirl.generation import server_proc
+    from minirl.generation.server_fleet import Fleet, ServerError
     decoy = Decoy()
     monkeypatch.setattr(server_proc, "free_port", lambda: decoy.port)
     # the server "starts" for a second before it fails (the thing under test: the fleet's probes meanwhile go to

@@ -8,9 +8,9 @@ from functools import partial
 import pytest
 
 import minirl
-from minirl import data as D
+from minirl.data import rows as D
 from minirl.rewards import Scorer
-from minirl.rollout import Pipeline
+from minirl.pipeline.rollout import Pipeline
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
 from conftest import TOY_ROWS

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-BUILD = "from minirl.models import embedded_model_dir; print(embedded_model_dir())"
+BUILD = "from minirl.training.models import embedded_model_dir; print(embedded_model_dir())"
 
 
 def test_two_concurrent_builds_give_one_good_folder(tmp_path):
@@ -24,10 +24,10 @@ def test_two_concurrent_builds_give_one_good_folder(tmp_path):
 def test_embedded_model_answers_arithmetic(embedded_model):
     import torch
     from minirl import Config
-    from minirl.data import to_prompts
-    from minirl.generators.hf import HFGenerator
+    from minirl.data.rows import to_prompts
+    from minirl.generation.hf import HFGenerator
     from minirl.types import SamplingParams
-    from minirl.models import load_tokenizer
+    from minirl.training.models import load_tokenizer
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer("smollm2-135m-instruct")
@@ -57,7 +57,7 @@ def test_demo_cli_runs_and_writes_its_summary(tmp_path, backend):
         assert "backend=vllm" in p.stdout and s["backend"] == "vllm" and s["transport"] == "ipc"
         acc = s["accounting"]
         assert acc["generated"] == acc["trained"] + acc["dropped_stale"] + acc["unused"] >= steps * 2
-        from minirl.metrics import read_log
+        from minirl.core.metrics import read_log
         hist = [e for e in read_log(out / "metrics.jsonl") if e["event"] == "step"]
         for h in hist:
             assert 0 <= h["staleness/max"] <= 1 and 0 <= h["busy/gen"] <= 1.001 and 0 <= h["busy/train"] <= 1.001
@@ -67,5 +67,5 @@ def test_demo_cli_runs_and_writes_its_summary(tmp_path, backend):
     assert f"step {steps}/{steps}  reward" in p.stderr  # progress: one line per step when not on a terminal
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    from minirl.models import resolve_model
+    from minirl.training.models import resolve_model
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct")), out / "adapter")

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from minirl import Run
-from minirl.checkpoint import latest_checkpoint
+from minirl.run.checkpoint import latest_checkpoint
 from minirl.sync.files import tmpfs_dir
 
 from conftest import TOY_ROWS
@@ -130,7 +130,7 @@ def test_a_run_that_ends_or_raises_ends_its_generator_process(toy_cfg, ending):
     else:
         with pytest.raises(ZeroDivisionError):
             run.run()
-    from minirl import lifecycle
+    from minirl.core import lifecycle
     assert any("spawn_main" in c for c in watch.cmds.values()), f"no generator process seen: {watch.cmds}"
     # the watchdog and Python's resource tracker belong to this (pytest) process, not to the run: they stay
     keep = tuple(p for p, c in watch.cmds.items() if p == lifecycle.watchdog_pid() or "resource_tracker" in c)
@@ -189,7 +189,7 @@ def test_a_kill_during_set_up_leaves_nothing(tiny_model, tmp_path, sig):
 
 ENGINE = """
 import sys
-from minirl.generators.vllm import VLLMGenerator
+from minirl.generation.vllm import VLLMGenerator
 from minirl.types import Prompt, SamplingParams
 if __name__ == "__main__":  # the engine core is spawned
     gen = VLLMGenerator(sys.argv[1], max_lora_rank=8, max_model_len=256, kv_cache_gb=0.25)

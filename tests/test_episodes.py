@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import minirl
-from minirl.batch import make_batch, samples_from_groups
-from minirl.chat import ChatFormat, TemplateError
-from minirl.episodes import EpisodeRunner
+from minirl.training.batch import make_batch, samples_from_groups
+from minirl.generation.chat import ChatFormat, TemplateError
+from minirl.generation.episodes import EpisodeRunner
 from minirl.types import SamplingParams
 
 ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(6) for b in range(6)]
@@ -30,13 +30,13 @@ class Count(minirl.Env):
 
 @pytest.fixture(scope="module")
 def smol_tok(embedded_model):
-    from minirl.models import load_tokenizer
+    from minirl.training.models import load_tokenizer
     return load_tokenizer(embedded_model)
 
 
 @pytest.fixture(scope="module")
 def tiny_tok(tiny_model):
-    from minirl.models import load_tokenizer
+    from minirl.training.models import load_tokenizer
     return load_tokenizer(tiny_model)
 
 
@@ -147,7 +147,7 @@ def _env_run(cfg, **kw):
 
 @pytest.mark.parametrize("K", [0, 1])
 def test_run_trains_on_exactly_the_ids_sampled_turn_by_turn(toy_cfg, monkeypatch, K):
-    import minirl.trainer as T
+    import minirl.training.trainer as T
     batches = []
     real = T.make_batch
     monkeypatch.setattr(T, "make_batch", lambda *a, **k: batches.append(real(*a, **k)) or batches[-1])
@@ -168,9 +168,9 @@ def test_swap_between_turns_is_recorded_in_the_later_turn(tiny_model, tiny_tok, 
     """A generator with its own model (the one the K >= 1 pipeline runs in its own process) gets a new adapter
     while an episode waits for the env: the next turn's tokens carry the new version and are sampled by it."""
     from minirl import Config
-    from minirl.batch import sequence_logprobs
-    from minirl.generators.hf import HFGenerator
-    from minirl.models import build_model
+    from minirl.training.batch import sequence_logprobs
+    from minirl.generation.hf import HFGenerator
+    from minirl.training.models import build_model
     cfg = Config(model=tiny_model, lora_rank=8, lora_alpha=16)
     model = build_model(cfg, "cpu").eval()
     gen = HFGenerator(model, tiny_tok, merge=False)
@@ -200,8 +200,8 @@ def test_swap_between_turns_is_recorded_in_the_later_turn(tiny_model, tiny_tok, 
 
 def test_episode_ends_and_their_records(tiny_model, tiny_tok):
     from minirl import Config
-    from minirl.generators.hf import HFGenerator
-    from minirl.models import build_model
+    from minirl.generation.hf import HFGenerator
+    from minirl.training.models import build_model
     gen = HFGenerator(build_model(Config(model=tiny_model, lora_rank=8, lora_alpha=16), "cpu").eval(), tiny_tok)
     params = SamplingParams(temperature=1.0, max_tokens=6, seed=0)
 
@@ -249,8 +249,8 @@ class Async(Count):
 
 def test_env_failures_are_recorded_never_raised(tiny_model, tiny_tok):
     from minirl import Config
-    from minirl.generators.hf import HFGenerator
-    from minirl.models import build_model
+    from minirl.generation.hf import HFGenerator
+    from minirl.training.models import build_model
     from minirl.rewards import Scorer
     gen = HFGenerator(build_model(Config(model=tiny_model, lora_rank=8, lora_alpha=16), "cpu").eval(), tiny_tok)
     scorer = Scorer.from_config(["env"], None, 10.0)
@@ -273,8 +273,8 @@ def test_env_failures_are_recorded_never_raised(tiny_model, tiny_tok):
 def test_reset_must_open_every_episode_of_a_row_alike(tiny_model, tiny_tok):
     import random
     from minirl import Config
-    from minirl.generators.hf import HFGenerator
-    from minirl.models import build_model
+    from minirl.generation.hf import HFGenerator
+    from minirl.training.models import build_model
     gen = HFGenerator(build_model(Config(model=tiny_model, lora_rank=8, lora_alpha=16), "cpu").eval(), tiny_tok)
 
     class Drifts(Count):
@@ -309,8 +309,8 @@ def test_the_exactness_check_catches_re_tokenized_turns(tiny_model, tiny_tok):
     """The bug class the check exists for: a runner that re-tokenizes each reply's text (instead of appending the
     sampled ids) trains on other ids than the engine sampled, and the check says so."""
     from minirl import Config
-    from minirl.generators.hf import HFGenerator
-    from minirl.models import build_model
+    from minirl.generation.hf import HFGenerator
+    from minirl.training.models import build_model
     from minirl.types import ScoredGroup
 
     class ReTokenizes(EpisodeRunner):

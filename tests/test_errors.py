@@ -102,7 +102,7 @@ def test_faulty_reward_does_not_kill_a_run(toy_cfg):
         return float("yes" in completion)
     s = Run(toy_cfg.replace(steps=2), data=TOY_ROWS[:16], eval_data=TOY_ROWS[16:20], rewards=[flaky]).run()
     assert s["steps"] == 2
-    from minirl.metrics import read_log
+    from minirl.core.metrics import read_log
     ev = [e for e in read_log(toy_cfg.out_dir + "/metrics.jsonl") if e["event"] == "step"]
     assert sum(e["reward/failures"] for e in ev) > 0
 

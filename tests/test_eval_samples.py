@@ -6,7 +6,7 @@ from math import comb
 
 import pytest
 
-from minirl.evaluation import evaluate, pass_at_k
+from minirl.run.evaluation import evaluate, pass_at_k
 from minirl.rewards import Scorer
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
@@ -72,7 +72,7 @@ def test_a_run_logs_sampled_eval_in_events_summary_and_the_eval_panel(toy_cfg):
     from matplotlib.figure import Figure
 
     from minirl import Run
-    from minirl.metrics import METRICS
+    from minirl.core.metrics import METRICS
     from minirl.ui.panels import View, draw_panel, eval_lines
     cfg = toy_cfg.replace(steps=1, eval_size=4, eval_samples=3, eval_temperature=0.8)
     summary = Run(cfg, data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:44]).run()

@@ -81,7 +81,7 @@ def test_a_qlora_run_merges_into_the_full_precision_base_and_says_so(trained, tm
     for f in (out / "adapter").iterdir():
         (q / "adapter" / f.name).write_bytes(f.read_bytes())
     Config.from_yaml(out / "config.yaml").replace(load_in_4bit=True).to_yaml(q / "config.yaml")
-    from minirl.export import export_merged
+    from minirl.run.export import export_merged
     info = export_merged(q, tmp_path / "m")
     said = [ln for ln in capsys.readouterr().out.splitlines() if "QLoRA" in ln]
     assert said == [info["note"]] and "merged into the full-precision base" in said[0]

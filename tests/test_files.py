@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from minirl import ConfigError
-from minirl import checkpoint as C
+from minirl.run import checkpoint as C
 
 
 class FakeTrainer:
@@ -104,7 +104,7 @@ def test_overwrite_deletes_only_a_folder_a_run_marked(toy_cfg, tmp_path):
     loads, and deletes nothing; a folder a run claimed (its marker) is replaced."""
     from conftest import TOY_ROWS
     from minirl import Run
-    from minirl.checkpoint import RunExists, check_out_dir, clear_run
+    from minirl.run.checkpoint import RunExists, check_out_dir, clear_run
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "config.yaml").write_text("steps: 3\n")

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from minirl.generators.base import LoopGenerator, ServedAdapters, request_seed
+from minirl.generation.base import LoopGenerator, ServedAdapters, request_seed
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
 

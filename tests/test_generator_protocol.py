@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minirl import Run
-from minirl.sync import SyncVerificationError
+from minirl.sync.base import SyncVerificationError
 from minirl.sync.files import FileSync
 from minirl.types import AdapterUpdate, Completion, Generator, Group
 
@@ -81,7 +81,7 @@ class PlainGenerator:
 
 
 def _run(toy_cfg, tmp_path, monkeypatch, gen_box, apply_updates=True, lr=None, cls=None):
-    import minirl.parts as parts
+    import minirl.run.build as parts
 
     def make_generator(cfg, trainer, backend, asynchronous, gen_devices, sleep_mode=False):
         gen_box.append((cls or PlainGenerator)(trainer.model_path, apply_updates))
@@ -114,7 +114,7 @@ def test_an_engine_sharing_the_trainers_gpu_sleeps_while_it_trains_and_is_checke
     sleep mode): each step the engine sleeps before training and wakes after it, before the adapter push and its
     check; generation never runs while it sleeps."""
     import dataclasses
-    import minirl.run as R
+    import minirl.run.loop as R
     from minirl.types import Sleeper
     events = []
 

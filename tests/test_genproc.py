@@ -9,13 +9,13 @@ import time
 import pytest
 import torch
 
-from minirl.generators.hf import HFGenerator
+from minirl.generation.hf import HFGenerator
 
 from minirl.types import SamplingParams
-from minirl.generators.hf_process import GeneratorProcessError, ProcGenerator
+from minirl.generation.hf_process import GeneratorProcessError, ProcGenerator
 from minirl.sync.local import ShmSync
-from minirl.trainer import Trainer
-from minirl.adapter import adapter_params
+from minirl.training.trainer import Trainer
+from minirl.core.adapter import adapter_params
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def trainer(toy_cfg):
 
 
 def _prompts(trainer, n=2):
-    from minirl.data import to_prompts
+    from minirl.data.rows import to_prompts
     return to_prompts([{"prompt": f"What is {i} + 1 ?"} for i in range(n)], trainer.tokenizer)
 
 
@@ -64,8 +64,8 @@ def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
 
 def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_untouched(trainer, monkeypatch):
     from contextlib import contextmanager
-    import minirl.generators.hf as H
-    from minirl.generators.hf import _mergeable_lora_layers
+    import minirl.generation.hf as H
+    from minirl.generation.hf import _mergeable_lora_layers
     merges, real, caches = [], H.merged_lora, []
 
     @contextmanager

@@ -56,7 +56,7 @@ def _gone_within(pids, paths, seconds: float) -> float:
 
 @pytest.mark.parametrize("ending", ["SIGKILL", "exit"])
 def test_children_grandchildren_and_files_end_with_the_trainer(tmp_path, ending):
-    import minirl.lifecycle as lifecycle
+    import minirl.core.lifecycle as lifecycle
     parent = subprocess.Popen([sys.executable, "-c", PARENT, lifecycle.__file__, str(tmp_path / "grandchild"),
                                ending], stdout=subprocess.PIPE, text=True)
     info = json.loads(parent.stdout.readline())
@@ -78,7 +78,7 @@ def test_a_reused_pid_is_never_touched():
     belongs to someone else (simulated: a pid told with a wrong start time), is left alone, while a process told
     with its own start time (the positive control, in the same watchdog) is ended. The watchdog program is driven
     through its documented stdin protocol (`watchdog_main.py`), this test standing for the trainer."""
-    import minirl.lifecycle as lifecycle
+    import minirl.core.lifecycle as lifecycle
     bystander, victim = subprocess.Popen(["sleep", "1000"]), subprocess.Popen(["sleep", "1000"])
     program = str(Path(lifecycle.__file__).with_name("watchdog_main.py"))
     wd = subprocess.Popen([sys.executable, "-I", "-S", program, str(os.getpid()), "0.5", "3"],
@@ -102,7 +102,7 @@ def test_a_watchdog_started_inside_adopting_does_not_adopt_itself(tmp_path):
     """The first lifecycle call of a process can be `adopting()` itself (a vLLM engine is the run's first child):
     the watchdog then starts inside the block and must not count itself among the children it ends, or it
     would end itself first and leave the others."""
-    import minirl.lifecycle as lifecycle
+    import minirl.core.lifecycle as lifecycle
     script = textwrap.dedent(f"""
         import importlib.util, json, subprocess, sys, time
         spec = importlib.util.spec_from_file_location("lifecycle", {lifecycle.__file__!r})
@@ -125,7 +125,7 @@ def test_a_watchdog_started_inside_adopting_does_not_adopt_itself(tmp_path):
 def test_shared_memory_a_child_made_goes_with_it_and_an_older_file_stays(tmp_path):
     """vLLM's message queues are /dev/shm files its engine core makes and maps: the watchdog removes the
     files its processes mapped, but only those made while it watched (an older file they mapped is not theirs)."""
-    import minirl.lifecycle as lifecycle
+    import minirl.core.lifecycle as lifecycle
     if not os.access("/dev/shm", os.W_OK):
         pytest.skip("no writable /dev/shm")
     older = Path(f"/dev/shm/minirl-test-older-{os.getpid()}")
@@ -169,7 +169,7 @@ def test_the_watchdog_removes_only_shared_memory_this_run_made(tmp_path):
     """A child maps three /dev/shm files: one it made (removed with it), one older than the run that it writes to
     (its ctime is then newer than the run: it stays), and one an unrelated live process made during the run and
     still maps (it stays)."""
-    import minirl.lifecycle as lifecycle
+    import minirl.core.lifecycle as lifecycle
     if not os.access("/dev/shm", os.W_OK):
         pytest.skip("no writable /dev/shm")
     tag = f"{os.getpid()}-{time.monotonic_ns()}"

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from minirl.loss import LossSettings, group_advantages, policy_loss, token_weights
+from minirl.rewards.advantages import group_advantages
+from minirl.training.loss import LossSettings, policy_loss, token_weights
 
 
 def test_group_advantages_by_hand():
@@ -43,7 +44,7 @@ def _loss(logp, old, behav, adv, mask, ref_logp_B_T=None, **kw):
 
 def test_loss_settings_defaults_are_the_configs():
     from minirl import Config
-    assert Config().loss_settings() == LossSettings()
+    assert LossSettings.from_config(Config()) == LossSettings()
 
 
 def test_policy_loss_on_policy_equals_minus_mean_advantage():

@@ -7,9 +7,11 @@ import torch
 import yaml
 
 from minirl import Config, ConfigError
-from minirl.batch import scale_by_batch
+from minirl.training.batch import scale_by_batch
 from minirl.config import add_cli_args, overrides_from_args
-from minirl.loss import PRESETS, LossSettings, group_advantages, policy_loss, token_weights
+from minirl.rewards.advantages import group_advantages
+from minirl.config.presets import PRESETS
+from minirl.training.loss import LossSettings, policy_loss, token_weights
 from minirl.rewards import Scorer
 from minirl.types import Completion, Group, Prompt
 
@@ -111,7 +113,7 @@ def test_presets_set_the_fields_explicit_ones_win_and_config_yaml_records_them(t
     loss_fields = set(PRESETS["dapo"])
     assert {k: getattr(Config(), k) for k in loss_fields} == PRESETS["dapo"]  # no preset: the defaults are dapo's
     g = Config(loss_type="gspo")
-    assert (g.clip_low, g.clip_high, g.loss_settings().importance_level) == (3e-4, 4e-4, "sequence")
+    assert (g.clip_low, g.clip_high, LossSettings.from_config(g).importance_level) == (3e-4, 4e-4, "sequence")
     # Python: an explicit field wins, even one set to its default; replace keeps it and re-resolves the rest
     c = Config(loss_type="gspo", clip_high=0.28, scale_rewards="group")
     assert (c.clip_low, c.clip_high, c.importance_level) == (3e-4, 0.28, "sequence")
@@ -175,7 +177,7 @@ def test_scale_rewards_group_and_batch_by_hand():
 
 def test_the_trainer_scales_by_the_batch_std_when_asked(tiny_model, monkeypatch):
     """scale_rewards='batch' reaches the loss: the trainer's batch holds the batch-scaled advantages."""
-    import minirl.trainer as T
+    import minirl.training.trainer as T
     seen = []
     real = T.make_batch
     monkeypatch.setattr(T, "make_batch", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
@@ -200,7 +202,7 @@ def _scored_with_a_solved_group():
 def test_train_zero_adv_counts_the_solved_group_in_the_denominator_as_trl_does(tiny_model):
     """The solved group adds no gradient of its own; it only grows token-mean's denominator from 4 tokens to 6,
     so the whole gradient (its norm, before clipping) is 4/6 of the one without it."""
-    from minirl.trainer import Trainer
+    from minirl.training.trainer import Trainer
     out = {}
     for on in (False, True):
         torch.manual_seed(0)

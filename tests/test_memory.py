@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from minirl import Config
-from minirl.batch import completion_logprobs, make_batch
-from minirl.loss import policy_loss
-from minirl.trainer import Trainer
+from minirl.training.batch import completion_logprobs, make_batch
+from minirl.training.loss import policy_loss
+from minirl.training.trainer import Trainer
 
 from test_trainer import _samples
 
@@ -70,7 +70,7 @@ def test_phase_meter_sees_a_spike_that_is_freed_before_the_phase_ends():
 
 def test_every_step_logs_its_peak_memory(toy_cfg):
     from minirl import Run
-    from minirl.metrics import METRICS
+    from minirl.core.metrics import METRICS
     from minirl.ui.panels import LINE_PANELS
     from conftest import TOY_ROWS
     run = Run(toy_cfg.replace(steps=2, eval_size=0), data=TOY_ROWS[:16])
@@ -123,7 +123,7 @@ def test_qlora_trains_syncs_to_the_generator_process_and_saves_an_adapter_the_pl
 
 
 def test_load_in_4bit_without_bitsandbytes_is_one_line_naming_the_fix(tiny_model, monkeypatch):
-    import minirl.models as M
+    import minirl.training.models as M
     real = importlib.util.find_spec
     monkeypatch.setattr(M.importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(RuntimeError, match=r"load_in_4bit needs bitsandbytes.*pip install 'bitsandbytes>=0.50'"):
@@ -137,7 +137,7 @@ def test_fixed_malloc_threshold_gives_freed_activations_back():
     process-wide)."""
     code = """if True:
         import sys, torch
-        from minirl.trainer import fix_malloc_threshold
+        from minirl.training.trainer import fix_malloc_threshold
         if sys.argv[1] == "fix" and not fix_malloc_threshold():
             print("unsupported"); raise SystemExit
         def rss():
@@ -159,7 +159,7 @@ def test_fixed_malloc_threshold_gives_freed_activations_back():
 
 def test_the_cpu_trainer_fixes_the_threshold_only_when_asked(toy_cfg, monkeypatch):
     """The fixed threshold made a demo step ~1.7x slower (BENCHMARKS.md), so it is opt-in: `cpu_compact_memory`."""
-    import minirl.trainer as T
+    import minirl.training.trainer as T
     calls = []
     monkeypatch.setattr(T, "fix_malloc_threshold", lambda *a, **k: calls.append(1) or True)
     T.Trainer(toy_cfg)
@@ -175,9 +175,9 @@ def test_qlora_engine_loads_the_4bit_base_where_vllm_can_else_says_so(monkeypatc
     pytest.importorskip("vllm")
     import types
     import torch
-    import minirl.generators.vllm as V
+    import minirl.generation.vllm as V
     from minirl.config import Config
-    from minirl.generators import make_generator
+    from minirl.generation.factory import make_generator
 
     class Started(Exception):
         pass

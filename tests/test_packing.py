@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from minirl import Config, ConfigError
-from minirl.batch import Sample, completion_logprobs, make_batch
+from minirl.training.batch import Sample, completion_logprobs, make_batch
 from minirl.benchmarks.trainer_step import load_batches
-from minirl.packing import pack, packed_completion_logprobs
-from minirl.trainer import Trainer
+from minirl.training.packing import pack, packed_completion_logprobs
+from minirl.training.trainer import Trainer
 
 DATA = Path(__file__).parent / "data"
 
@@ -172,7 +172,7 @@ def test_attention_without_custom_masks_falls_back_to_padded(tiny_model, attn, m
 
 
 def test_checkpointing_auto_is_on_for_gpu_training_only():
-    from minirl.models import checkpointing_on
+    from minirl.training.models import checkpointing_on
     assert checkpointing_on(Config(), "cuda") and checkpointing_on(Config(), "cuda:0")
     assert not checkpointing_on(Config(), "cpu")
     assert checkpointing_on(Config(gradient_checkpointing=True), "cpu")

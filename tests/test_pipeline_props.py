@@ -7,7 +7,7 @@ import time
 from hypothesis import given, settings, strategies as st
 
 from minirl.types import SamplingParams
-from minirl.rollout import Pipeline
+from minirl.pipeline.rollout import Pipeline
 from minirl.rewards import Scorer
 from minirl.types import Completion, Group, Prompt
 

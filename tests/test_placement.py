@@ -4,7 +4,7 @@ import os
 import pytest
 
 from minirl.config import Config, ConfigError
-from minirl.placement import place
+from minirl.run.placement import place
 
 
 @pytest.mark.parametrize("gpus,train,gen,k", [

@@ -6,8 +6,8 @@ import pytest
 
 from minirl import Config
 from minirl.config import ConfigError
-from minirl.plan import Shape, check_plan, plan, resolve_token_budget
-from minirl.shapes import NAMES, shape_config
+from minirl.training.plan import Shape, check_plan, plan, resolve_token_budget
+from minirl.training.shapes.synthetic import NAMES, shape_config
 
 @pytest.mark.parametrize("name", NAMES)
 def test_parameter_count_from_config_json_alone_is_exact(name):
@@ -82,7 +82,7 @@ def test_cli_plan_prints_the_table(tmp_path, capsys):
 def test_gpu_memory_utilization_auto_is_sized_from_the_free_memory_at_engine_start():
     """`engine_share` on faked free / total memory (no GPU here): what is free with the trainer loaded, less the
     trainer's growth while the engine is awake, the engine's CUDA context (1 GiB) and 8 % headroom."""
-    from minirl.plan import engine_share
+    from minirl.training.plan import engine_share
     G = 10**9
     asleep = engine_share(64 * G, 80 * G, 0, 17 * G)  # an 80 GB GPU, the trainer holds 16 GB, the engine sleeps
     assert asleep == 0.70  # (64 - 1.07 - 6.4) / 80 = 0.707, rounded down
@@ -96,7 +96,7 @@ def test_gpu_memory_utilization_auto_is_sized_from_the_free_memory_at_engine_sta
 
 
 def test_gpu_memory_utilization_field_and_own_gpu():
-    from minirl.plan import OWN_GPU_SHARE, resolve_engine_share
+    from minirl.training.plan import OWN_GPU_SHARE, resolve_engine_share
     assert Config().gpu_memory_utilization == "auto"
     assert Config.from_dict({"gpu_memory_utilization": "0.5"}).gpu_memory_utilization == 0.5
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization='most': use 'auto' or a share"):
@@ -115,7 +115,7 @@ def test_per_token_count_matches_a_census_of_what_autograd_saves(tiny_model):
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from activation_census import census, plan_bytes_per_token
-    from minirl.models import build_model
+    from minirl.training.models import build_model
     cfg = Config(model=str(tiny_model), dtype="float32")
     model = build_model(cfg, "cpu")
     res = census(model, 256)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from minirl.config import DEMO, Config
-from minirl.plan import Shape, plan_shape
+from minirl.training.plan import Shape, plan_shape
 
 DATA = Path(__file__).parent / "data" / "memory_bench.json"
 PAIRS = [("lora", "lora_token_budget_1024"), ("lora", "lora_token_budget_4096"),

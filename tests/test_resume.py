@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file
 
 from minirl import Config, ConfigError, Run
-from minirl import data as D
+from minirl.data import rows as D
 from minirl.types import Prompt
-from minirl.checkpoint import RunExists, atomic_text, latest_checkpoint, lock_out_dir, save_checkpoint
-from minirl.metrics import read_log
+from minirl.run.checkpoint import RunExists, atomic_text, latest_checkpoint, lock_out_dir, save_checkpoint
+from minirl.core.metrics import read_log
 
 from conftest import TOY_ROWS
 
@@ -160,7 +160,7 @@ def test_resume_checks_its_inputs_and_carries_mid_run_changes(toy_cfg, tmp_path)
 
 
 def test_writes_are_atomic_and_a_non_finite_adapter_is_never_checkpointed(toy_cfg, tmp_path, monkeypatch):
-    from minirl.checkpoint import atomic_write, save_adapter
+    from minirl.run.checkpoint import atomic_write, save_adapter
     p = tmp_path / "summary.json"
     atomic_text(p, "old")
 
@@ -211,7 +211,7 @@ def test_a_resume_into_an_out_dir_a_going_run_holds_stops_before_anything_loads(
     out = Path(toy_cfg.out_dir)
     out.mkdir(parents=True)
     held = lock_out_dir(out)  # a going run's lock (flock is per open file: this process's second open conflicts)
-    monkeypatch.setattr("minirl.parts.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr("minirl.run.build.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
     try:
         with pytest.raises(ConfigError, match=rf"is in use by a run that is still going \(pid {os.getpid()}\)"):
             Run(toy_cfg, data=TOY_ROWS, resume=True).run()

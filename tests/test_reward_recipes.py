@@ -5,7 +5,7 @@ start, and the built-ins `overlong_penalty` (DAPO) and `format_match` take their
 import pytest
 
 from minirl import Config, Run
-from minirl.metrics import read_log
+from minirl.core.metrics import read_log
 from minirl.rewards import Scorer, bind_reward, check_columns, format_match, overlong_penalty
 from minirl.rewards.registry import resolve_reward
 from minirl.types import Completion, Group, Prompt
@@ -105,8 +105,8 @@ def test_mask_truncated_gives_a_cut_completion_no_loss(tiny_model):
     """Two groups whose only non-zero advantages are on cut completions (finish_reason 'length'): with
     mask_truncated the step trains on no sample and leaves the adapter as it was; without it, it trains on them."""
     import torch
-    from minirl.batch import samples_from_groups
-    from minirl.trainer import Trainer
+    from minirl.training.batch import samples_from_groups
+    from minirl.training.trainer import Trainer
     from minirl.types import ScoredGroup
     cut, done = _completion(4, "length"), _completion(3, "stop")
     g = Group(Prompt(0, (1, 2, 3), "q"), (cut, cut, done))

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 
 from minirl import Run
-from minirl.loss import group_advantages
-from minirl.metrics import read_log
+from minirl.rewards.advantages import group_advantages
+from minirl.core.metrics import read_log
 from minirl.rewards import Scorer
 from minirl.rewards.builtin import code_tests_pass
 from minirl.rewards.scorer import RewardsFailing, failure_kinds
@@ -128,7 +128,7 @@ def test_a_reward_failing_every_call_for_three_steps_stops_with_the_cause_and_th
 
 
 def test_a_code_reward_run_where_no_sandbox_works_stops_naming_how_to_get_one(toy_cfg, monkeypatch):
-    from minirl.sandbox import process
+    from minirl.rewards.sandbox import process
     monkeypatch.setattr(process, "_probe", lambda: ("none", "none", "unshare: Operation not permitted"))
     rows = [{"prompt": r["prompt"], "tests": ["assert f(1) == 2"]} for r in TOY_ROWS[:24]]
     run = Run(toy_cfg.replace(steps=5, reward_workers=0, eval_size=0), data=rows, rewards=[code_tests_pass])
@@ -145,7 +145,7 @@ def test_a_code_reward_run_where_no_sandbox_works_stops_naming_how_to_get_one(to
 
 
 def test_a_nonfinite_step_is_skipped_and_the_adapter_kept(toy_cfg):
-    from minirl.trainer import Trainer
+    from minirl.training.trainer import Trainer
     from minirl.types import ScoredGroup
     tr = Trainer(toy_cfg)
     before = {n: p.detach().clone() for n, p in tr.model.named_parameters() if p.requires_grad}

@@ -18,7 +18,7 @@ import numpy as np
 import psutil
 import pytest
 
-from minirl import lifecycle
+from minirl.core import lifecycle
 from minirl.rewards.workers import RewardCall, RewardOutcome, RewardWorkers
 
 

@@ -12,8 +12,8 @@ from conftest import TOY_ROWS
 
 
 def _trainer_and_prompts(cfg):
-    from minirl import data as D
-    from minirl.trainer import Trainer
+    from minirl.data import rows as D
+    from minirl.training.trainer import Trainer
     tr = Trainer(cfg, device="cpu")
     prompts = D.to_prompts(TOY_ROWS[:3], tr.tokenizer, template_kwargs=cfg.chat_template_kwargs)
     return tr, prompts
@@ -29,9 +29,9 @@ def _scored(groups):
 @pytest.mark.parametrize("knob", [dict(min_p=0.6), dict(repetition_penalty=1.8), dict(min_p=0.5, repetition_penalty=0.6)],
                          ids=["min_p", "repetition_penalty", "both"])
 def test_behaviour_logprobs_are_the_trainers_at_step_0(toy_cfg, knob, packing):
-    from minirl.batch import sequence_logprobs
-    from minirl.generators.hf import HFGenerator
-    from minirl.parts import sampling_params
+    from minirl.training.batch import sequence_logprobs
+    from minirl.generation.hf import HFGenerator
+    from minirl.run.build import sampling_params
     cfg = toy_cfg.replace(max_tokens=12, temperature=0.7, packing=packing, **knob)
     tr, prompts = _trainer_and_prompts(cfg)
     params = sampling_params(cfg, 0)
@@ -49,7 +49,7 @@ def test_behaviour_logprobs_are_the_trainers_at_step_0(toy_cfg, knob, packing):
 
 
 def test_min_p_never_samples_below_the_cut(toy_cfg):
-    from minirl.generators.hf import HFGenerator
+    from minirl.generation.hf import HFGenerator
     tr, prompts = _trainer_and_prompts(toy_cfg)
     gen = HFGenerator(tr.model, tr.tokenizer, get_version=lambda: 0)
     for g in gen.generate(prompts, 8, SamplingParams(temperature=1.0, max_tokens=8, seed=1, min_p=0.5)):
@@ -60,7 +60,7 @@ def test_min_p_never_samples_below_the_cut(toy_cfg):
 
 
 def test_a_completion_ends_at_its_stop_string(toy_cfg):
-    from minirl.generators.hf import HFGenerator
+    from minirl.generation.hf import HFGenerator
     tr, prompts = _trainer_and_prompts(toy_cfg.replace(max_tokens=16))
     gen = HFGenerator(tr.model, tr.tokenizer, get_version=lambda: 0)
     params = SamplingParams(temperature=1.0, max_tokens=16, seed=3)
@@ -91,8 +91,8 @@ def test_chat_template_and_its_kwargs_reach_training_and_evaluation(tiny_model, 
     finally:
         run.close()
     # the same template as text, without the kwarg
-    from minirl.models import load_tokenizer
-    from minirl import data as D
+    from minirl.training.models import load_tokenizer
+    from minirl.data import rows as D
     tok = load_tokenizer(tiny_model, chat_template=tpl.read_text())
     (p,) = D.to_prompts(TOY_ROWS[:1], tok)
     assert tok.decode(p.token_ids).endswith("? <|assistant|>")
@@ -104,8 +104,8 @@ def test_chat_template_and_its_kwargs_reach_training_and_evaluation(tiny_model, 
 
 
 def test_episodes_render_with_the_template_kwargs(tiny_model):
-    from minirl.chat import ChatFormat
-    from minirl.models import load_tokenizer
+    from minirl.generation.chat import ChatFormat
+    from minirl.training.models import load_tokenizer
     tok = load_tokenizer(tiny_model, chat_template=(
         "{% for m in messages %}{{ m['content'] + ' ' }}{% if m['role'] != 'assistant' %}"
         "{{ ('yes ' if short else '') + '<|assistant|>' }}{% endif %}{% endfor %}"))
@@ -117,7 +117,7 @@ def test_episodes_render_with_the_template_kwargs(tiny_model):
 def test_vllm_servers_are_asked_for_the_same_processing():
     """The vLLM-server backend sends min_p, repetition_penalty and stop in the completion request (its processed
     logprobs then include them, as the in-process engine's do: tests/test_vllm.py)."""
-    from minirl.generators.server_api import completion_body
+    from minirl.generation.server_api import completion_body
     body = completion_body("m", [1, 2], 4, SamplingParams(stop=("\n",), min_p=0.1, repetition_penalty=1.2), 5)
     assert (body["min_p"], body["repetition_penalty"], body["stop"]) == (0.1, 1.2, ["\n"])
     plain = completion_body("m", [1, 2], 4, SamplingParams(), 5)

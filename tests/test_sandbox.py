@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from minirl import sandbox
-from minirl.sandbox import SandboxUnavailable, default_max_processes, extract_code, isolation, run_python, supervisor
+from minirl.rewards import sandbox
+from minirl.sandbox import SandboxUnavailable, default_max_processes, extract_code, isolation, run_python
+from minirl.rewards.sandbox import supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 needs_isolation = pytest.mark.skipif(isolation() == "none", reason=f"no sandbox here: {isolation()}")

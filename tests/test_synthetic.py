@@ -4,8 +4,8 @@ import importlib.util
 
 import pytest
 
-from minirl.models import synthetic
-from minirl.shapes import NAMES, shape_config
+from minirl.training.models import synthetic
+from minirl.training.shapes.synthetic import NAMES, shape_config
 
 ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(6) for b in range(6)]
 # The published parameter counts (the models' cards / safetensors metadata).

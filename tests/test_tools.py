@@ -2,7 +2,7 @@
 import pytest
 
 import minirl
-from minirl.envs import ToolEnv, parse_tool_call, plain_tool_prompt, tool_schema
+from minirl.generation.envs import ToolEnv, parse_tool_call, plain_tool_prompt, tool_schema
 
 
 def add(a: int, b: int) -> int:
@@ -121,18 +121,18 @@ def test_plain_prompt_names_every_tool_and_the_call_format():
 
 
 def test_resolve_env_names():
-    from minirl.tasks import resolve_env
-    from minirl.tasks import Sums
+    from minirl.generation.tasks import resolve_env
+    from minirl.generation.tasks import Sums
     assert resolve_env("sums") == ("sums", Sums)
-    assert resolve_env("minirl.tasks:Sums")[1] is Sums
+    assert resolve_env("minirl.generation.tasks:Sums")[1] is Sums
     with pytest.raises(ValueError, match="unknown env 'nope'"):
         resolve_env("nope")
     with pytest.raises(ValueError, match="cannot be imported"):
-        resolve_env("minirl.tasks:Nope")
+        resolve_env("minirl.generation.tasks:Nope")
 
 
 def test_sums_task_answers_each_call_with_what_is_left_and_rewards_the_total():
-    from minirl.tasks import Sums, sums_splits
+    from minirl.generation.tasks import Sums, sums_splits
     train, held = sums_splits(8, seed=0, train_size=50)
     assert not {tuple(r["numbers"]) for r in train} & {tuple(r["numbers"]) for r in held}
     env = Sums()
@@ -146,7 +146,7 @@ def test_sums_task_answers_each_call_with_what_is_left_and_rewards_the_total():
 
 
 def test_retry_task_gives_a_wrong_answer_one_more_try():
-    from minirl.tasks import TASKS, Retry
+    from minirl.generation.tasks import TASKS, Retry
     row = {"prompt": "What is 12 + 30? Answer with the number.", "answer": 42}
     env = Retry()
     assert env.reset(row) == [{"role": "user", "content": row["prompt"]}]

@@ -6,8 +6,8 @@ import socket
 import pytest
 
 from minirl import ConfigError, Run
-from minirl.metrics import read_log
-from minirl.trackers import check_tracker
+from minirl.core.metrics import read_log
+from minirl.run.trackers import check_tracker
 
 from conftest import TOY_ROWS
 
@@ -73,7 +73,7 @@ def test_trackio_gets_the_metrics_locally_and_touches_no_network(toy_cfg, tmp_pa
 
 
 def test_a_missing_tracker_package_is_one_line_before_the_model_loads(monkeypatch):
-    monkeypatch.setattr("minirl.trackers.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("minirl.run.trackers.importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"report_to='trackio' needs the trackio package: pip install 'minirl\[trackio\]'"):
         check_tracker("trackio")
 
@@ -139,6 +139,6 @@ def test_wandb_offline_run_folder_holds_the_metrics_of_the_log(toy_cfg, monkeypa
 def test_report_to_wandb_is_accepted_and_its_missing_package_is_one_line(monkeypatch):
     from minirl import Config
     assert Config(report_to="wandb").report_to == "wandb"
-    monkeypatch.setattr("minirl.trackers.importlib.util.find_spec", lambda name: None)
+    monkeypatch.setattr("minirl.run.trackers.importlib.util.find_spec", lambda name: None)
     with pytest.raises(ConfigError, match=r"report_to='wandb' needs the wandb package: pip install 'minirl\[wandb\]'"):
         check_tracker("wandb")

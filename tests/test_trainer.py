@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from minirl import Config, Run
-from minirl.batch import completion_logprobs, make_batch, Sample
-from minirl.trainer import Trainer
+from minirl.training.batch import completion_logprobs, make_batch, Sample
+from minirl.training.trainer import Trainer
 
 from conftest import TOY_ROWS
 
@@ -22,7 +22,7 @@ def _samples(n=6, seed=0):
 
 def _grads(trainer, batch, budget):
     trainer.model.zero_grad(set_to_none=True)
-    from minirl.loss import policy_loss
+    from minirl.training.loss import policy_loss
     for mb in batch.micro_batches(budget):
         logp, _ = completion_logprobs(trainer.model, mb, 1.0)
         out = policy_loss(logp, logp.detach(), mb.behav_logp_B_L, mb.adv_B, mb.weight_B_L, mb.tgt_mask_B_L)

@@ -61,7 +61,7 @@ def _params(**kw):
 
 
 def test_groups_are_well_formed(gen, prompts):
-    from minirl.generators import Generator
+    from minirl.generation import Generator
     assert isinstance(gen, Generator) and gen.name == "vllm" and gen.version == 0
     groups = gen.generate(prompts, 3, _params(temperature=1.0))
     assert [g.prompt.index for g in groups] == [p.index for p in prompts]
@@ -86,7 +86,7 @@ def test_groups_stream_as_they_finish(gen, prompts):
 
 
 def test_stop_strings_and_seed_mapping(gen, prompts):
-    from minirl.generators.vllm import request_seed
+    from minirl.generation.vllm import request_seed
     assert request_seed(3, 7, 0) == request_seed(3, 7, 0) != request_seed(3, 7, 1)
     (g,) = gen.generate(prompts[:1], 4, _params(max_tokens=24, stop=(" ",)))
     for c in g.completions:
@@ -105,9 +105,9 @@ def test_a_completion_ends_at_its_stop_string(gen, prompts):
 
 def test_min_p_and_repetition_penalty_logprobs_are_the_trainers(gen, prompts, base):
     """vLLM's processed logprobs with min_p and a repetition penalty on are what the trainer computes when it
-    re-applies them (minirl.sampling), and not the temperature-only logprobs."""
-    from minirl.batch import sequence_logprobs
-    from minirl.sampling import Processing
+    re-applies them (minirl.core.logits), and not the temperature-only logprobs."""
+    from minirl.training.batch import sequence_logprobs
+    from minirl.core.logits import Processing
     proc = Processing(min_p=0.05, repetition_penalty=1.5)
     groups = gen.generate(prompts[:2], 2, _params(temperature=0.8, min_p=0.05, repetition_penalty=1.5, max_tokens=16))
     gap = 0.0
@@ -186,7 +186,8 @@ def test_the_probe_is_one_request_when_idle_and_runs_alone(gen, prompts, base, a
 
 
 def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
-    from minirl.sync import SyncVerificationError, verify
+    from minirl.sync.base import SyncVerificationError
+    from minirl.sync.check import verify
     p = prompts[0].token_ids
     (g,) = gen.generate(prompts[:1], 1, _params(temperature=1.0, max_tokens=12))
     probe = (p, g.completions[0].token_ids)
@@ -222,7 +223,7 @@ def test_sync_changes_outputs_and_verification(gen, prompts, base, adapters):
 
 
 def test_the_engine_runs_minirls_cpu_lora_ops(gen):
-    """The worker runs `minirl.cpu_lora`'s ops (installed on import of the worker extension), so the
+    """The worker runs `minirl.sync.cpu_lora`'s ops (installed on import of the worker extension), so the
     adapter logprobs compared with transformers above are theirs (tests/test_cpu_lora.py: the ops themselves)."""
     from minirl.sync.senders import call_on_loop, rpc
     if not gen.on_cpu:
@@ -242,7 +243,7 @@ def test_engine_errors_reach_the_caller(gen, prompts):
 def test_close_leaves_no_process(gen, prompts):
     import psutil
 
-    from minirl import lifecycle
+    from minirl.core import lifecycle
 
     def children():  # live processes below us, except Python's resource tracker and minirl's watchdog (both
         out = []     # exit with us, by design)

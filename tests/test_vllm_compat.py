@@ -1,4 +1,4 @@
-"""`minirl.vllm_compat`: each private hook on a stand-in that has the private names of the release it was checked
+"""`minirl.sync.vllm_compat`: each private hook on a stand-in that has the private names of the release it was checked
 against (vLLM 0.32), the fallbacks on a release it was not (one warning, the files transport, vLLM's own ops), and,
 where vLLM is installed, that those names exist in it."""
 import sys
@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from minirl import cpu_lora
-from minirl import vllm_compat as compat
+from minirl.sync import cpu_lora
+from minirl.sync import vllm_compat as compat
 
 
 @pytest.fixture(autouse=True)
@@ -26,7 +26,7 @@ def test_checked_releases():
 
 
 def test_another_vllm_release_warns_once_and_the_sync_falls_back_to_files(monkeypatch):
-    from minirl.sync import make_sync
+    from minirl.sync.factory import make_sync
     assert compat.vllm_hooks("0.32.0") is True
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.99.0")
     with pytest.warns(RuntimeWarning, match="vLLM 0.99.0 is not a release"):

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.vllm,
 @pytest.fixture(scope="module")
 def vllm_tiny(tmp_path_factory):
     """The tiny test model with head_dim 64 (vLLM's CPU attention has no kernel for the default tiny's 16)."""
-    from minirl.models import build_tiny_model
+    from minirl.training.models import build_tiny_model
     return str(build_tiny_model(tmp_path_factory.mktemp("models") / "tiny64", hidden=256))
 
 
@@ -38,7 +38,7 @@ class SampleSpy:
 def _adapter(model_path, path):
     """A LoRA for the tiny model whose B matrices are not zero (it changes the model), saved to `path`."""
     from minirl import Config
-    from minirl.models import build_model
+    from minirl.training.models import build_model
     model = build_model(Config(model=model_path, lora_rank=8, lora_alpha=16), "cpu").eval()
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -51,8 +51,8 @@ def _adapter(model_path, path):
 
 def _swap_between_turns(run, model, tmp_path):
     """With the run's engine, before it trains: the adapter served changes while the episode is at the env."""
-    from minirl.batch import sequence_logprobs
-    from minirl.episodes import make_runner
+    from minirl.training.batch import sequence_logprobs
+    from minirl.generation.episodes import make_runner
     gen, new = run.generator, _adapter(model, tmp_path / "v1")
 
     class SwapAtTheEnv(Count):
@@ -76,7 +76,7 @@ def _swap_between_turns(run, model, tmp_path):
 
 @pytest.mark.parametrize("K", [0, 1])
 def test_vllm_run_trains_on_exactly_the_ids_sampled_turn_by_turn(toy_cfg, vllm_tiny, monkeypatch, tmp_path, K):
-    import minirl.trainer as T
+    import minirl.training.trainer as T
     batches = []
     real = T.make_batch
     monkeypatch.setattr(T, "make_batch", lambda *a, **k: batches.append(real(*a, **k)) or batches[-1])

@@ -19,7 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from minirl.generators.server_proc import group_members
+from minirl.generation.server_proc import group_members
 
 ATOL = 2e-3  # float32 servers vs the float32 trainer, per token (measured: ~5e-5)
 
@@ -50,8 +50,9 @@ def _spoil(folder, out):
 def test_run_on_two_servers_survives_a_killed_server(tmp_path):
     from minirl import Config, Run
     from minirl.sync.wire import adapter_name
-    from minirl.generators.vllm_server import ServerError, ServerGenerator
-    from minirl.sync import SyncVerificationError, verify
+    from minirl.generation.vllm_server import ServerError, ServerGenerator
+    from minirl.sync.base import SyncVerificationError
+    from minirl.sync.check import verify
     from minirl.types import SamplingParams
     import httpx
 
@@ -173,7 +174,7 @@ def test_a_server_that_stops_answering_stops_the_run_in_bounded_time():
     """The timeout branch without restarts (a test double for the server; the real engine's hang is in
     test_vllm_server_full.py): a server whose 1-token requests stop being answered is a ServerError naming it
     within timeout_s, and a group waiting on it gives up rather than hanging."""
-    from minirl.generators.vllm_server import ServerError, ServerGenerator
+    from minirl.generation.vllm_server import ServerError, ServerGenerator
     from minirl.types import Prompt, SamplingParams
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), _FakeServer)
     httpd.daemon_threads = True

@@ -61,8 +61,8 @@ def adapters(base, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gen(embedded_model, tmp_path_factory):
-    from minirl.generators.server_proc import ServerOptions
-    from minirl.generators.vllm_server import ServerGenerator
+    from minirl.generation.server_proc import ServerOptions
+    from minirl.generation.vllm_server import ServerGenerator
     opts = [ServerOptions(embedded_model, dtype="float32", max_model_len=1024, max_lora_rank=16, max_loras=3,
                           cores=str(i % (os.cpu_count() or 1)), kv_cache_gb=1) for i in range(2)]
     g = ServerGenerator(launch=opts, log_dir=str(tmp_path_factory.mktemp("server_logs")), timeout_s=60)
@@ -99,7 +99,7 @@ def _requests(gen):
 def test_groups_and_behaviour_logprobs(gen, prompts, base, adapters):
     """Every token carries the temperature-processed logprob it was sampled with (vs the trainer's float32
     recomputation) and the version of the adapter its request named; the base model and an adapter, T=1 and 0.7."""
-    from minirl.generators import Generator
+    from minirl.generation import Generator
     assert isinstance(gen, Generator) and gen.name == "vllm-server" and gen.version == 0
     path, peft_model = adapters["a"]
     for version, model in ((0, base), (1, peft_model)):
@@ -141,7 +141,8 @@ def test_groups_spread_over_the_servers(gen, prompts):
 def test_every_server_is_verified(gen, prompts, base, adapters):
     """score / served_version per server; the sync check passes on each, and catches a server that serves
     another adapter under the right name, or the previous adapter under the new name."""
-    from minirl.sync import SyncVerificationError, verify
+    from minirl.sync.base import SyncVerificationError
+    from minirl.sync.check import verify
     p = prompts[0].token_ids
     (g,) = gen.generate(prompts[:1], 1, _params(max_tokens=12))
     probe = g.completions[0].token_ids
@@ -231,7 +232,7 @@ def test_demo_against_these_servers(gen, tmp_path):
 
 
 def test_a_wrong_key_is_refused(gen):
-    from minirl.generators.vllm_server import ServerError, ServerGenerator
+    from minirl.generation.vllm_server import ServerError, ServerGenerator
     with pytest.raises(ServerError, match="refused the API key: set VLLM_API_KEY"):
         ServerGenerator([s["url"] for s in gen.servers()], api_key="wrong")
     import httpx  # every path needs the key, /adapters included (vLLM's own check guards only /v1 and a few more)
@@ -242,7 +243,7 @@ def test_a_wrong_key_is_refused(gen):
 def test_a_hung_server_stops_the_run_in_bounded_time(gen, prompts):
     """Without restarts, a server that stops answering (SIGSTOP) is an error naming it, within the timeout.
     Last in the module: it leaves the pair with one server down."""
-    from minirl.generators.vllm_server import ServerError
+    from minirl.generation.vllm_server import ServerError
     fleet = gen.fleet
     fleet.restart, fleet.timeout_s, fleet.health_every_s = False, 8.0, 1.0
     pid = gen.servers()[1]["pid"]

@@ -8,7 +8,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 if TYPE_CHECKING:
-    from ..generators.vllm import VLLMGenerator
+    from minirl.generation.vllm import VLLMGenerator
 
 Tokens = Sequence[Sequence[int]]  # one side's token sequences of a round, in a fixed order (prompt, then sample)
 

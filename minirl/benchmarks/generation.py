@@ -16,7 +16,7 @@ LoRA, float32 on CPU) and the vLLM engine and sync `make_generator` gives a run 
                    merge is recomputed inside the timed transformers side, as in a run. The two draw from different
                    random streams, so their tokens differ (`identical_fraction` ~ 0 by construction): tokens/s is
                    the figure.
-  cpu_lora         vLLM's CPU LoRA ops (a copy of the adapter per token) vs minirl's (`minirl.cpu_lora`, the
+  cpu_lora         vLLM's CPU LoRA ops (a copy of the adapter per token) vs minirl's (`minirl.sync.cpu_lora`, the
                    default in minirl's engines), swapped on the same engine: the demo's step with the adapter, the
                    same seed, the prefix cache emptied before each side; and the sync check's `score` of the probe.
   hf_merge         `HFGenerator` merged (the CPU default) vs unmerged on the trainer's model, the demo's step, a
@@ -44,13 +44,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..sync import WeightSync
-from ..types import AdapterSource, Prompt, SamplingParams
-from .compare import empty_prefix_cache, interleaved, sequences
+from minirl.sync.base import WeightSync
+from minirl.types import AdapterSource, Prompt, SamplingParams
+from minirl.benchmarks.compare import empty_prefix_cache, interleaved, sequences
 
 if TYPE_CHECKING:
-    from ..generators.vllm import VLLMGenerator
-    from ..trainer import Trainer
+    from minirl.generation.vllm import VLLMGenerator
+    from minirl.training.trainer import Trainer
 
 
 def bench_prompts(tokenizer, count: int) -> list[Prompt]:
@@ -68,7 +68,7 @@ def bench_prompts(tokenizer, count: int) -> list[Prompt]:
 
 def demo_prompts(tokenizer, count: int = 8) -> list[Prompt]:
     """The first `count` training prompts of the demo (the built-in arithmetic task, seed 0)."""
-    from .. import data as D
+    from minirl.data import rows as D
     return D.to_prompts(D.arithmetic_splits(64, 0)[0][:count], tokenizer)
 
 
@@ -90,7 +90,7 @@ def raw_generate(gen: VLLMGenerator, prompts, n: int, params: SamplingParams, se
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
-    from ..generators.vllm import request_seed
+    from minirl.generation.vllm import request_seed
     llm, tag = gen.engine, time.monotonic_ns()
 
     async def one(p: Prompt):
@@ -136,7 +136,7 @@ def bench_vllm_vs_hf(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, pro
     CPU, as the synchronous loop runs it); `seeds` = (transformers', vLLM's). A fake step and a push before each
     round."""
     import torch
-    from ..generators.hf import HFGenerator
+    from minirl.generation.hf import HFGenerator
     hf = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
     seed, push_ms = dict(zip(("hf", "vllm"), seeds)), []
 
@@ -156,12 +156,12 @@ def bench_vllm_vs_hf(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, pro
 def bench_cpu_lora(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, prompts, n: int, params: SamplingParams,
                    rounds: int = 4,
                    seed: int = 0) -> dict:
-    """vLLM's own CPU LoRA ops vs minirl's (`minirl.cpu_lora`), swapped in and out of the same engine between
+    """vLLM's own CPU LoRA ops vs minirl's (`minirl.sync.cpu_lora`), swapped in and out of the same engine between
     sides (`minirl_cpu_lora`): the demo's step with the adapter served, pushed as a run pushes it (a fake step and
     a push before each round), the same seed and the prefix cache emptied before each side; then, interleaved the
     same way, the engine's part of the sync check (`score` of the run's 32-token probe, `make_probe`)."""
-    from ..sync import make_probe
-    from ..sync.senders import call_on_loop, rpc
+    from minirl.sync.check import make_probe
+    from minirl.sync.senders import call_on_loop, rpc
     tok = trainer.tokenizer
 
     def use(name):
@@ -195,7 +195,7 @@ def bench_check(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, prompt, 
     """The probe scored whole (one request) vs position by position on the same engine and adapter (module
     docstring: `check`); order alternated per round."""
     import statistics
-    from ..sync import make_probe
+    from minirl.sync.check import make_probe
     tok = trainer.tokenizer
     probe = make_probe(trainer.model, prompt.token_ids, 32, 0, tok.all_special_ids, len(tok))
     secs, diffs, order = {"whole": [], "per_position": []}, [], []
@@ -222,7 +222,7 @@ def bench_hf_merge(trainer: Trainer, prompts, n: int, params: SamplingParams, ro
     model; `seeds` = (unmerged's, merged's). A fake step before each round: the merged side re-merges, timed."""
     import statistics
     import torch
-    from ..generators.hf import HFGenerator, merged_lora
+    from minirl.generation.hf import HFGenerator, merged_lora
     tok = trainer.tokenizer
     gens = {"unmerged": HFGenerator(trainer.model, tok, lambda: trainer.version, merge=False),
             "merged": HFGenerator(trainer.model, tok, lambda: trainer.version, merge=True)}
@@ -245,7 +245,7 @@ def bench_hf_decode(trainer: Trainer, prompts, n: int, params: SamplingParams, r
     """transformers `generate` vs minirl's `decode` on the trainer's model (LoRA merged, as the synchronous loop
     generates), the same seed on both sides."""
     import torch
-    from ..generators.hf import HFGenerator
+    from minirl.generation.hf import HFGenerator
     tok = trainer.tokenizer
     gens = {"generate": HFGenerator(trainer.model, tok, lambda: trainer.version, compact=False),
             "decode": HFGenerator(trainer.model, tok, lambda: trainer.version, compact=True)}
@@ -259,8 +259,8 @@ def bench_hf_decode(trainer: Trainer, prompts, n: int, params: SamplingParams, r
 
 def hf_parts(lora_rank: int = 16):
     """The demo's trainer alone (the comparisons that need no vLLM engine)."""
-    from ..config import DEMO, Config
-    from ..trainer import Trainer
+    from minirl.config import DEMO, Config
+    from minirl.training.trainer import Trainer
     cfg = Config(**{**DEMO, "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
                     "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
     return Trainer(cfg, device="cpu")
@@ -268,9 +268,9 @@ def hf_parts(lora_rank: int = 16):
 
 def run_parts(lora_rank: int = 16):
     """(trainer, generator, sync) as a demo run with backend='vllm' builds them on this machine."""
-    from ..config import DEMO, Config
-    from ..generators import make_generator
-    from ..trainer import Trainer
+    from minirl.config import DEMO, Config
+    from minirl.generation.factory import make_generator
+    from minirl.training.trainer import Trainer
     cfg = Config(**{**DEMO, "backend": "vllm", "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
                     "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
     trainer = Trainer(cfg, device="cpu")
@@ -326,7 +326,7 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
         if "raw_vs_minirl" in want:
             done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
         if servers and "server_vs_inproc" in want:
-            from .servers import bench_server
+            from minirl.benchmarks.servers import bench_server
             done("server_vs_inproc", bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
                                                   log_dir=str(out / "server_logs")))
         count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,

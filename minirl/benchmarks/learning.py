@@ -6,8 +6,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..config import DEMO, Config
-from . import _write
+from minirl.config import DEMO, Config
+from minirl.benchmarks.output import write_json
 
 
 def _eval_curve(metrics_jsonl: Path) -> list[list[float]]:
@@ -44,7 +44,7 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
     it did not), per K its mean over the seeds that reached it and how many did. Runs already in
     DIR/learning.json with the same config are kept, so an interrupted benchmark resumes, and more seeds add on;
     `ks` runs only some K (the summaries cover the seeds that have the runs they need)."""
-    from ..run import Run
+    from minirl.run.loop import Run
     base = Config(**{**DEMO, "eval_size": eval_size, "eval_every": eval_every, **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "target": target, "runs": {}}
     done = Path(out) / "learning.json"
@@ -68,7 +68,7 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
                 "max_staleness": max((x.get("staleness/max") or 0) for x in run.history),
                 "curve": curve, "step_s": step_s, "train_s": sum(step_s),
                 "train_s_to_target": _time_to(curve, step_s, target)}
-            _write(out, "learning.json", res)  # partial results survive an interrupted run
+            write_json(out, "learning.json", res)  # partial results survive an interrupted run
 
     def curve_mean(r):
         return statistics.mean(a for step, a in r["curve"] if step > 0)
@@ -88,7 +88,7 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
                                                   for s in paired])
             res[f"curve_mean_k{K}_minus_k0"] = _mean_se([curve_mean(runs[f"s{s}_k{K}"]) - curve_mean(runs[f"s{s}_k0"])
                                                         for s in paired])
-    return _write(out, "learning.json", res)
+    return write_json(out, "learning.json", res)
 
 
 def _runs(paths: list[Path]) -> dict[str, dict]:
@@ -134,7 +134,7 @@ def bench_presets(out: str | Path, presets=("grpo", "dr_grpo", "dapo", "gspo"), 
     """`minirl bench learning --presets ...`: the demo with each `loss_type` preset (K = 0, DIR/<preset>/, through
     `bench_learning`), the presets' order rotating by seed, then `compare_presets` over them in DIR/presets.json.
     Interrupted runs resume as `bench_learning`'s do."""
-    from ..loss import PRESETS
+    from minirl.config.presets import PRESETS
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise ValueError(f"unknown preset {unknown[0]!r}: choose from {', '.join(PRESETS)}")
@@ -142,4 +142,4 @@ def bench_presets(out: str | Path, presets=("grpo", "dr_grpo", "dapo", "gspo"), 
         for p in presets[i % len(presets):] + presets[:i % len(presets)]:
             bench_learning(Path(out) / p, seeds=(seed,), ks=(0,), eval_size=eval_size, eval_every=eval_every,
                            loss_type=p, **overrides)
-    return _write(out, "presets.json", compare_presets({p: [Path(out) / p / "learning.json"] for p in presets}))
+    return write_json(out, "presets.json", compare_presets({p: [Path(out) / p / "learning.json"] for p in presets}))

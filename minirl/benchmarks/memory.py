@@ -27,11 +27,11 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from ..metrics import memory_metrics
-from . import _write
+from minirl.core.metrics import memory_metrics
+from minirl.benchmarks.output import write_json
 
 if TYPE_CHECKING:
-    from ..trainer import Trainer
+    from minirl.training.trainer import Trainer
 
 _COMPACT = {"cpu_compact_memory": True}  # resident memory follows the live tensors: what the plan counts
 ROWS = {"lora": {**_COMPACT}, "qlora": {"load_in_4bit": True, **_COMPACT},
@@ -96,8 +96,8 @@ def micro_tokens(trainer: Trainer, groups) -> int:
     """The tokens of the step's largest micro-batch, as the trainer lays it out (`trainer.packing`): real tokens
     of a shared-prefix packed row, rows x longest row of a padded one. What the activations of a training step
     scale with (the memory plan's calibration reads it)."""
-    from ..batch import make_batch
-    from ..packing import pack
+    from minirl.training.batch import make_batch
+    from minirl.training.packing import pack
     samples = trainer.samples(groups)
     if not samples:
         return 0
@@ -109,8 +109,8 @@ def micro_tokens(trainer: Trainer, groups) -> int:
 
 def measure(overrides: dict, steps: int) -> dict:
     """One row, in this process: the demo config with `overrides`, `steps` steps, peaks by phase."""
-    from ..config import DEMO, Config
-    from ..run import Run
+    from minirl.config import DEMO, Config
+    from minirl.run.loop import Run
     peaks, workers, micro = PhasePeaks(), [0.0], []
     with tempfile.TemporaryDirectory(prefix="minirl-mem-") as tmp:
         base = {} if overrides.get("defaults") else DEMO
@@ -183,7 +183,7 @@ def bench_memory(out: str | Path, steps: int = 3, rounds: int = 2, rows=tuple(RO
         res["order"].append(order)
         for name in order:
             runs[name].append(_result(_start(ROWS[name], steps), ROWS[name]))
-            _write(out, "memory.json", {**res, "partial": True, "runs": runs})  # an interrupted run keeps these
+            write_json(out, "memory.json", {**res, "partial": True, "runs": runs})  # an interrupted run keeps these
     for name, rs in runs.items():
         ok = [x for x in rs if "peak_rss_mb" in x]
         if not ok:
@@ -208,7 +208,7 @@ def bench_memory(out: str | Path, steps: int = 3, rounds: int = 2, rows=tuple(RO
                                  "train_tokens_per_s": round(r["train_tokens_per_s"] / base["train_tokens_per_s"], 3),
                                  "step_s": round(r["median_step_s"] / base["median_step_s"], 3)}
                           for name, r in res["rows"].items() if name != "lora" and "peak_rss_mb" in r}
-    return _write(out, "memory.json", res)
+    return write_json(out, "memory.json", res)
 
 
 if __name__ == "__main__":

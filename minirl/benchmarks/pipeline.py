@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import DEMO, Config
-from ..rewards.builtin import arithmetic_correct
+from minirl.config import DEMO, Config
+from minirl.rewards.builtin import arithmetic_correct
 
 JUDGE_LATENCY_S = 0.5
 
@@ -64,7 +64,7 @@ def _devices(overrides: dict[str, Any]) -> dict[str, Any]:
 
 
 def _one(cfg: Config, warmup: int) -> dict[str, Any]:
-    from ..run import Run
+    from minirl.run.loop import Run
     t0 = time.perf_counter()
     run = Run(cfg, overwrite=True)
     s = run.run()
@@ -94,7 +94,7 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
     DIR/pipeline.json with the same config are kept: an interrupted benchmark resumes where it stopped."""
     import json
     import torch
-    from . import _write
+    from minirl.benchmarks.output import write_json
 
     def variants_of(w: str) -> tuple[str, ...]:
         vs = variants or WORKLOAD_VARIANTS.get(w, ("sync", "k1", "k1_shared"))
@@ -122,10 +122,10 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
                     res["runs"][key] = prev[key]
                     continue
                 res["runs"][key] = {"config": cfg.to_dict(), **_one(cfg, warmup)}
-                _write(out, "pipeline.json", res)  # partial results survive an interrupted benchmark
+                write_json(out, "pipeline.json", res)  # partial results survive an interrupted benchmark
         _fill_means(res["runs"], warmup)
         res["workloads"].append(_summary(w, wv, rounds, res["runs"]))
-        _write(out, "pipeline.json", res)
+        write_json(out, "pipeline.json", res)
     return _top(out, res)
 
 
@@ -157,11 +157,11 @@ def _fill_means(runs: dict, warmup: int, force: bool = False) -> None:
 
 
 def _top(out, res: dict) -> dict:
-    from . import _write
+    from minirl.benchmarks.output import write_json
     first = res["workloads"][0]
     res.update({k: first[k] for k in ("speedup", "best_sync_step_s", "async_step_s", "best_sync", "best_async",
                                       "gen_busy", "train_busy")})
-    return _write(out, "pipeline.json", res)
+    return write_json(out, "pipeline.json", res)
 
 
 def summarize(out: str | Path) -> dict:

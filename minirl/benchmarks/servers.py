@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from .compare import interleaved, sequences
+from minirl.benchmarks.compare import interleaved, sequences
 
 
 def bench_server(inproc, model_path: str, prompts, n: int, params, rounds: int = 4, sync_reps: int = 10,
@@ -30,9 +30,9 @@ def bench_server(inproc, model_path: str, prompts, n: int, params, rounds: int =
     """Server vs in-process tokens/s on `prompts` (n samples each, `params`; `seeds` = (in-process's, the
     server's)), and the server push latency."""
     import tempfile
-    from ..generators import split_devices
-    from ..generators.server_proc import ServerOptions
-    from ..generators.vllm_server import ServerGenerator
+    from minirl.generation.factory import split_devices
+    from minirl.generation.server_proc import ServerOptions
+    from minirl.generation.vllm_server import ServerGenerator
     args = inproc.engine_args
     cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")  # what the in-process engine was bound to (None: unbound)
     places = split_devices(cores, num_servers, not inproc.on_cpu) if cores or not inproc.on_cpu else [None] * num_servers
@@ -70,8 +70,8 @@ def bench_server_sync(srv, model_path: str, reps: int = 10, rank: int = 16) -> d
     """`ServerSync.push` of a rank-`rank` adapter `reps` times (a new version each time): total, save, load."""
     import torch
     from transformers import AutoModelForCausalLM
-    from ..sync.servers import ServerSync
-    from .sync import fake_trainer
+    from minirl.sync.servers import ServerSync
+    from minirl.benchmarks.sync import fake_trainer
     trainer = fake_trainer(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), rank)
     sync = ServerSync()
     total, save, load, nbytes = [], [], [], 0

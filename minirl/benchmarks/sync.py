@@ -7,7 +7,7 @@ Paths (`PATHS`): `files` (save to tmpfs + vLLM's LoRA load under a new id); `ipc
 default policy `inflight="continue"` (a new LoRA id per push, installed by vLLM's engine call) and with
 `inflight="inflight"` (the served id's weights replaced in place, rung on the channel's doorbell). Each with and
 without the check a run makes after every push (`verify_sync`, on by default: the trainer's logprobs of the
-32-token probe, then `minirl.sync.verify`, the engine's version and its logprobs, as `Run._push` calls it); the
+32-token probe, then `minirl.sync.check.verify`, the engine's version and its logprobs, as `Run._push` calls it); the
 check, whose cost does not depend on the path, is timed on the default and the in-place ipc paths at `gen_rank`.
 
 Latency: from the trainer handing over until the engine serves the new weights (and, checked, until the check
@@ -33,10 +33,10 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..types import PolicyTrainer
+from minirl.types import PolicyTrainer
 
 if TYPE_CHECKING:
-    from ..generators.vllm import VLLMGenerator
+    from minirl.generation.vllm import VLLMGenerator
 
 RANKS = (8, 16, 64)
 PATHS = (("files", "continue"), ("ipc", "continue"), ("ipc", "inflight"), ("collective", "continue"),
@@ -55,8 +55,8 @@ def fake_trainer(base, rank: int):
     version, `logprobs`, `save_adapter`; `bump()` stands in for an optimizer step."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from minirl.adapter import make_contiguous
-    from minirl.batch import sequence_logprobs
+    from minirl.core.adapter import make_contiguous
+    from minirl.training.batch import sequence_logprobs
     pm = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
     make_contiguous(pm)  # as the Trainer builds it
@@ -82,7 +82,7 @@ class Check:
     engine does not serve the push); each check is the next one's `previous`."""
 
     def __init__(self, trainer: PolicyTrainer, gen: VLLMGenerator, tok, temperature: float = 1.0):
-        from minirl.sync import make_probe
+        from minirl.sync.check import make_probe
         prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
                                          add_generation_prompt=True, tokenize=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
@@ -91,7 +91,7 @@ class Check:
         self.dtype = str(next(trainer.model.parameters()).dtype)
 
     def __call__(self) -> None:
-        from minirl.sync import verify
+        from minirl.sync.check import verify
         want = self.trainer.logprobs(*self.probe, self.temperature)
         self.previous = verify(self.gen, self.probe, want, self.trainer.version, self.previous, self.temperature,
                                self.dtype)
@@ -111,7 +111,7 @@ def throughput(gen: VLLMGenerator, rounds: list, push=None, max_tokens: int = 24
     round's generation (as the async pipeline does). Seeded and restarted per call, so that calls with the same
     rounds sample the same tokens when the weights are the same: a difference is then the cost of the syncs."""
     from minirl.types import SamplingParams
-    from .compare import sequences
+    from minirl.benchmarks.compare import sequences
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0)
     gen.restart_seeds()
     t0, seqs = time.perf_counter(), []
@@ -205,7 +205,7 @@ def generation_blocks(tr: PolicyTrainer, gen: VLLMGenerator, check: Check, tok, 
                       max_tokens: int = 24,
                       per_step: int = 8) -> dict:
     """Generation tokens/s without and with a push per step (see the module's docstring)."""
-    from .compare import empty_prefix_cache, identical_fraction
+    from minirl.benchmarks.compare import empty_prefix_cache, identical_fraction
     syncs = {"continue": make_path_sync("ipc", "continue"), "inflight": make_path_sync("ipc", "inflight")}
     rounds_ = story_rounds(tok, steps, per_step)
     push_ms = {k: [] for k in BLOCKS[1:]}
@@ -262,8 +262,8 @@ def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, g
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from minirl.generators.vllm import VLLMGenerator
-    from minirl.models import resolve_model
+    from minirl.generation.vllm import VLLMGenerator
+    from minirl.training.models import resolve_model
 
     path = generator.model_path if generator is not None else resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..types import Completion, Group, Prompt, ScoredGroup
+from minirl.types import Completion, Group, Prompt, ScoredGroup
 
 
 def dump_groups(groups: Sequence[ScoredGroup]) -> list[dict]:
@@ -70,8 +70,8 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
     with the partial result after each round. Returns the settings, per-side seconds per round, medians and the
     ratio packed / padded (medians)."""
     import torch
-    from ..config import Config
-    from ..trainer import Trainer
+    from minirl.config import Config
+    from minirl.training.trainer import Trainer
     head, all_steps = load_batches(path)
     steps = all_steps[:steps] if steps else all_steps
     s = head.get("settings", {})

@@ -74,10 +74,10 @@ def setup_trl_venv(path: str | Path = TRL_VENV, nice: int = 10) -> Path:
 def task_rows(seed: int, eval_size: int = 256, hi: int = 49, task: str = "addition") -> tuple[list[dict], list[dict]]:
     """(train rows in the order both toolkits take them for `seed`, held-out rows). Addition of a, b in 0..hi; the
     held-out problems are the same for every seed, and no unordered pair of theirs is trained on. task 'demo': the
-    demo's own problems instead (`minirl.data.arithmetic_splits`, a, b in 0..30, its seed-0 held-out split for
+    demo's own problems instead (`minirl.data.rows.arithmetic_splits`, a, b in 0..30, its seed-0 held-out split for
     every seed), the training rows in the order of a shuffle seeded by `seed`."""
     if task == "demo":
-        from ..data import arithmetic_splits
+        from minirl.data.rows import arithmetic_splits
         train, held = arithmetic_splits(eval_size, 0)
         random.Random(seed).shuffle(train)
         return [{"prompt": r["prompt"], "answer": r["answer"]} for r in train], \
@@ -127,7 +127,7 @@ if __name__ == "__main__":  # python -m minirl.benchmarks.trl --setup: TRL's env
     if sys.argv[1] == "--setup":
         print(setup_trl_venv())
         sys.exit(0)
-    from ..models import resolve_model  # python -m minirl.benchmarks.trl trl OUT SEED: TRL's side alone
+    from minirl.training.models import resolve_model  # python -m minirl.benchmarks.trl trl OUT SEED: TRL's side alone
     what, out, seed = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     steps = 10
     spec = trl_spec(str(resolve_model("smollm2-135m-instruct")), seed, steps, [0, 2, 4, 6, 8, 10],

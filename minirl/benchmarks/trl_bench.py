@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from . import _write
-from .trl import ROOT, TASKS, run_trl, setup_trl_venv, task_rows, trl_spec
+from minirl.benchmarks.output import write_json
+from minirl.benchmarks.trl import ROOT, TASKS, run_trl, setup_trl_venv, task_rows, trl_spec
 
 Side = Callable[[dict], dict]  # spec -> {"step_s": [...], "peak_rss_mb": ...}; adapters in spec["out"]/adapters
 
@@ -28,7 +28,7 @@ Side = Callable[[dict], dict]  # spec -> {"step_s": [...], "peak_rss_mb": ...}; 
 def minirl_config(spec: dict):
     """The minirl Config for a spec: its settings, float32, the rows in the given order (`shuffle=False`), no
     evaluation of its own (the shared evaluator scores the saved adapters), then `spec["minirl"]` overrides."""
-    from ..config import Config
+    from minirl.config import Config
     s = spec["settings"]
     return Config.from_dict({**dict(
         model=spec["model"], dtype="float32", seed=spec["seed"], steps=spec["steps"], shuffle=False, eval_size=0,
@@ -41,8 +41,8 @@ def minirl_config(spec: dict):
 
 def _minirl_main(spec_path: str) -> None:
     """minirl's side of a spec, in this process: train, save adapters/step-N, write minirl.json."""
-    from ..checkpoint import save_adapter
-    from ..run import Run
+    from minirl.run.checkpoint import save_adapter
+    from minirl.run.loop import Run
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     run = Run(minirl_config(spec), data=spec["rows"], overwrite=True)
@@ -79,15 +79,15 @@ def run_minirl(spec: dict) -> dict:
 
 def evaluate_adapters(model: str, held: Sequence[dict], adapters: Sequence[str | Path], max_tokens: int,
                       lora_rank: int, lora_alpha: int, **overrides: Any) -> list[float]:
-    """Greedy held-out accuracy (`minirl.evaluation.evaluate`, the first reward the metric) of each peft adapter
+    """Greedy held-out accuracy (`minirl.run.evaluation.evaluate`, the first reward the metric) of each peft adapter
     folder on `model`, whichever toolkit saved it: one model load, each adapter copied into minirl's LoRA in turn.
     An adapter of another rank or alpha, or whose tensors are not exactly this model's LoRA tensors (a silently
     half-loaded adapter would score as the base model), raises, naming the folder."""
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
     from safetensors.torch import load_file
-    from ..config import Config
-    from ..evaluation import evaluate
-    from ..run import Run
+    from minirl.config import Config
+    from minirl.run.evaluation import evaluate
+    from minirl.run.loop import Run
     cfg = Config(**{**dict(model=model, dtype="float32", steps=0, eval_size=len(held), max_tokens=max_tokens,
                            rewards=["arithmetic_correct"], lora_rank=lora_rank, lora_alpha=lora_alpha,
                            target_modules="all-linear"), **overrides})
@@ -166,7 +166,7 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
     minirl's Config only, `eval_overrides` the evaluator's Config; `sides` replaces a side's trainer (tests: a fake
     TRL). `trl_from` takes TRL's runs from another trl.json made with the same settings (an ablation of minirl's
     settings then runs minirl alone; those runs are marked "from", and their seconds were not interleaved)."""
-    from ..models import resolve_model
+    from minirl.training.models import resolve_model
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
     if steps < 1 or save_every < 1 or eval_size < 1:
@@ -214,8 +214,8 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
             res["runs"][key] = {"side": side, "seed": seed, "accuracy": dict(zip(map(str, save_steps), accs)),
                                 "step_s": rec["step_s"], "peak_rss_mb": rec["peak_rss_mb"], "wall_s": wall,
                                 **({"prompt_ids": rec["prompt_ids"]} if "prompt_ids" in rec else {})}
-            _write(out, "trl.json", summarize(res, target))  # partial results survive an interrupted run
-    return _write(out, "trl.json", summarize(res, target))
+            write_json(out, "trl.json", summarize(res, target))  # partial results survive an interrupted run
+    return write_json(out, "trl.json", summarize(res, target))
 
 
 if __name__ == "__main__":  # python -m minirl.benchmarks.trl_bench SPEC.json: minirl's side of one spec

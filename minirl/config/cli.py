@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from .fields import Config
+from minirl.config.fields import Config
 
 
 @lru_cache(maxsize=None)

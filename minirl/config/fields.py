@@ -134,7 +134,7 @@ class Config:
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are an error."""
 
-    # --- environments (multi-turn episodes: minirl/envs.py, minirl/episodes.py) -----------------------------
+    # --- environments (multi-turn episodes: minirl/generation/envs.py, minirl/generation/episodes.py) -----------------------------
     env: str | None = None
     """Multi-turn environment: a built-in task ('sums': sums of 3-4 numbers with an `add` tool), or a
     'module:Class' path to a `minirl.Env`; None = single-turn prompts. In Python, `Run(cfg, env=MyEnv)` takes the
@@ -308,7 +308,7 @@ class Config:
 
     # ------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
-        from .io import apply_preset, coerce_fields
+        from minirl.config.io import apply_preset, coerce_fields
         coerce_fields(self)
         apply_preset(self)
         self.validate()
@@ -326,37 +326,32 @@ class Config:
 
     def validate(self) -> None:
         """Raise one `ConfigError` naming the field and the fix for a bad setting (`validate.py`)."""
-        from .validate import validate
+        from minirl.config.validate import validate
         validate(self)
-
-    def loss_settings(self):
-        """The policy loss's knobs as `loss.LossSettings`."""
-        from ..loss import LossSettings
-        return LossSettings(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LossSettings)})
 
     # --- conversions ----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_yaml(self, path: str | Path | None = None) -> str:
-        from .io import to_yaml
+        from minirl.config.io import to_yaml
         return to_yaml(self, path)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         """A Config from a mapping; an unknown field is one ConfigError with the closest known name."""
-        from .io import from_dict
+        from minirl.config.io import from_dict
         return from_dict(cls, d)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Config":
         """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
-        from .io import from_yaml
+        from minirl.config.io import from_yaml
         return from_yaml(cls, path)
 
     def replace(self, **kw: Any) -> "Config":
         """A copy with `kw` changed; the fields given explicitly stay so, and the others follow the (new) preset."""
-        from .io import translate_aliases
+        from minirl.config.io import translate_aliases
         return type(self)(**{**{k: getattr(self, k) for k in self.explicit}, **translate_aliases(kw)})
 
 
@@ -367,7 +362,7 @@ def _track_explicit(init):
 
     @functools.wraps(init)
     def __init__(self, *args: Any, **kw: Any) -> None:
-        from .io import translate_aliases
+        from minirl.config.io import translate_aliases
         kw = translate_aliases(kw)
         object.__setattr__(self, "_explicit", frozenset(names[:len(args)]) | frozenset(kw))
         init(self, *args, **kw)

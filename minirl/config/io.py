@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from .errors import ConfigError
+from minirl.config.errors import ConfigError
 
 
 def coerce_fields(cfg) -> None:
@@ -68,7 +68,7 @@ def translate_aliases(kw: dict[str, Any]) -> dict[str, Any]:
 
 def apply_preset(cfg) -> None:
     """The fields `cfg.loss_type` names (`loss.PRESETS`) set on `cfg`, except those given explicitly."""
-    from ..loss import PRESETS
+    from minirl.config.presets import PRESETS
     if cfg.loss_type is None:
         return
     if cfg.loss_type not in PRESETS:

@@ -7,7 +7,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from minirl.config.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ def range_problems(cfg) -> list[str]:
 
 def validate(cfg) -> None:
     """Raise one ConfigError holding a line per bad setting, each naming the field and what it accepts."""
-    from ..loss import IMPORTANCE_LEVELS, SCALE_REWARDS  # (torch: imported when a config is made, not before)
+    from minirl.config.presets import IMPORTANCE_LEVELS, SCALE_REWARDS
     problems = range_problems(cfg)
 
     def need(ok: bool, msg: str) -> None:

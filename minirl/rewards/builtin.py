@@ -7,7 +7,7 @@ import re
 import sys
 from typing import Any
 
-from .registry import reward
+from minirl.rewards.registry import reward
 
 # --- the built-in arithmetic task's reward -------------------------------------------------------------------
 
@@ -57,7 +57,7 @@ _SANDBOX_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 @reward
 def code_tests_pass(prompt: str, completion: str, tests: list[str] | str, entry_point: str | None = None,
                     **_: Any) -> float:
-    """The fraction of the row's tests that the completion passes, judged by `minirl.sandbox.run_tests` (the
+    """The fraction of the row's tests that the completion passes, judged by `minirl.rewards.sandbox.run_tests` (the
     solution in a sandboxed process of its own, its answers compared as plain data; see its docstring). `tests`: a
     list of asserts, or one HumanEval test program calling `check(candidate)` with the `entry_point` column's
     function. Raises where no sandbox works here, or for `tests` of another kind, so the failure is recorded
@@ -66,10 +66,10 @@ def code_tests_pass(prompt: str, completion: str, tests: list[str] | str, entry_
 
 
 def _sandbox():
-    """`minirl.sandbox`; in a reward worker, which never imports minirl (nor torch with it: see
+    """`minirl.rewards.sandbox`; in a reward worker, which never imports minirl (nor torch with it: see
     `minirl.rewards.workers`), loaded from its folder as a package of its own (it imports nothing from minirl)."""
-    if "minirl.sandbox" in sys.modules:
-        return sys.modules["minirl.sandbox"]
+    if "minirl.rewards.sandbox" in sys.modules:
+        return sys.modules["minirl.rewards.sandbox"]
     if "minirl_sandbox" not in sys.modules:
         spec = importlib.util.spec_from_file_location("minirl_sandbox", os.path.join(_SANDBOX_DIR, "__init__.py"),
                                                       submodule_search_locations=[_SANDBOX_DIR])
@@ -86,7 +86,7 @@ class EnvError(RuntimeError):
 
 @reward(name="env")
 def env_total(prompt: str, completion: str, env_reward: float, env_error: str | None = None, **_: Any) -> float:
-    """The sum of an episode's step rewards: the first reward of every environment run (`minirl.episodes`). An
+    """The sum of an episode's step rewards: the first reward of every environment run (`minirl.generation.episodes`). An
     episode whose env failed fails here, so the failure is recorded and its sample left out of the loss."""
     if env_error is not None:
         raise EnvError(env_error)

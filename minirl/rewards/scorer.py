@@ -17,12 +17,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from ..loss import group_advantages
-from ..sandbox.process import ENABLE_SANDBOX
-from ..types import Group, RewardFailure, ScoredGroup
-from .registry import accepted_keywords, resolve_reward, source_hash
-from .worker_main import reason
-from .workers import RewardCall, RewardWorkers
+from minirl.rewards.advantages import group_advantages
+from minirl.rewards.sandbox.process import ENABLE_SANDBOX
+from minirl.types import Group, RewardFailure, ScoredGroup
+from minirl.rewards.registry import accepted_keywords, resolve_reward, source_hash
+from minirl.rewards.worker_main import reason
+from minirl.rewards.workers import RewardCall, RewardWorkers
 
 
 @dataclass

@@ -52,9 +52,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from .. import lifecycle
-from . import worker_main
-from .worker_main import one_line, reason, recv_frame, run_call, send_frame
+from minirl.core import lifecycle
+from minirl.rewards import worker_main
+from minirl.rewards.worker_main import one_line, reason, recv_frame, run_call, send_frame
 
 MAX_REPLY_BYTES = 1 << 20
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}

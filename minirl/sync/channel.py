@@ -8,9 +8,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from .. import vllm_compat as compat
-from ..adapter import torch_dtype
-from .wire import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, open_group
+from minirl.sync import vllm_compat as compat
+from minirl.core.adapter import torch_dtype
+from minirl.sync.wire import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, open_group
 
 
 class Gate:

@@ -8,9 +8,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .. import lifecycle
-from ..types import AdapterSource, AdapterUpdate
-from . import AdapterTarget, SyncStats
+from minirl.core import lifecycle
+from minirl.types import AdapterSource, AdapterUpdate
+from minirl.sync.base import AdapterTarget, SyncStats
 
 
 def tmpfs_dir() -> Path:

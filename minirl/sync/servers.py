@@ -1,4 +1,4 @@
-"""`ServerSync`: the adapter to vLLM servers (`generators/vllm_server.py`) — written once per version, in peft
+"""`ServerSync`: the adapter to vLLM servers (`generation/vllm_server.py`) — written once per version, in peft
 format, to a folder every server reads at the same path, then loaded on each through `/v1/load_lora_adapter`.
 
 Each run writes into a folder of its own under `root` (`run-<random>`): two runs given the same `adapter_dir`
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from .. import lifecycle
-from ..types import AdapterSource, AdapterUpdate
-from . import AdapterTarget, SyncStats
+from minirl.core import lifecycle
+from minirl.types import AdapterSource, AdapterUpdate
+from minirl.sync.base import AdapterTarget, SyncStats
 
 
 class ServerTarget(AdapterTarget, Protocol):

@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from .. import vllm_compat as compat
-from ..adapter import unpack
+from minirl.sync import vllm_compat as compat
+from minirl.core.adapter import unpack
 
 
 def same_layout(a: dict, b: dict) -> bool:

@@ -7,11 +7,11 @@ from typing import Protocol
 
 import torch
 
-from ..adapter import adapter_params, b_scalings, peft_config_dict
-from . import AdapterTarget, SyncError, SyncStats
-from .senders import SENDERS, Sender, call_on_loop, rpc
-from ..types import AdapterSource, AdapterUpdate
-from .wire import WORKER_EXTENSION, EngineHost
+from minirl.core.adapter import adapter_params, b_scalings, peft_config_dict
+from minirl.sync.base import AdapterTarget, SyncError, SyncStats
+from minirl.sync.senders import SENDERS, Sender, call_on_loop, rpc
+from minirl.types import AdapterSource, AdapterUpdate
+from minirl.sync.wire import WORKER_EXTENSION, EngineHost
 
 _LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
 

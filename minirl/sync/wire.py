@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
-from .. import vllm_compat as compat
-from . import CollectiveError
+from minirl.sync import vllm_compat as compat
+from minirl.sync.base import CollectiveError
 
 WORKER_EXTENSION = "minirl.sync.receiver.AdapterReceiver"
 MEM_SCHEME = "minirl-mem://"
@@ -67,7 +67,7 @@ def rendezvous_dir() -> str:
     """A private folder (0700, /dev/shm when writable) for one collective group's file store: the group's peers
     meet through a file only this user can open, so no TCP store listens on any port (torch's TCPStore binds
     every interface) and there is no free-port race. Its path is handed to the worker over the engine's RPC."""
-    from .. import lifecycle
+    from minirl.core import lifecycle
     return lifecycle.private_dir("rdv")
 
 

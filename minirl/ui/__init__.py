@@ -1,11 +1,11 @@
 """What a person looks at: the live dashboard widget (`dashboard.py`), its panels (`panels.py`), the doctor's
 alerts (`doctor.py`), the helpers to try reward functions before training (`prototype.py`), and episodes shown
 token by token with what the loss trains on (`episodes.py`)."""
-from .dashboard import Dashboard, alerts_html, samples_html
-from .episodes import EpisodePreview, episode_html, preview_episodes
-from .doctor import Alert, doctor
-from .panels import PANELS, figure, render
-from .prototype import check, preview, rescore
+from minirl.ui.dashboard import Dashboard, alerts_html, samples_html
+from minirl.ui.episodes import EpisodePreview, episode_html, preview_episodes
+from minirl.ui.doctor import Alert, doctor
+from minirl.ui.panels import PANELS, figure, render
+from minirl.ui.prototype import check, preview, rescore
 
 __all__ = ["Alert", "Dashboard", "EpisodePreview", "PANELS", "alerts_html", "check", "doctor", "episode_html",
            "figure", "preview", "preview_episodes", "render", "rescore", "samples_html"]

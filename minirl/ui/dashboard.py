@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..metrics import LogTail, load_events
-from .doctor import Alert, doctor
-from .panels import PANELS, View, figure, png_bytes
+from minirl.core.metrics import LogTail, load_events
+from minirl.ui.doctor import Alert, doctor
+from minirl.ui.panels import PANELS, View, figure, png_bytes
 
 
 # --- HTML pieces (shared by the widget and by notebooks) ----------------------------------------------------

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..metrics import load_events
+from minirl.core.metrics import load_events
 
 GEN_COLOR, TRAIN_COLOR = "#1f77b4", "#ff7f0e"
 

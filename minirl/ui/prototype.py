@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..rewards import Scorer, resolve_reward, source_hash
-from ..types import Completion, Group, Prompt
+from minirl.rewards import Scorer, resolve_reward, source_hash
+from minirl.types import Completion, Group, Prompt
 
 
 # --- a small table type ---------------------------------------------------------------------------------------
@@ -166,7 +166,7 @@ def load_policy(model: str = "smollm2-135m-instruct", adapter: str | Path | None
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ..models import load_tokenizer, resolve_model
+        from minirl.training.models import load_tokenizer, resolve_model
         tok = load_tokenizer(model)
         m = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
         if adapter:
@@ -241,10 +241,10 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
             scale_by_std: bool = True, timeout_s: float = 10.0) -> Preview:
     """Generate `n` completions for each of `prompts` prompts with the current model (+ adapter) and score them
     with `rewards`. `data`: 'arithmetic', a list of dicts, a JSONL path, or a datasets.Dataset."""
-    from .. import data as D
-    from ..generators.hf import HFGenerator
-    from ..rewards import check_columns, check_data_columns
-    from ..types import SamplingParams
+    from minirl.data import rows as D
+    from minirl.generation.hf import HFGenerator
+    from minirl.rewards import check_columns, check_data_columns
+    from minirl.types import SamplingParams
 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]
@@ -266,7 +266,7 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
 
 def _columns_lookup(start: dict, data: Any, prompt_column: str) -> dict[str, dict]:
     """prompt text -> dataset columns, for logs whose samples do not carry their columns."""
-    from .. import data as D
+    from minirl.data import rows as D
     rows: list[dict] = []
     if data is not None:
         rows = D.arithmetic_splits(0)[0] if isinstance(data, str) and data == "arithmetic" else D.load_rows(data)
@@ -285,7 +285,7 @@ def rescore(source: Any, rewards: Sequence[str | Callable] | str | Callable, *, 
     `source`: a Run, its out_dir, or its metrics.jsonl. Each row holds the logged score and reward versions, and
     the new scores with the new rewards' source hashes, so old and new are never confused. Dataset columns come
     from the samples (when logged), else from `data`, else from the run's own built-in task."""
-    from ..metrics import load_events
+    from minirl.core.metrics import load_events
 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]

@@ -1,0 +1,150 @@
+"""Placement: which backend generates, where generation and training run, and how far generation runs ahead (K).
+
+Decided from the config and the device count before anything loads; a bad device string fails here, naming the
+field and the accepted forms. The result is one printed line at start and `placement` in summary.json.
+
+  CPU               the cores are split (vLLM's worker or the generator process on some, the trainer's torch
+                    threads on the rest) when K >= 1; synchronously each phase takes every core in turn.
+  1 GPU             engine and trainer share cuda:0, K = 0 (synchronous); a vLLM engine sleeps (sleep mode level 1)
+                    while the trainer works, and is woken before the adapter push.
+  2+ GPUs (vLLM)    trainer on cuda:0, one engine on GPU 1 (its processes see only that GPU), K = 1. With 3+ GPUs,
+                    `backend: vllm-server, num_servers: N-1` uses the rest (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass
+
+from minirl.config import Config, ConfigError, parse_cores
+from minirl.generation.factory import pick_backend
+
+_GPU_IDS = re.compile(r"^(cuda:)?\d+(,(cuda:)?\d+)*$")
+_CORES = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+@dataclass(frozen=True)
+class Placement:
+    backend: str
+    backend_why: str
+    max_async_steps: int  # K
+    async_why: str
+    gen_devices: str | None  # GPU ids ('1', '1,2') or CPU cores ('0-3'); None: no constraint
+    train_device: str  # 'cpu' or 'cuda:N'
+    train_threads: int | None  # on CPU: the trainer's torch thread count
+    cuda_devices: int
+    engine_sleeps: bool = False  # vLLM shares the trainer's GPU with K = 0: it sleeps while the trainer works
+
+    def line(self) -> str:
+        gen = self.gen_devices or ("every GPU" if self.cuda_devices else "every core")
+        train = self.train_device + (f" ({self.train_threads} threads)" if self.train_threads else "")
+        return (f"minirl: placement: {self.backend} generation on {gen}, training on {train}, "
+                f"K = {self.max_async_steps} ({self.async_why})" + ("; the engine sleeps while the trainer works"
+                                                                     if self.engine_sleeps else ""))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def cpu_split(cfg: Config, k: int) -> tuple[str | None, int]:
+    """On CPU: the cores generation is pinned to, and the trainer's torch thread count."""
+    n = os.cpu_count() or 1
+    gen = None if cfg.gen_devices == "auto" else cfg.gen_devices
+    if cfg.train_devices != "auto":
+        train = len(parse_cores(cfg.train_devices))
+    elif k == 0 or n == 1:
+        train = n  # synchronous: the two sides take turns, each may use every core
+    else:
+        train = max(1, n // 2)
+        gen = gen or (f"0-{n - train - 1}" if n - train > 1 else "0")
+    return gen, train
+
+
+def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int, str]:
+    """(K, why) for `max_async_steps`; 'auto' by the rule measured with `minirl bench pipeline` and `minirl bench
+    learning` (BENCHMARKS.md, "Earlier measurements"):
+    - vLLM with 2+ GPUs, generation and training on devices of their own: 1 (each would idle while the other
+      works; ahead by one step both stay busy). Reasoned, not measured: no GPU run yet.
+    - otherwise (one device shared by both phases, e.g. the CPU): 0. Splitting 2 cores for K = 1 lost or tied on
+      whole demo runs; it pays where rewards wait (a remote judge): set max_async_steps=1 there.
+    """
+    k = cfg.max_async_steps
+    if k != "auto":
+        return int(k), f"max_async_steps={k}"
+    if backend in ("vllm", "vllm-server") and cuda_devices >= 2:
+        return 1, f"auto: vLLM with {cuda_devices} GPUs, generation and training on devices of their own"
+    return 0, ("auto: generation and training share " + ("one GPU" if cuda_devices else "the CPU cores")
+               + ": synchronous (set max_async_steps=1 when rewards wait, e.g. a remote judge)")
+
+
+def _check_devices(cfg: Config, cuda_devices: int) -> None:
+    """One line naming the field and its accepted forms, before anything loads."""
+    for name in ("gen_devices", "train_devices"):
+        v = str(getattr(cfg, name))
+        if v == "auto":
+            continue
+        if cuda_devices:
+            ids = [int(x.removeprefix("cuda:")) for x in v.split(",")] if _GPU_IDS.match(v) else None
+            one = name == "gen_devices" or (ids is not None and len(ids) == 1)
+            if ids is None or not one or max(ids) >= cuda_devices:
+                forms = "'1', 'cuda:1' or '1,2'" if name == "gen_devices" else "'0' or 'cuda:0'"
+                raise ConfigError(f"{name}={v!r}: on this machine's {cuda_devices} GPU(s) give "
+                                  f"{'GPU ids' if name == 'gen_devices' else 'one GPU'} below {cuda_devices}, "
+                                  f"e.g. {forms}, or 'auto'")
+        else:
+            cores = os.cpu_count() or 1
+            if not _CORES.match(v) or max(parse_cores(v)) >= cores:
+                raise ConfigError(f"{name}={v!r}: on CPU give cores below {cores} as '1', '0-3' or '0,2-3', "
+                                  "or 'auto'")
+
+
+def place(cfg: Config, cuda_devices: int) -> Placement:
+    """The placement of a run with `cuda_devices` GPUs (0: CPU)."""
+    _check_devices(cfg, cuda_devices)
+    backend, backend_why = pick_backend(cfg.backend, cuda_devices > 0)
+    k, async_why = pick_async_steps(cfg, backend, cuda_devices)
+    if not cuda_devices:
+        gen, threads = cpu_split(cfg, k)
+        return Placement(backend, backend_why, k, async_why, gen, "cpu", threads, 0)
+    train = "cuda:0" if cfg.train_devices == "auto" else "cuda:" + cfg.train_devices.removeprefix("cuda:")
+    if cfg.gen_devices != "auto":
+        gen = ",".join(x.removeprefix("cuda:") for x in cfg.gen_devices.split(","))
+    elif cuda_devices >= 2 and k >= 1:  # a GPU of its own: the first one the trainer does not use
+        gen = next(str(i) for i in range(cuda_devices) if f"cuda:{i}" != train)
+    else:  # colocated with the trainer
+        gen = train.removeprefix("cuda:")
+    sleeps = backend == "vllm" and k == 0 and gen == train.removeprefix("cuda:")
+    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps)
+
+
+def cuda_device_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class CpuThreads:
+    """On CPU, the trainer thread's torch thread count and cores for the run, given back at the end: the next run
+    in this process (a notebook's, a benchmark's next variant) must not inherit this run's split."""
+
+    def __init__(self) -> None:
+        self._before: tuple[int, set[int] | None] | None = None
+
+    def apply(self, p: Placement) -> None:
+        import torch
+        if p.train_threads is None:
+            return
+        self._before = (torch.get_num_threads(), os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None)
+        torch.set_num_threads(p.train_threads)
+
+    def pin(self, cfg: Config) -> None:
+        """Bind this (trainer) thread to its cores; after the engine spawned, so the engine does not inherit it."""
+        if self._before is not None and cfg.train_devices != "auto" and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, parse_cores(cfg.train_devices))
+
+    def restore(self) -> None:
+        import torch
+        before, self._before = self._before, None
+        if before is not None:
+            torch.set_num_threads(before[0])
+            if before[1] is not None:
+                os.sched_setaffinity(0, before[1])

@@ -1,0 +1,198 @@
+"""From scored groups to padded tensors, and the policy's per-token logprobs on them.
+
+`samples_from_groups` keeps the samples that carry a learning signal; `make_batch` pads them into a `Batch` whose
+per-token tensors are aligned to the token they score; `completion_logprobs` runs the model and returns the
+completion tokens' logprobs with temperature applied — the trainer's side of every comparison with the engine.
+Logprobs are computed from the final hidden states of the completion tokens only, in chunks, so float32 logits
+never exist for the whole batch (nor for prompt or padding positions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Iterator, Sequence
+
+import torch
+
+from minirl.rewards.advantages import batch_scale
+from minirl.training.loss import token_weights
+from minirl.core.logits import Processing, histories, processed_logits, seen_tokens
+from minirl.types import ScoredGroup
+
+LOGIT_CHUNK = 1024  # completion tokens per lm_head chunk
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One completion ready for the loss."""
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    behav_logp: tuple[float, ...]
+    versions: tuple[int, ...]
+    advantage: float
+    temperature: float = 1.0  # the temperature the completion was sampled at: its logprobs are taken at it
+    mask: tuple[bool, ...] | None = None  # episodes: which completion tokens were sampled (None: all)
+
+
+@dataclass
+class Batch:
+    """Right-padded prompt+completion rows. `tgt_mask_B_L[b, t]` marks the sampled completion tokens (the loss
+    targets; an episode's environment tokens are context only); per-token tensors are aligned to the token they
+    score."""
+    input_ids_B_L: torch.Tensor
+    attn_B_L: torch.Tensor
+    tgt_mask_B_L: torch.Tensor
+    behav_logp_B_L: torch.Tensor
+    version_B_L: torch.Tensor
+    adv_B: torch.Tensor
+    weight_B_L: torch.Tensor  # aggregation weights over the whole batch
+    temp_B: torch.Tensor      # sampling temperature of each row
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tgt_mask_B_L.sum())
+
+    def _map(self, fn) -> "Batch":
+        return Batch(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+
+    def to(self, device) -> "Batch":
+        return self._map(lambda t: t.to(device))
+
+    def rows(self, idx: list[int]) -> "Batch":
+        width = int(self.attn_B_L[idx].sum(1).max())
+        return self._map(lambda t: t[idx][:, :width] if t.dim() == 2 else t[idx])
+
+    def micro_batches(self, token_budget: int) -> Iterator["Batch"]:
+        """Rows sorted by length, packed greedily so that rows * longest row <= token_budget."""
+        lens = self.attn_B_L.sum(1).tolist()
+        order = sorted(range(len(lens)), key=lambda i: -lens[i])
+        cur: list[int] = []
+        for i in order:
+            if cur and (len(cur) + 1) * lens[cur[0]] > token_budget:
+                yield self.rows(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            yield self.rows(cur)
+
+
+def scale_by_batch(groups: Sequence[ScoredGroup]) -> list[ScoredGroup]:
+    """`scale_rewards="batch"`: the groups' (group-centred, unscaled) advantages divided by the std of every valid
+    reward of the step (`loss.batch_scale`)."""
+    scale = batch_scale([list(g.rewards) for g in groups])
+    return [replace(g, advantages=tuple(a / scale for a in g.advantages)) for g in groups]
+
+
+def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = False,
+                        drop_truncated: bool = False) -> list[Sample]:
+    """Included samples with their advantages. Zero-advantage samples carry no policy gradient and are
+    dropped unless a KL term needs them (`keep_zero_adv`); with `drop_truncated` (`mask_truncated`), so are
+    completions cut by a length cap (finish_reason 'length'): no loss at all, while their rewards still counted
+    in their group's baseline (DAPO's overlong filtering)."""
+    out = []
+    for g in groups:
+        for c, r, a in zip(g.group.completions, g.rewards, g.advantages):
+            if r is None or not c.token_ids or (a == 0.0 and not keep_zero_adv) or (drop_truncated and c.truncated):
+                continue
+            out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a, g.group.temperature,
+                              c.mask))
+    return out
+
+
+def make_batch(samples: Sequence[Sample], pad_id: int, agg: str, max_tokens: int) -> Batch:
+    L = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    B = len(samples)
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros((B, L), dtype=torch.long)
+    tgt = torch.zeros((B, L), dtype=torch.bool)
+    behav = torch.zeros((B, L))
+    ver = torch.zeros((B, L), dtype=torch.long)
+    for b, s in enumerate(samples):
+        p, c = len(s.prompt_ids), len(s.completion_ids)
+        ids[b, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids)
+        attn[b, : p + c] = 1
+        tgt[b, p: p + c] = True if s.mask is None else torch.tensor(s.mask, dtype=torch.bool)  # env tokens: context
+        behav[b, p: p + c] = torch.tensor(s.behav_logp)
+        ver[b, p: p + c] = torch.tensor(s.versions)
+    adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
+    temp = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
+    return Batch(ids, attn, tgt, behav, ver, adv, token_weights(tgt, agg, max_tokens), temp)
+
+
+def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool = False,
+                        recompute: bool = True, proc: Processing = Processing()):
+    """Per-token logprobs (B, L) of the completion tokens under `model` (a peft or plain causal LM), with
+    temperature applied — each row's own (`batch.temp_B`), or `temperature` for all — plus the summed entropy of
+    those positions when asked (no grad). With grad enabled each chunk's logits are recomputed in backward
+    (`_chunk_logp` under activation checkpointing) rather than kept: autograd holds (N, vocab) float32 logits for
+    every completion token of the micro-batch until backward otherwise (`recompute=False`: one lm_head matmul
+    per chunk less). `proc`: the sampler's min_p / repetition penalty, applied as it applied them."""
+    inner, head = _decoder_and_head(model)
+    hidden = inner(input_ids=batch.input_ids_B_L, attention_mask=batch.attn_B_L).last_hidden_state
+    pick = batch.tgt_mask_B_L[:, 1:]
+    h_N_H = hidden[:, :-1][pick]
+    targets_N = batch.input_ids_B_L[:, 1:][pick]
+    if temperature is None:
+        temp_N = batch.temp_B[:, None].expand(pick.shape)[pick].to(h_N_H.device)
+    else:
+        temp_N = torch.full(targets_N.shape, float(temperature), device=h_N_H.device)
+    return hidden_logprobs(h_N_H, targets_N, temp_N, head, batch, with_entropy, recompute, proc)
+
+
+def hidden_logprobs(h_N_H, targets_N, temp_N, head, rows: Batch, with_entropy: bool = False, recompute: bool = True,
+                    proc: Processing = Processing()):
+    """Logprobs of `targets_N` from the final hidden states that predict them, by lm_head chunks, scattered into
+    the (B, L) layout of `rows.tgt_mask_B_L` (row-major order), plus their summed entropy (the shared tail of the
+    padded and the packed path). With a repetition penalty each target's history is its row's ids before it."""
+    recompute = recompute and torch.is_grad_enabled() and h_N_H.requires_grad
+    tgt_mask_B_L = rows.tgt_mask_B_L
+    hist = histories(rows.input_ids_B_L, rows.attn_B_L, tgt_mask_B_L) if proc.penalised else None
+    logps, ent = [], 0.0
+    for s in range(0, h_N_H.shape[0], LOGIT_CHUNK):
+        sl = slice(s, s + LOGIT_CHUNK)
+        hist_c = None if hist is None else (hist[0][sl].to(h_N_H.device), hist[1][sl].to(h_N_H.device))
+        args = (h_N_H[sl], targets_N[sl], temp_N[sl], head)
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+            lp, e = checkpoint(_chunk_logp, *args, with_entropy, proc, hist_c, use_reentrant=False)
+        else:
+            lp, e = _chunk_logp(*args, with_entropy, proc, hist_c)
+        logps.append(lp)
+        ent += e
+    logp_N = torch.cat(logps) if logps else h_N_H.new_zeros(0)
+    out = torch.zeros(tgt_mask_B_L.shape, dtype=logp_N.dtype, device=logp_N.device)
+    out = out.masked_scatter(tgt_mask_B_L.to(out.device), logp_N)
+    return out, ent
+
+
+def _chunk_logp(h_N_H, targets_N, temp_N, head, with_entropy: bool, proc: Processing = Processing(), hist=None):
+    """Logprobs of `targets_N` from hidden states `h_N_H` (float32 logits, processed as the sampler did: penalty
+    from `hist`, temperature, min_p) and their summed entropy (a float, no grad; 0.0 unless asked)."""
+    logits = head(h_N_H).float()
+    seen = None if hist is None else seen_tokens(hist[0], hist[1], logits.shape[-1])
+    logits = processed_logits(logits, temp_N, proc, seen)
+    lse = torch.logsumexp(logits, -1)
+    logp = logits.gather(-1, targets_N[:, None]).squeeze(-1) - lse
+    ent = 0.0
+    if with_entropy:  # after logp: a recompute in backward stops once logp's saved tensors are back
+        with torch.no_grad():
+            plogp = torch.softmax(logits, -1) * logits
+            if proc.min_p > 0:  # the cut tokens: 0 * -inf
+                plogp = torch.where(torch.isfinite(logits), plogp, 0.0)
+            ent = float((lse - plogp.sum(-1)).sum())
+    return logp, ent
+
+
+def _decoder_and_head(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def sequence_logprobs(model, prompt_ids: list[int], completion_ids: list[int], temperature: float,
+                      proc: Processing = Processing()) -> list[float]:
+    """Logprobs of one completion: the trainer-side reference for sync verification and tests."""
+    s = Sample(tuple(prompt_ids), tuple(completion_ids), (0.0,) * len(completion_ids), (0,) * len(completion_ids), 0.0)
+    b = make_batch([s], pad_id=0, agg="token-mean", max_tokens=len(completion_ids))
+    b = b.to(next(model.parameters()).device)
+    with torch.no_grad():
+        lp, _ = completion_logprobs(model, b, temperature, proc=proc)
+    return lp[b.tgt_mask_B_L].tolist()

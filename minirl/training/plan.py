@@ -1,0 +1,376 @@
+"""A memory plan before loading: from the model's `config.json` alone (no weights), the parts of peak memory.
+
+    minirl plan CONFIG [--gpu-gb N]      minirl.training.plan(cfg, gpu_gb=None)
+
+Parts (GiB): base weights (dtype, or NF4 for the linear layers with double-quantized scales), LoRA + AdamW (fp32
+parameters, gradients and two moments: 16 bytes a LoRA parameter), activations of the largest micro-batch with or
+without gradient checkpointing, the lm_head logits of one chunk (`batch.LOGIT_CHUNK` completion tokens; float32),
+and the generator: vLLM's own weights + KV cache + its overhead, or transformers' KV cache of one step's sequences.
+The training phase and the generation phase peak apart; the run's peak is the larger. The sleep/wake cost is the
+engine's weights moved to the host and back per step.
+
+The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): with 'shared-prefix' packing one
+row of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per
+decoder layer and token, autograd keeps what `Shape.layer_activation_bytes` lists (a census of the saved tensors,
+`scripts/activation_census.py`); with checkpointing a layer keeps only its input, and one layer's full set lives
+during its recompute. On CPU resident memory follows these live bytes with `cpu_compact_memory: true` (the
+trainer fixes glibc's mmap threshold, `trainer.fix_malloc_threshold`); by default, for speed, glibc's heap may
+keep up to ~2x them. The calibration test
+(tests/test_plan_calibration.py) checks the predicted increase of the training peak between token budgets and
+completion lengths against recorded `minirl bench memory` rows.
+
+Assumptions stated plainly: prompts of min(max_prompt_tokens, 256) tokens; every completion max_tokens long; the
+engine does not sleep between phases unless `engine_sleeps` (a run passes its placement's: vLLM sharing the
+trainer's GPU with K = 0 sleeps while the trainer works).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minirl.training.batch import LOGIT_CHUNK
+from minirl.config import Config, ConfigError
+from minirl.training.models import resolve_model
+
+GiB = 2**30
+BUDGETS = (512, 1024, 2048, 4096, 8192)  # past 8192 tokens a micro-batch gains little on a GPU
+CPU_BUDGET = 512  # on CPU smaller micro-batches cost no time and much less memory (BENCHMARKS.md, "Memory")
+CUDA_CONTEXT_GB = 1.0  # the CUDA context, cuBLAS workspaces and the allocator's slack (not measured on a GPU yet)
+ENGINE_OVERHEAD_GB = 1.5  # vLLM's activations, CUDA graphs and sampler beside weights + KV cache (vLLM's profile)
+HOST_LINK_GBPS = 20.0  # host <-> GPU copy rate assumed for sleep/wake (PCIe 4 x16, pinned memory)
+HEADROOM = 0.92  # a plan fits when its peak is under this share of the memory
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A decoder-only transformer as its config.json describes it."""
+    vocab: int
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    tied: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_config(cls, c: dict) -> "Shape":
+        c = c.get("text_config", c)
+        try:
+            heads = c["num_attention_heads"]
+            return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], heads,
+                       c.get("num_key_value_heads") or heads, c.get("head_dim") or c["hidden_size"] // heads,
+                       bool(c.get("tie_word_embeddings", False)),
+                       c.get("model_type") in ("qwen2", "qwen2_moe") or bool(c.get("attention_bias", False)))
+        except KeyError as e:
+            raise ConfigError(f"config.json has no {e.args[0]!r}: the memory plan reads decoder-only transformer "
+                              "configs (Llama, Qwen2, Mistral and alike)") from None
+
+    def linears(self) -> list[tuple[int, int]]:
+        """(in, out) of each linear layer of one decoder layer: q, k, v, o, gate, up, down."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        return [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+
+    def linear_params(self) -> int:
+        return self.layers * sum(a * b for a, b in self.linears())
+
+    def params(self) -> int:
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        per_layer = bias + 2 * self.hidden  # + the two norms
+        embed = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.linear_params() + self.layers * per_layer + embed + self.hidden
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA on every linear layer of the decoder ('all-linear' leaves out the lm_head)."""
+        return self.layers * sum(rank * (a + b) for a, b in self.linears())
+
+    def layer_activation_bytes(self, b: int, rank: int) -> int:
+        """Bytes autograd keeps for one token of one decoder layer, weights of `b` bytes, LoRA of rank `rank` on its
+        seven linear layers (no LoRA dropout), attention through SDPA with a mask (each layer's count, from a census
+        of the saved tensors of the embedded model, `scripts/activation_census.py`): the layer's input and the
+        residual after attention; each RMSNorm's output, and in 16 bits the float32 copy of its input (float32
+        weights: the input itself); q after RoPE, k and v repeated to every head (a mask makes transformers repeat
+        them), the attention output (the o_proj input); gate, up, silu(gate) and their product; each LoRA's
+        rank-wide intermediate; the norms' float32 rsqrt and the attention's float32 logsumexp."""
+        h, q, i = self.hidden, self.heads * self.head_dim, self.intermediate
+        kept = b * (4 * h + 4 * q + 4 * i + 7 * rank)
+        upcast = 2 * 4 * h if b < 4 else 0
+        return kept + upcast + 4 * (2 + self.heads)
+
+    def kv_bytes_per_token(self, b: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * b
+
+
+def model_config(cfg: Config) -> dict:
+    """The model's config.json, without loading weights (a Hub id: only that file is fetched)."""
+    where = resolve_model(cfg.model)
+    p = Path(where) / "config.json"
+    if not p.exists():
+        from huggingface_hub import hf_hub_download
+        p = Path(hf_hub_download(where, "config.json"))
+    return json.loads(p.read_text())
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: str
+    device: str  # 'cuda' or 'cpu'
+    memory_gb: float | None  # the GPU's (or, on CPU, the machine's) memory the plan is held against, in GB (1e9)
+    params_b: float  # billions
+    backend: str
+    colocated: bool
+    token_budget: int
+    gradient_checkpointing: bool
+    gpu_memory_utilization: float | None  # vLLM's share picked (None: not a vLLM engine on a GPU)
+    load_in_4bit: bool
+    train: dict[str, float] = field(default_factory=dict)  # GiB of each part during training
+    generate: dict[str, float] = field(default_factory=dict)  # GiB of each part during generation
+    sleep_wake_gb: float = 0.0
+    sleep_wake_s: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def train_gb(self) -> float:
+        return sum(self.train.values())
+
+    @property
+    def generate_gb(self) -> float:
+        return sum(self.generate.values())
+
+    @property
+    def peak_gb(self) -> float:
+        return max(self.train_gb, self.generate_gb)
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.memory_gb is None else self.peak_gb * GiB <= HEADROOM * self.memory_gb * 1e9
+
+    def line(self) -> str:
+        where = f"{self.memory_gb:.1f} GB" if self.memory_gb else "unknown memory"
+        verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[self.fits]
+        return (f"minirl: plan: {self.model} ({self.params_b:.2f}B) peak {self.peak_gb:.1f} GiB on {self.device} "
+                f"{where}: {verdict}; token_budget={self.token_budget}, gradient_checkpointing="
+                f"{str(self.gradient_checkpointing).lower()}, load_in_4bit={str(self.load_in_4bit).lower()}"
+                + (f", gpu_memory_utilization={self.gpu_memory_utilization}" if self.gpu_memory_utilization else ""))
+
+    def table(self) -> str:
+        rows = [("part", "train GiB", "generate GiB")]
+        for k in dict.fromkeys([*self.train, *self.generate]):
+            rows.append((k, _f(self.train.get(k)), _f(self.generate.get(k))))
+        rows.append(("peak", f"{self.train_gb:.2f}", f"{self.generate_gb:.2f}"))
+        w = [max(len(r[i]) for r in rows) for i in range(3)]
+        out = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}" for a, b, c in rows]
+        if self.sleep_wake_gb:
+            out.append(f"sleep/wake: {self.sleep_wake_gb:.2f} GiB moved per step, ~{self.sleep_wake_s:.2f} s "
+                       f"at {HOST_LINK_GBPS:g} GB/s")
+        return "\n".join([self.line(), *out, *(f"note: {n}" for n in self.notes)])
+
+
+def _f(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def micro_batch(cfg: Config, budget: int, prompt: int) -> tuple[int, int, int]:
+    """(tokens, completion tokens, attention length) of the largest micro-batch the trainer cuts from one step of
+    `cfg` at `budget` tokens, every completion `max_tokens` long and every prompt `prompt` tokens: no more than the
+    step holds. 'shared-prefix': one row of whole groups (each prompt once, then its completions) up to the budget,
+    its attention over the whole row (a tokens x tokens mask); 'padded': whole rows of prompt + completion."""
+    p, g, m = cfg.prompts_per_step, cfg.group_size, cfg.max_tokens
+    if cfg.packing == "shared-prefix":
+        seg = prompt + g * m
+        tokens = max(min(budget, p * seg), prompt + m)
+        return tokens, math.ceil(tokens * g * m / seg), tokens
+    row = prompt + m
+    tokens = max(min(budget // row, p * g), 1) * row
+    return tokens, math.ceil(tokens * m / row), row
+
+
+def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, budget: int, ckpt: bool,
+              four_bit: bool, engine_sleeps: bool, prompt: int) -> MemoryPlan:
+    b = 2 if device == "cuda" and cfg.dtype in ("auto", "bfloat16", "float16") else 4
+    backend = cfg.backend if cfg.backend != "auto" else (  # generation.pick_backend's rule (a layer above)
+        "vllm" if device == "cuda" and importlib.util.find_spec("vllm") is not None else "hf")
+    vllm = backend in ("vllm", "vllm-server")
+    colocated = device == "cpu" or cfg.gen_devices == "auto" or not vllm
+    lin = shape.linear_params()
+    # NF4: 4 bits a weight, an 8-bit scale per 64 weights and a float32 scale per 256 of those (double quantization)
+    weights = (lin * (0.5 + 1 / 64 + 4 / (64 * 256)) if four_bit else lin * b) + (shape.params() - lin) * b
+    lora = shape.lora_params(cfg.lora_rank)
+    seqs, seq_len = cfg.prompts_per_step * cfg.group_size, prompt + cfg.max_tokens
+    tokens, completion, attn_len = micro_batch(cfg, budget, prompt)
+    h, i = shape.hidden, shape.intermediate
+    per_layer = shape.layer_activation_bytes(b, cfg.lora_rank)
+    kept = shape.layers * (h * b if ckpt else per_layer) + (per_layer if ckpt else 0)  # ckpt: one layer recomputed
+    kept += 2 * h * b + b * (2 * h + 3 * i)  # the final norm's input and output; one layer's gradients in flight
+    acts = tokens * kept
+    if cfg.packing == "shared-prefix":
+        acts += attn_len * attn_len * b  # the packed row's additive mask (tokens x tokens), kept for backward
+    chunk = min(LOGIT_CHUNK, completion)
+    # one chunk's lm_head output recomputed in backward: float32 logits / temperature, the exp of logsumexp's
+    # backward, the gradient and the gather's scattered gradient (four float32 copies; in 16 bits also the head's
+    # own output before .float())
+    logits = chunk * shape.vocab * (4 * 4 + (b if b < 4 else 0))
+    train = {"base weights": weights / GiB, "LoRA + AdamW": lora * 16 / GiB, "activations": acts / GiB,
+             "logits": logits / GiB}
+    if device == "cuda":
+        train["CUDA context"] = CUDA_CONTEXT_GB
+    gen = {k: train[k] for k in ("base weights", "LoRA + AdamW", "CUDA context") if k in train}
+    util, notes = None, []
+    kv = seqs * seq_len * shape.kv_bytes_per_token(b) / GiB
+    if vllm:
+        engine = {"engine weights": shape.params() * b / GiB, "engine KV cache": kv, "engine overhead":
+                  ENGINE_OVERHEAD_GB if device == "cuda" else 0.0}
+        if four_bit:
+            notes.append("the vLLM engine loads the base in 4-bit where it can (vLLM with bitsandbytes on a GPU), "
+                         "else unquantized in the trainer's dtype: counted here unquantized")
+        if device == "cuda" and memory_gb:
+            total = memory_gb * 1e9
+            if cfg.gpu_memory_utilization != "auto":
+                util = float(cfg.gpu_memory_utilization)
+            elif not colocated:
+                util = OWN_GPU_SHARE
+            else:  # 'auto': what is free once the trainer loaded (resolve_engine_share's rule at engine start)
+                loaded = sum(gen.values()) * GiB
+                reserve = 0 if engine_sleeps else (acts + logits)
+                util = max(0.0, _share(total - loaded, total, reserve))
+            engine["engine KV cache"] = max(kv, util * total / GiB - engine["engine weights"]
+                                            - engine["engine overhead"])
+        if colocated:
+            gen.update(engine)
+            if not engine_sleeps:
+                train.update(engine)
+    else:
+        gen["generate KV cache"] = kv
+        gen["sampling logits"] = seqs * shape.vocab * 4 * 2 / GiB
+    moved = (shape.params() * b / GiB) if (vllm and colocated and engine_sleeps and device == "cuda") else 0.0
+    return MemoryPlan(cfg.model, device, memory_gb, shape.params() / 1e9, backend, colocated, budget, ckpt,
+                      util, four_bit, train, gen, 2 * moved, 2 * moved * GiB / (HOST_LINK_GBPS * 1e9), tuple(notes))
+
+
+def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
+               gradient_checkpointing: bool | None = None, engine_sleeps: bool = False,
+               prompt_tokens: int | None = None) -> MemoryPlan:
+    """The plan for `shape`: the fixed choices of `cfg` kept, the others picked. `token_budget` 'auto': the largest
+    budget (up to one step's tokens) that fits; gradient checkpointing as the trainer sets it ('auto': on a GPU);
+    4-bit is picked only where nothing fits in the trainer's dtype (a plan that needs it says so). On CPU (or with
+    no memory figure) 'auto' is 512. `prompt_tokens`: a prompt's length (default min(max_prompt_tokens, 256))."""
+    prompt = prompt_tokens or min(cfg.max_prompt_tokens, 256)
+    step_tokens = micro_batch(cfg, 2**62, prompt)[0]  # the whole step in one micro-batch
+    fixed = cfg.token_budget != "auto"
+    if fixed:
+        budgets = [int(cfg.token_budget)]
+    elif device == "cpu" or memory_gb is None:
+        budgets = [CPU_BUDGET]
+    else:
+        budgets = sorted({min(x, max(512, 2 ** math.ceil(math.log2(step_tokens)))) for x in BUDGETS}, reverse=True)
+    if gradient_checkpointing is None:  # the trainer's rule (models.checkpointing_on): 'auto' is on a GPU only
+        gradient_checkpointing = device == "cuda" if cfg.gradient_checkpointing == "auto" else bool(
+            cfg.gradient_checkpointing)
+    ckpts = [gradient_checkpointing]
+    bits = [True] if cfg.load_in_4bit else [False, True]
+    first = None
+    for four in bits:
+        for ck in ckpts:
+            for bud in budgets:
+                p = _estimate(cfg, shape, device, memory_gb, bud, ck, four, engine_sleeps, prompt)
+                first = first or p
+                if p.fits is not False:
+                    return p
+    return first  # nothing fits: the plan of the config as given, which says so
+
+
+def plan(cfg: Config, gpu_gb: float | None = None, gradient_checkpointing: bool | None = None,
+         engine_sleeps: bool = False, prompt_tokens: int | None = None) -> MemoryPlan:
+    """The memory plan of `cfg` on this machine's GPU 0 (or a GPU of `gpu_gb` GB), from config.json alone. On a
+    machine without a GPU and no `gpu_gb`, the plan is for the CPU, held against the machine's RAM."""
+    import torch
+    if gpu_gb is None and torch.cuda.is_available():
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
+    if gpu_gb is None:
+        return plan_cpu(cfg, gradient_checkpointing)
+    return plan_shape(cfg, Shape.from_config(model_config(cfg)), "cuda", gpu_gb, gradient_checkpointing,
+                      engine_sleeps, prompt_tokens)
+
+
+def plan_cpu(cfg: Config, gradient_checkpointing: bool | None = None) -> MemoryPlan:
+    """The plan of `cfg` on CPU, held against the machine's RAM."""
+    import psutil
+    return plan_shape(cfg, Shape.from_config(model_config(cfg)), "cpu", psutil.virtual_memory().total / 1e9,
+                      gradient_checkpointing)
+
+
+def resolve_token_budget(cfg: Config, device: str) -> int:
+    """`cfg.token_budget` as a number: 'auto' is the plan's choice for `device` ('cpu': 512; a GPU: the plan for
+    GPU 0). The one place 'auto' is resolved; the trainer calls it."""
+    if cfg.token_budget != "auto":
+        return int(cfg.token_budget)
+    if not str(device).startswith("cuda"):
+        return CPU_BUDGET
+    return plan(cfg).token_budget
+
+
+def check_plan(cfg: Config, cuda_devices: int, gpu_gb: float | None = None,
+               engine_sleeps: bool = False) -> MemoryPlan:
+    """Before loading: on a GPU (of `gpu_gb` GB, default GPU 0's) a plan that cannot fit stops the run here in one
+    line; on CPU it warns (on stderr). The plan's own line is the run's to print (`Run` prints it at start)."""
+    p = plan(cfg, gpu_gb, engine_sleeps=engine_sleeps) if cuda_devices else plan_cpu(cfg)
+    if p.fits is False:
+        what = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of "
+                f"{p.memory_gb:.1f} GB (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); lower "
+                "prompts_per_step/group_size/max_tokens, set load_in_4bit: true, or use a smaller model "
+                "(`minirl plan CONFIG` shows the parts)")
+        if cuda_devices:
+            raise ConfigError(what)
+        print("minirl: warning: " + what, file=sys.stderr, flush=True)
+    return p
+
+
+OWN_GPU_SHARE = 0.9  # 'auto' for an engine on a GPU of its own: vLLM's own default
+
+
+def engine_share(free_bytes: int, total_bytes: int, reserve_bytes: int = 0, need_bytes: int = 0) -> float:
+    """`gpu_memory_utilization: auto` for an engine sharing the trainer's GPU: vLLM's share of the GPU (0-1, rounded
+    down to 0.01) from the memory free when it starts (the trainer loaded), less `reserve_bytes` (what the trainer
+    still allocates while the engine holds its memory: its training-phase growth when the engine stays awake, 0 when
+    it sleeps), the engine's own CUDA context (vLLM counts it in its share and checks the share against the free
+    memory at start) and the plan's headroom (1 - HEADROOM of the GPU). A share that cannot hold `need_bytes` (the
+    engine's weights and overhead) is one ConfigError line naming the figures and the ways out."""
+    gb = 1e9
+    share = _share(free_bytes, total_bytes, reserve_bytes)
+    if share * total_bytes < need_bytes or share <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization 'auto': {free_bytes / gb:.1f} GB of the GPU's {total_bytes / gb:.1f} GB are "
+            f"free with the trainer loaded; after its {reserve_bytes / gb:.1f} GB for training, the engine's CUDA "
+            f"context and {1 - HEADROOM:.0%} headroom the engine would get {max(share, 0) * total_bytes / gb:.1f} GB, "
+            f"below the {need_bytes / gb:.1f} GB its weights and overhead take; set load_in_4bit: true, use "
+            "backend: hf or a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the parts)")
+    return share
+
+
+def _share(free: float, total: float, reserve: float) -> float:
+    return math.floor(100 * (free - reserve - CUDA_CONTEXT_GB * GiB - (1 - HEADROOM) * total) / total) / 100
+
+
+def resolve_engine_share(cfg: Config, trainer_device: str, engine_gpus: str | None, engine_sleeps: bool) -> float:
+    """`cfg.gpu_memory_utilization` as the number vLLM takes, for an engine on GPUs `engine_gpus` ('0', '1,2'; None:
+    every GPU) beside a trainer on `trainer_device`: a number as given; 'auto' is `OWN_GPU_SHARE` on GPUs the trainer
+    does not use, else `engine_share` of the memory free on the trainer's GPU now (called after the trainer loaded,
+    just before the engine starts)."""
+    if cfg.gpu_memory_utilization != "auto":
+        return float(cfg.gpu_memory_utilization)
+    import torch
+    dev = torch.device(trainer_device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if engine_gpus is not None and str(index) not in engine_gpus.split(","):
+        return OWN_GPU_SHARE
+    torch.cuda.empty_cache()  # what the trainer's allocator holds but does not use is free for the engine
+    free, total = torch.cuda.mem_get_info(dev)
+    p = plan_shape(cfg, Shape.from_config(model_config(cfg)), "cuda", total / 1e9, engine_sleeps=engine_sleeps)
+    reserve = 0.0 if engine_sleeps else p.train["activations"] + p.train["logits"]
+    need = p.generate.get("engine weights", 0.0) + ENGINE_OVERHEAD_GB
+    return engine_share(free, total, int(reserve * GiB), int(need * GiB))
