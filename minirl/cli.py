@@ -13,8 +13,21 @@ import json
 import sys
 from pathlib import Path
 
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from minirl.benchmarks.dispatch import run as bench
 from minirl.config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
+from minirl.config.cli import _parse_value
 from minirl.core.lifecycle import Terminated, sigterm_interrupts
+from minirl.generation.tasks import TASKS
+from minirl.run.checkpoint import atomic_write, latest_checkpoint
+from minirl.run.evaluation import eval_options, evaluate
+from minirl.run.export import export_merged
+from minirl.run.loop import Run
+from minirl.training.plan import plan
+from minirl.ui import render
 
 
 class _Parser(argparse.ArgumentParser):
@@ -55,7 +68,6 @@ class _Progress:
             print(f"step {self.done}/{self.total}  {reward}  {rec['time/step_s']:.1f} s/step  "
                   f"ETA {_clock(eta)}", file=sys.stderr, flush=True)
             return
-        from tqdm import tqdm
         if self.bar is None:
             self.bar = tqdm(total=self.total, initial=self.done - 1, unit="step", dynamic_ncols=True,
                             bar_format="step {n_fmt}/{total_fmt} |{bar}| [{elapsed}<{remaining}, {rate_fmt}{postfix}]")
@@ -63,7 +75,6 @@ class _Progress:
         self.bar.update(1)
 
     def eval(self, rec: dict) -> None:
-        from tqdm import tqdm
         if "accuracy" in rec:
             if self.eval_bar is not None:
                 self.eval_bar.close()
@@ -90,8 +101,6 @@ def _clock(seconds: float) -> str:
 
 def _render(out) -> None:
     """The run's pictures, drawn from its log, each written atomically."""
-    from minirl.run.checkpoint import atomic_write
-    from minirl.ui import render
     log = out / "metrics.jsonl"
     atomic_write(out / "reward.png", lambda p: render(log, p, panels=("reward",), dpi=100))
     atomic_write(out / "dashboard.png", lambda p: render(log, p))
@@ -102,7 +111,6 @@ def _why(stop: KeyboardInterrupt) -> str:
 
 
 def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
-    from minirl.run.loop import Run
     run = Run(cfg, resume=resume, overwrite=overwrite)
     try:
         run.setup()  # a failed set-up closes what it opened and writes nothing
@@ -120,7 +128,6 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
     try:
         summary = run.run()
     except KeyboardInterrupt as e:
-        from minirl.run.checkpoint import latest_checkpoint
         progress.close()
         ckpt = latest_checkpoint(run.out)
         print(f"minirl: interrupted after {run.next_step} steps ({_why(e)}); `{again} --resume` continues after "
@@ -139,14 +146,10 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
 
 def _eval(cfg: Config, adapter: str | None = None) -> dict:
     """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
-    from minirl.run.evaluation import eval_options, evaluate
-    from minirl.run.loop import Run
     run = Run(cfg.replace(steps=0))
     run.load()  # no out_dir of its own: nothing is written
     try:
         if adapter:
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
             set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
@@ -173,7 +176,6 @@ def _names(text: str) -> tuple[str, ...]:
 
 def _settings(text: str) -> dict:
     """`key=value,key=value` -> {key: value}, each value read as a Config flag's is (true, 0.5, 1e-3)."""
-    from minirl.config.cli import _parse_value
     out = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         key, eq, value = item.partition("=")
@@ -263,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
 def _command(args: argparse.Namespace) -> int:
     """Run the parsed subcommand; 0 when it went through."""
     if args.cmd == "demo":
-        from minirl.generation.tasks import TASKS
         if args.task != "arithmetic" and args.task not in TASKS:
             raise ValueError(f"unknown task {args.task!r}: choose 'arithmetic' or one of {sorted(TASKS)}")
         task = {} if args.task == "arithmetic" else {"env": args.task, **TASKS[args.task].demo}  # env tasks
@@ -278,13 +279,10 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
     elif args.cmd == "plan":
-        from minirl.training.plan import plan
         print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb).table())
     elif args.cmd == "export":
-        from minirl.run.export import export_merged
         print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
     elif args.cmd == "bench":
-        from minirl.benchmarks.dispatch import run as bench
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every",
                                 "eval_every", "presets", "minirl_overrides", "trl_from")
                  if (v := getattr(args, k)) is not None}

@@ -3,6 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from minirl.benchmarks.generation import bench_generation
+from minirl.benchmarks.learning import bench_learning, bench_presets
+from minirl.benchmarks.memory import bench_memory
+from minirl.benchmarks.pipeline import VARIANTS, WORKLOADS, bench_pipeline
+from minirl.benchmarks.sync import bench_sync
+from minirl.benchmarks.trl import TASKS
+from minirl.benchmarks.trl_bench import bench_trl
 
 # the sizing flags (`minirl bench WHAT --workloads/--steps/--rounds`) each benchmark takes
 SIZES = {"pipeline": ("workloads", "variants", "steps", "rounds"), "memory": ("steps", "rounds"),
@@ -26,10 +33,8 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
         if k in sizes and sizes[k] < 1:
             raise ValueError(f"--{k.replace('_', '-')} must be at least 1, got {sizes[k]}")
     if what == "generation":
-        from minirl.benchmarks.generation import bench_generation
         return bench_generation(str(out))
     if what == "pipeline":
-        from minirl.benchmarks.pipeline import VARIANTS, WORKLOADS, bench_pipeline
         unknown = [w for w in sizes.get("workloads", ()) if w not in WORKLOADS]
         if unknown:
             raise ValueError(f"unknown workload {unknown[0]!r}: choose from {', '.join(WORKLOADS)}")
@@ -38,18 +43,13 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
             raise ValueError(f"unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}")
         return bench_pipeline(out, seed=seed, **sizes)
     if what == "sync":
-        from minirl.benchmarks.sync import bench_sync
         return bench_sync(str(out))
     if what == "trl":
-        from minirl.benchmarks.trl import TASKS
-        from minirl.benchmarks.trl_bench import bench_trl
         if sizes.get("task", "addition") not in TASKS:
             raise ValueError(f"unknown task {sizes['task']!r}: choose from {', '.join(TASKS)}")
         return bench_trl(out, seeds=seeds, **sizes)
     if what == "learning":
-        from minirl.benchmarks.learning import bench_learning, bench_presets
         if "presets" in sizes:
             return bench_presets(out, seeds=seeds, **sizes)
         return bench_learning(out, seeds=seeds, ks=ks, **sizes)
-    from minirl.benchmarks.memory import bench_memory
     return bench_memory(out, **sizes)

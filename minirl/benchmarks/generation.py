@@ -37,20 +37,29 @@ LoRA, float32 on CPU) and the vLLM engine and sync `make_generator` gives a run 
 """
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
+import statistics
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from minirl.sync.base import WeightSync
-from minirl.types import AdapterSource, Prompt, SamplingParams
+import torch
+
 from minirl.benchmarks.compare import empty_prefix_cache, interleaved, sequences
-
-if TYPE_CHECKING:
-    from minirl.generation.vllm import VLLMGenerator
-    from minirl.training.trainer import Trainer
+from minirl.benchmarks.servers import bench_server
+from minirl.config import DEMO, Config
+from minirl.data import rows as D
+from minirl.generation.factory import make_generator
+from minirl.generation.hf import HFGenerator, merged_lora
+from minirl.generation.vllm import VLLMGenerator, request_seed
+from minirl.sync.base import WeightSync
+from minirl.sync.check import make_probe
+from minirl.sync.senders import call_on_loop, rpc
+from minirl.training.trainer import Trainer
+from minirl.types import AdapterSource, Prompt, SamplingParams
 
 
 def bench_prompts(tokenizer, count: int) -> list[Prompt]:
@@ -68,13 +77,11 @@ def bench_prompts(tokenizer, count: int) -> list[Prompt]:
 
 def demo_prompts(tokenizer, count: int = 8) -> list[Prompt]:
     """The first `count` training prompts of the demo (the built-in arithmetic task, seed 0)."""
-    from minirl.data import rows as D
     return D.to_prompts(D.arithmetic_splits(64, 0)[0][:count], tokenizer)
 
 
 def fake_step(trainer: AdapterSource, scale: float = 1e-3) -> None:
     """Stand-in for an optimizer step: every lora_B moves by seeded noise, in place; the version goes up."""
-    import torch
     g = torch.Generator().manual_seed(trainer.version + 1)
     with torch.no_grad():
         for name, p in trainer.model.named_parameters():
@@ -86,11 +93,9 @@ def fake_step(trainer: AdapterSource, scale: float = 1e-3) -> None:
 def raw_generate(gen: VLLMGenerator, prompts, n: int, params: SamplingParams, seed: int) -> list[tuple[int, ...]]:
     """Raw vLLM: one `AsyncLLM.generate` per prompt, gathered on the engine loop, with the per-request seed
     minirl gives a prompt's first visit (`request_seed(seed, index, 0)`) and the adapter it serves."""
-    import asyncio
     from vllm import SamplingParams as VSP
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
-    from minirl.generation.vllm import request_seed
     llm, tag = gen.engine, time.monotonic_ns()
 
     async def one(p: Prompt):
@@ -135,8 +140,6 @@ def bench_vllm_vs_hf(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, pro
     """vLLM (the LoRA served, pushed by `sync`) vs transformers `generate` on the trainer's model (merged LoRA on
     CPU, as the synchronous loop runs it); `seeds` = (transformers', vLLM's). A fake step and a push before each
     round."""
-    import torch
-    from minirl.generation.hf import HFGenerator
     hf = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
     seed, push_ms = dict(zip(("hf", "vllm"), seeds)), []
 
@@ -160,8 +163,6 @@ def bench_cpu_lora(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, promp
     sides (`minirl_cpu_lora`): the demo's step with the adapter served, pushed as a run pushes it (a fake step and
     a push before each round), the same seed and the prefix cache emptied before each side; then, interleaved the
     same way, the engine's part of the sync check (`score` of the run's 32-token probe, `make_probe`)."""
-    from minirl.sync.check import make_probe
-    from minirl.sync.senders import call_on_loop, rpc
     tok = trainer.tokenizer
 
     def use(name):
@@ -194,8 +195,6 @@ def bench_cpu_lora(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, promp
 def bench_check(trainer: Trainer, gen: VLLMGenerator, sync: WeightSync, prompt, rounds: int = 4) -> dict:
     """The probe scored whole (one request) vs position by position on the same engine and adapter (module
     docstring: `check`); order alternated per round."""
-    import statistics
-    from minirl.sync.check import make_probe
     tok = trainer.tokenizer
     probe = make_probe(trainer.model, prompt.token_ids, 32, 0, tok.all_special_ids, len(tok))
     secs, diffs, order = {"whole": [], "per_position": []}, [], []
@@ -220,9 +219,6 @@ def bench_hf_merge(trainer: Trainer, prompts, n: int, params: SamplingParams, ro
                    merge_reps: int = 5) -> dict:
     """transformers tokens/s with the LoRA merged for generation (the CPU default) vs unmerged, on the trainer's
     model; `seeds` = (unmerged's, merged's). A fake step before each round: the merged side re-merges, timed."""
-    import statistics
-    import torch
-    from minirl.generation.hf import HFGenerator, merged_lora
     tok = trainer.tokenizer
     gens = {"unmerged": HFGenerator(trainer.model, tok, lambda: trainer.version, merge=False),
             "merged": HFGenerator(trainer.model, tok, lambda: trainer.version, merge=True)}
@@ -244,8 +240,6 @@ def bench_hf_merge(trainer: Trainer, prompts, n: int, params: SamplingParams, ro
 def bench_hf_decode(trainer: Trainer, prompts, n: int, params: SamplingParams, rounds: int = 4) -> dict:
     """transformers `generate` vs minirl's `decode` on the trainer's model (LoRA merged, as the synchronous loop
     generates), the same seed on both sides."""
-    import torch
-    from minirl.generation.hf import HFGenerator
     tok = trainer.tokenizer
     gens = {"generate": HFGenerator(trainer.model, tok, lambda: trainer.version, compact=False),
             "decode": HFGenerator(trainer.model, tok, lambda: trainer.version, compact=True)}
@@ -259,8 +253,6 @@ def bench_hf_decode(trainer: Trainer, prompts, n: int, params: SamplingParams, r
 
 def hf_parts(lora_rank: int = 16):
     """The demo's trainer alone (the comparisons that need no vLLM engine)."""
-    from minirl.config import DEMO, Config
-    from minirl.training.trainer import Trainer
     cfg = Config(**{**DEMO, "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
                     "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
     return Trainer(cfg, device="cpu")
@@ -268,9 +260,6 @@ def hf_parts(lora_rank: int = 16):
 
 def run_parts(lora_rank: int = 16):
     """(trainer, generator, sync) as a demo run with backend='vllm' builds them on this machine."""
-    from minirl.config import DEMO, Config
-    from minirl.generation.factory import make_generator
-    from minirl.training.trainer import Trainer
     cfg = Config(**{**DEMO, "backend": "vllm", "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
                     "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
     trainer = Trainer(cfg, device="cpu")
@@ -297,7 +286,6 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
     if unknown_comparisons(only):
         raise ValueError(unknown_comparisons(only))
     want = set(COMPARISONS if only is None else only)
-    import torch
     own = parts is None
     t0 = time.perf_counter()
     if parts is None and want <= HF_ONLY:  # no engine to start
@@ -326,7 +314,6 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
         if "raw_vs_minirl" in want:
             done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
         if servers and "server_vs_inproc" in want:
-            from minirl.benchmarks.servers import bench_server
             done("server_vs_inproc", bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
                                                   log_dir=str(out / "server_logs")))
         count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
@@ -355,7 +342,6 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
 
 
 if __name__ == "__main__":  # the vLLM engine core is spawned
-    import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-prompts", type=int, default=16)

@@ -6,8 +6,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from minirl.config import DEMO, Config
 from minirl.benchmarks.output import write_json
+from minirl.config import DEMO, Config
+from minirl.config.presets import PRESETS
+from minirl.run.loop import Run
 
 
 def _eval_curve(metrics_jsonl: Path) -> list[list[float]]:
@@ -44,7 +46,6 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
     it did not), per K its mean over the seeds that reached it and how many did. Runs already in
     DIR/learning.json with the same config are kept, so an interrupted benchmark resumes, and more seeds add on;
     `ks` runs only some K (the summaries cover the seeds that have the runs they need)."""
-    from minirl.run.loop import Run
     base = Config(**{**DEMO, "eval_size": eval_size, "eval_every": eval_every, **overrides})
     res: dict[str, Any] = {"config": base.to_dict(), "seeds": list(seeds), "target": target, "runs": {}}
     done = Path(out) / "learning.json"
@@ -134,7 +135,6 @@ def bench_presets(out: str | Path, presets=("grpo", "dr_grpo", "dapo", "gspo"), 
     """`minirl bench learning --presets ...`: the demo with each `loss_type` preset (K = 0, DIR/<preset>/, through
     `bench_learning`), the presets' order rotating by seed, then `compare_presets` over them in DIR/presets.json.
     Interrupted runs resume as `bench_learning`'s do."""
-    from minirl.config.presets import PRESETS
     unknown = [p for p in presets if p not in PRESETS]
     if unknown:
         raise ValueError(f"unknown preset {unknown[0]!r}: choose from {', '.join(PRESETS)}")

@@ -24,11 +24,16 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from minirl.core.metrics import memory_metrics
+import psutil
+
 from minirl.benchmarks.output import write_json
+from minirl.config import DEMO, Config
+from minirl.core.metrics import memory_metrics
+from minirl.run.loop import Run
+from minirl.training.batch import make_batch
+from minirl.training.packing import pack
 
 if TYPE_CHECKING:
     from minirl.training.trainer import Trainer
@@ -78,7 +83,6 @@ class PhasePeaks:
 
 def children_rss_mb() -> float:
     """Total RSS of this process's descendants (the reward workers)."""
-    import psutil
     total = 0.0
     for p in psutil.Process().children(recursive=True):
         try:
@@ -96,8 +100,6 @@ def micro_tokens(trainer: Trainer, groups) -> int:
     """The tokens of the step's largest micro-batch, as the trainer lays it out (`trainer.packing`): real tokens
     of a shared-prefix packed row, rows x longest row of a padded one. What the activations of a training step
     scale with (the memory plan's calibration reads it)."""
-    from minirl.training.batch import make_batch
-    from minirl.training.packing import pack
     samples = trainer.samples(groups)
     if not samples:
         return 0
@@ -109,8 +111,6 @@ def micro_tokens(trainer: Trainer, groups) -> int:
 
 def measure(overrides: dict, steps: int) -> dict:
     """One row, in this process: the demo config with `overrides`, `steps` steps, peaks by phase."""
-    from minirl.config import DEMO, Config
-    from minirl.run.loop import Run
     peaks, workers, micro = PhasePeaks(), [0.0], []
     with tempfile.TemporaryDirectory(prefix="minirl-mem-") as tmp:
         base = {} if overrides.get("defaults") else DEMO

@@ -19,13 +19,19 @@ Workloads (each a set of Config overrides on the demo's):
 """
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from minirl.benchmarks.output import write_json
 from minirl.config import DEMO, Config
 from minirl.rewards.builtin import arithmetic_correct
+from minirl.run.loop import Run
 
 JUDGE_LATENCY_S = 0.5
 
@@ -58,13 +64,11 @@ WORKLOAD_VARIANTS: dict[str, tuple[str, ...]] = {  # what each workload runs by 
 
 def _devices(overrides: dict[str, Any]) -> dict[str, Any]:
     """'all' = every core of this machine, on both sides."""
-    import os
     every = f"0-{(os.cpu_count() or 1) - 1}"
     return {k: (every if v == "all" else v) for k, v in overrides.items()}
 
 
 def _one(cfg: Config, warmup: int) -> dict[str, Any]:
-    from minirl.run.loop import Run
     t0 = time.perf_counter()
     run = Run(cfg, overwrite=True)
     s = run.run()
@@ -92,9 +96,6 @@ def bench_pipeline(out: str | Path, workloads=("demo", "long-tail", "judge"),
     `async_step_s`) and lists every workload under `workloads`. No held-out evaluation: learning is `bench
     learning`'s measurement; `reward_first` / `reward_last` show each run trained. Runs already in
     DIR/pipeline.json with the same config are kept: an interrupted benchmark resumes where it stopped."""
-    import json
-    import torch
-    from minirl.benchmarks.output import write_json
 
     def variants_of(w: str) -> tuple[str, ...]:
         vs = variants or WORKLOAD_VARIANTS.get(w, ("sync", "k1", "k1_shared"))
@@ -148,7 +149,6 @@ def _phase_means(steps: list[dict], warmup: int) -> dict[str, float]:
 def _fill_means(runs: dict, warmup: int, force: bool = False) -> None:
     """A run recorded without `step_s_mean` (written before it was measured), or every run with `force`, gets its
     means from its own metrics log (`_phase_means`)."""
-    import json
     for run in runs.values():
         if force or "step_s_mean" not in run:
             log = Path(run["config"]["out_dir"]) / "metrics.jsonl"
@@ -157,7 +157,6 @@ def _fill_means(runs: dict, warmup: int, force: bool = False) -> None:
 
 
 def _top(out, res: dict) -> dict:
-    from minirl.benchmarks.output import write_json
     first = res["workloads"][0]
     res.update({k: first[k] for k in ("speedup", "best_sync_step_s", "async_step_s", "best_sync", "best_async",
                                       "gen_busy", "train_busy")})
@@ -166,7 +165,6 @@ def _top(out, res: dict) -> dict:
 
 def summarize(out: str | Path) -> dict:
     """Recompute `out`/pipeline.json's summaries from its runs' own logs (`_fill_means(force=True)`)."""
-    import json
     res = json.loads((Path(out) / "pipeline.json").read_text())
     _fill_means(res["runs"], res["settings"]["warmup"], force=True)
     variants = res["settings"]["variants"]

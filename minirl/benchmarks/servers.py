@@ -19,20 +19,25 @@ from __future__ import annotations
 
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 
+import torch
+from transformers import AutoModelForCausalLM
+
 from minirl.benchmarks.compare import interleaved, sequences
+from minirl.benchmarks.sync import fake_trainer
+from minirl.generation.factory import split_devices
+from minirl.generation.server_proc import ServerOptions
+from minirl.generation.vllm_server import ServerGenerator
+from minirl.sync.servers import ServerSync
 
 
 def bench_server(inproc, model_path: str, prompts, n: int, params, rounds: int = 4, sync_reps: int = 10,
                  num_servers: int = 1, log_dir: str | None = None, seeds=(0, 0)) -> dict:
     """Server vs in-process tokens/s on `prompts` (n samples each, `params`; `seeds` = (in-process's, the
     server's)), and the server push latency."""
-    import tempfile
-    from minirl.generation.factory import split_devices
-    from minirl.generation.server_proc import ServerOptions
-    from minirl.generation.vllm_server import ServerGenerator
     args = inproc.engine_args
     cores = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")  # what the in-process engine was bound to (None: unbound)
     places = split_devices(cores, num_servers, not inproc.on_cpu) if cores or not inproc.on_cpu else [None] * num_servers
@@ -68,10 +73,6 @@ def bench_server(inproc, model_path: str, prompts, n: int, params, rounds: int =
 
 def bench_server_sync(srv, model_path: str, reps: int = 10, rank: int = 16) -> dict:
     """`ServerSync.push` of a rank-`rank` adapter `reps` times (a new version each time): total, save, load."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    from minirl.sync.servers import ServerSync
-    from minirl.benchmarks.sync import fake_trainer
     trainer = fake_trainer(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), rank)
     sync = ServerSync()
     total, save, load, nbytes = [], [], [], 0

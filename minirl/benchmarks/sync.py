@@ -27,16 +27,25 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 import types
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from minirl.types import PolicyTrainer
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-if TYPE_CHECKING:
-    from minirl.generation.vllm import VLLMGenerator
+from minirl.benchmarks.compare import empty_prefix_cache, identical_fraction, sequences
+from minirl.core.adapter import make_contiguous
+from minirl.generation.vllm import VLLMGenerator
+from minirl.sync.check import make_probe, verify
+from minirl.sync.files import FileSync
+from minirl.sync.tensor import TensorSync
+from minirl.training.batch import sequence_logprobs
+from minirl.training.models import resolve_model
+from minirl.types import PolicyTrainer, Prompt, SamplingParams
 
 RANKS = (8, 16, 64)
 PATHS = (("files", "continue"), ("ipc", "continue"), ("ipc", "inflight"), ("collective", "continue"),
@@ -53,10 +62,6 @@ def _pct(xs, q):
 def fake_trainer(base, rank: int):
     """The parts of `Trainer` a push and its check use: the peft model (built as the Trainer builds it), its
     version, `logprobs`, `save_adapter`; `bump()` stands in for an optimizer step."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from minirl.core.adapter import make_contiguous
-    from minirl.training.batch import sequence_logprobs
     pm = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
     make_contiguous(pm)  # as the Trainer builds it
@@ -82,7 +87,6 @@ class Check:
     engine does not serve the push); each check is the next one's `previous`."""
 
     def __init__(self, trainer: PolicyTrainer, gen: VLLMGenerator, tok, temperature: float = 1.0):
-        from minirl.sync.check import make_probe
         prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12 + 30?"}],
                                          add_generation_prompt=True, tokenize=True)
         prompt = prompt if isinstance(prompt, list) else prompt["input_ids"]
@@ -91,15 +95,12 @@ class Check:
         self.dtype = str(next(trainer.model.parameters()).dtype)
 
     def __call__(self) -> None:
-        from minirl.sync.check import verify
         want = self.trainer.logprobs(*self.probe, self.temperature)
         self.previous = verify(self.gen, self.probe, want, self.trainer.version, self.previous, self.temperature,
                                self.dtype)
 
 
 def make_path_sync(transport: str, policy: str, timeout_s: float = 60.0):
-    from minirl.sync.files import FileSync
-    from minirl.sync.tensor import TensorSync
     if transport == "files":
         return FileSync()
     return TensorSync(transport, inflight=policy == "inflight", timeout_s=timeout_s)
@@ -110,8 +111,6 @@ def throughput(gen: VLLMGenerator, rounds: list, push=None, max_tokens: int = 24
     2 samples each). With `push`, an adapter sync is issued at the start of every round, concurrently with that
     round's generation (as the async pipeline does). Seeded and restarted per call, so that calls with the same
     rounds sample the same tokens when the weights are the same: a difference is then the cost of the syncs."""
-    from minirl.types import SamplingParams
-    from minirl.benchmarks.compare import sequences
     params = SamplingParams(temperature=1.0, max_tokens=max_tokens, seed=0)
     gen.restart_seeds()
     t0, seqs = time.perf_counter(), []
@@ -130,7 +129,6 @@ def throughput(gen: VLLMGenerator, rounds: list, push=None, max_tokens: int = 24
 def story_rounds(tok, rounds: int, per_round: int = 8) -> list:
     """`rounds` lists of `per_round` chat prompts ("Write a story about the number i."): long, seeded generations
     for measuring generation speed."""
-    from minirl.types import Prompt
 
     def chat(i):
         ids = tok.apply_chat_template([{"role": "user", "content": f"Write a story about the number {i}."}],
@@ -152,7 +150,6 @@ def pin_trainer(cores: set[int] | None) -> None:
     """Bind this (trainer) thread and torch's threads to `cores` (None: leave as is); call after the engine has
     started (an engine started later would inherit it: `unpin` first)."""
     if cores:
-        import torch
         os.sched_setaffinity(0, cores)
         torch.set_num_threads(len(cores))
 
@@ -205,7 +202,6 @@ def generation_blocks(tr: PolicyTrainer, gen: VLLMGenerator, check: Check, tok, 
                       max_tokens: int = 24,
                       per_step: int = 8) -> dict:
     """Generation tokens/s without and with a push per step (see the module's docstring)."""
-    from minirl.benchmarks.compare import empty_prefix_cache, identical_fraction
     syncs = {"continue": make_path_sync("ipc", "continue"), "inflight": make_path_sync("ipc", "inflight")}
     rounds_ = story_rounds(tok, steps, per_step)
     push_ms = {k: [] for k in BLOCKS[1:]}
@@ -260,10 +256,6 @@ def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, g
     (`generation_blocks`, `per_step` prompts a step). `generator`: a running `VLLMGenerator` to use for every rank
     instead of one engine per rank on the core split (it must take the largest rank; not closed here)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from minirl.generation.vllm import VLLMGenerator
-    from minirl.training.models import resolve_model
 
     path = generator.model_path if generator is not None else resolve_model("smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
@@ -318,5 +310,4 @@ def bench_sync(out_dir: str, ranks=RANKS, rounds: int = 5, per_round: int = 3, g
 
 
 if __name__ == "__main__":
-    import sys
     print(json.dumps(bench_sync(sys.argv[1] if len(sys.argv) > 1 else "runs/bench"), indent=2))

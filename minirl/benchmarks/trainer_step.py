@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
+from minirl.config import Config
+from minirl.training.trainer import Trainer
 from minirl.types import Completion, Group, Prompt, ScoredGroup
 
 
@@ -69,9 +73,6 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
     round is the sum over the stored steps (the first `steps` of them if given); `progress(result)` is called
     with the partial result after each round. Returns the settings, per-side seconds per round, medians and the
     ratio packed / padded (medians)."""
-    import torch
-    from minirl.config import Config
-    from minirl.training.trainer import Trainer
     head, all_steps = load_batches(path)
     steps = all_steps[:steps] if steps else all_steps
     s = head.get("settings", {})

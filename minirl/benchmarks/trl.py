@@ -16,6 +16,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from minirl.data.rows import arithmetic_splits
+from minirl.training.models import resolve_model
+
 TEMPLATE = "What is {a} + {b}? Answer with just the number."
 
 # The settings both toolkits run (issue 43): the embedded SmolLM2-135M-Instruct in float32, 8 prompts x 8
@@ -77,7 +80,6 @@ def task_rows(seed: int, eval_size: int = 256, hi: int = 49, task: str = "additi
     demo's own problems instead (`minirl.data.rows.arithmetic_splits`, a, b in 0..30, its seed-0 held-out split for
     every seed), the training rows in the order of a shuffle seeded by `seed`."""
     if task == "demo":
-        from minirl.data.rows import arithmetic_splits
         train, held = arithmetic_splits(eval_size, 0)
         random.Random(seed).shuffle(train)
         return [{"prompt": r["prompt"], "answer": r["answer"]} for r in train], \
@@ -127,7 +129,6 @@ if __name__ == "__main__":  # python -m minirl.benchmarks.trl --setup: TRL's env
     if sys.argv[1] == "--setup":
         print(setup_trl_venv())
         sys.exit(0)
-    from minirl.training.models import resolve_model  # python -m minirl.benchmarks.trl trl OUT SEED: TRL's side alone
     what, out, seed = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     steps = 10
     spec = trl_spec(str(resolve_model("smollm2-135m-instruct")), seed, steps, [0, 2, 4, 6, 8, 10],

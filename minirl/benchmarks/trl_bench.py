@@ -19,8 +19,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+
 from minirl.benchmarks.output import write_json
 from minirl.benchmarks.trl import ROOT, TASKS, run_trl, setup_trl_venv, task_rows, trl_spec
+from minirl.config import Config
+from minirl.run.checkpoint import save_adapter
+from minirl.run.evaluation import evaluate
+from minirl.run.loop import Run
+from minirl.training.models import resolve_model
 
 Side = Callable[[dict], dict]  # spec -> {"step_s": [...], "peak_rss_mb": ...}; adapters in spec["out"]/adapters
 
@@ -28,7 +36,6 @@ Side = Callable[[dict], dict]  # spec -> {"step_s": [...], "peak_rss_mb": ...}; 
 def minirl_config(spec: dict):
     """The minirl Config for a spec: its settings, float32, the rows in the given order (`shuffle=False`), no
     evaluation of its own (the shared evaluator scores the saved adapters), then `spec["minirl"]` overrides."""
-    from minirl.config import Config
     s = spec["settings"]
     return Config.from_dict({**dict(
         model=spec["model"], dtype="float32", seed=spec["seed"], steps=spec["steps"], shuffle=False, eval_size=0,
@@ -41,8 +48,6 @@ def minirl_config(spec: dict):
 
 def _minirl_main(spec_path: str) -> None:
     """minirl's side of a spec, in this process: train, save adapters/step-N, write minirl.json."""
-    from minirl.run.checkpoint import save_adapter
-    from minirl.run.loop import Run
     spec = json.loads(Path(spec_path).read_text())
     out = Path(spec["out"])
     run = Run(minirl_config(spec), data=spec["rows"], overwrite=True)
@@ -83,11 +88,6 @@ def evaluate_adapters(model: str, held: Sequence[dict], adapters: Sequence[str |
     folder on `model`, whichever toolkit saved it: one model load, each adapter copied into minirl's LoRA in turn.
     An adapter of another rank or alpha, or whose tensors are not exactly this model's LoRA tensors (a silently
     half-loaded adapter would score as the base model), raises, naming the folder."""
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-    from safetensors.torch import load_file
-    from minirl.config import Config
-    from minirl.run.evaluation import evaluate
-    from minirl.run.loop import Run
     cfg = Config(**{**dict(model=model, dtype="float32", steps=0, eval_size=len(held), max_tokens=max_tokens,
                            rewards=["arithmetic_correct"], lora_rank=lora_rank, lora_alpha=lora_alpha,
                            target_modules="all-linear"), **overrides})
@@ -166,7 +166,6 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
     minirl's Config only, `eval_overrides` the evaluator's Config; `sides` replaces a side's trainer (tests: a fake
     TRL). `trl_from` takes TRL's runs from another trl.json made with the same settings (an ablation of minirl's
     settings then runs minirl alone; those runs are marked "from", and their seconds were not interleaved)."""
-    from minirl.training.models import resolve_model
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}: choose from {', '.join(TASKS)}")
     if steps < 1 or save_every < 1 or eval_size < 1:

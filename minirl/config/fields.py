@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from minirl.config.io import apply_preset, coerce_fields, from_dict, from_yaml, to_yaml, translate_aliases
+from minirl.config.validate import validate
+
 
 @dataclass(frozen=True)
 class Config:
@@ -308,7 +311,6 @@ class Config:
 
     # ------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
-        from minirl.config.io import apply_preset, coerce_fields
         coerce_fields(self)
         apply_preset(self)
         self.validate()
@@ -326,7 +328,6 @@ class Config:
 
     def validate(self) -> None:
         """Raise one `ConfigError` naming the field and the fix for a bad setting (`validate.py`)."""
-        from minirl.config.validate import validate
         validate(self)
 
     # --- conversions ----------------------------------------------------------------------------------------
@@ -334,24 +335,20 @@ class Config:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     def to_yaml(self, path: str | Path | None = None) -> str:
-        from minirl.config.io import to_yaml
         return to_yaml(self, path)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Config":
         """A Config from a mapping; an unknown field is one ConfigError with the closest known name."""
-        from minirl.config.io import from_dict
         return from_dict(cls, d)
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "Config":
         """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
-        from minirl.config.io import from_yaml
         return from_yaml(cls, path)
 
     def replace(self, **kw: Any) -> "Config":
         """A copy with `kw` changed; the fields given explicitly stay so, and the others follow the (new) preset."""
-        from minirl.config.io import translate_aliases
         return type(self)(**{**{k: getattr(self, k) for k in self.explicit}, **translate_aliases(kw)})
 
 
@@ -362,7 +359,6 @@ def _track_explicit(init):
 
     @functools.wraps(init)
     def __init__(self, *args: Any, **kw: Any) -> None:
-        from minirl.config.io import translate_aliases
         kw = translate_aliases(kw)
         object.__setattr__(self, "_explicit", frozenset(names[:len(args)]) | frozenset(kw))
         init(self, *args, **kw)

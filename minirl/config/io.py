@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import types
 import typing
 from functools import lru_cache
@@ -11,6 +12,7 @@ from typing import Any
 import yaml
 
 from minirl.config.errors import ConfigError
+from minirl.config.presets import PRESETS
 
 
 def coerce_fields(cfg) -> None:
@@ -68,7 +70,6 @@ def translate_aliases(kw: dict[str, Any]) -> dict[str, Any]:
 
 def apply_preset(cfg) -> None:
     """The fields `cfg.loss_type` names (`loss.PRESETS`) set on `cfg`, except those given explicitly."""
-    from minirl.config.presets import PRESETS
     if cfg.loss_type is None:
         return
     if cfg.loss_type not in PRESETS:
@@ -89,7 +90,6 @@ def from_dict(cls, d: dict[str, Any]) -> Any:
     known = {f.name for f in dataclasses.fields(cls)} | set(ALIASES)
     unknown = sorted(map(str, set(d) - known))
     if unknown:
-        import difflib
         hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
                  if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
         raise ConfigError(f"unknown config field(s): {', '.join(hints)}; see `minirl train --help`")

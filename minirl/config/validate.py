@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 
 from minirl.config.errors import ConfigError
+from minirl.config.presets import IMPORTANCE_LEVELS, SCALE_REWARDS
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,6 @@ def range_problems(cfg) -> list[str]:
 
 def validate(cfg) -> None:
     """Raise one ConfigError holding a line per bad setting, each naming the field and what it accepts."""
-    from minirl.config.presets import IMPORTANCE_LEVELS, SCALE_REWARDS
     problems = range_problems(cfg)
 
     def need(ok: bool, msg: str) -> None:

@@ -12,6 +12,7 @@ import enum
 import json
 
 import torch
+from peft import get_peft_model_state_dict
 
 
 def _jsonable(x):
@@ -25,7 +26,6 @@ def _jsonable(x):
 def adapter_params(model, adapter: str = "default") -> dict[str, torch.Tensor]:
     """peft-format name (as in adapter_model.safetensors) -> the live LoRA parameter of a peft model; all lora_A
     first, then all lora_B (so the B scaling is one range of a packed buffer)."""
-    from peft import get_peft_model_state_dict
     want = set(get_peft_model_state_dict(model, adapter_name=adapter))
     out = {}
     for n, p in model.named_parameters():
@@ -168,7 +168,6 @@ class Packer:
 
 
 def torch_dtype(name: str):
-    import torch
     return getattr(torch, name.removeprefix("torch."))
 
 

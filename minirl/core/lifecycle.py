@@ -31,6 +31,7 @@ import fcntl
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import stat
@@ -67,7 +68,6 @@ def settle(timeout_s: float = 30.0) -> bool:
     once more (their descendants and the /dev/shm files they map are then known, should this process die now). The
     watchdog scans every `POLL_S` anyway; this is for code that must know it has (a grandchild about to be
     orphaned, a test). False: no watchdog answered within `timeout_s` (none runs, or not Linux)."""
-    import select
     with _lock:
         if _watchdog is None or _watchdog.poll() is not None:
             return False

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import statistics
 import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+import torch
 
 from minirl.types import ScoredGroup
 
@@ -87,7 +90,6 @@ def memory_metrics() -> dict[str, float]:
     """`mem/rss_mb` (and `mem/cuda_mb` on a GPU): this process's peak memory since the last call, whose end starts
     the next window. Linux: the kernel's high-water mark VmHWM, reset through /proc/self/clear_refs (elsewhere the
     process's lifetime peak)."""
-    import torch
     m = {}
     try:
         with open("/proc/self/status") as f:
@@ -95,7 +97,6 @@ def memory_metrics() -> dict[str, float]:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except (OSError, StopIteration):
-        import resource
         m.setdefault("mem/rss_mb", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if torch.cuda.is_available():
         m["mem/cuda_mb"] = torch.cuda.max_memory_allocated() / 2**20

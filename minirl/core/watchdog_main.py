@@ -3,7 +3,13 @@ no site, no minirl, no torch: it starts at once). argv: the trainer's pid, the p
 stdin: lines from the trainer (`pid PID START`, `path PATH`, `unpath PATH`, `watch`, `scan`); EOF = the trainer died.
 stdout: `ready` once its /dev/shm snapshot is taken; `scanned` after each `scan` (`lifecycle.settle`), once the lines
 before it are taken in and the adopted processes scanned."""
-import os, select, shutil, signal, sys, time
+import os
+import select
+import shutil
+import signal
+import sys
+import time
+
 parent, poll_s, grace_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 adopted, known, paths, mapped = {}, {}, set(), set()
 try:  # what /dev/shm held before this run: never this run's to remove, however it changes

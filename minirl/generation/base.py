@@ -16,8 +16,8 @@ import weakref
 from collections import Counter
 from typing import Any, AsyncIterator, Callable, Hashable, Sequence
 
-from minirl.types import Group, Prompt, SamplingParams
 from minirl.generation.engine_thread import EngineThread, gather_or_cancel, in_finish_order
+from minirl.types import Group, Prompt, SamplingParams
 
 
 def request_seed(seed: int, *key: int) -> int:

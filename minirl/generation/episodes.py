@@ -27,17 +27,17 @@ out of the loss); the run goes on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import inspect
 import math
 from typing import Any, Callable, Sequence
 
-from minirl.generation.chat import ChatFormat
-from minirl.generation.envs import Env, EnvStep, plain_tool_prompt, tool_schema
 from minirl.generation.base import request_seed
+from minirl.generation.chat import ChatFormat
 from minirl.generation.engine_thread import gather_or_cancel, in_finish_order
+from minirl.generation.envs import Env, EnvStep, plain_tool_prompt, tool_schema
 from minirl.types import Completion, Episode, Generator, Group, Prompt, RolloutSource, SamplingParams, TurnSampler
 
 

@@ -3,11 +3,24 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+from pathlib import Path
 
-from minirl.config import Config
+import torch
+
+from minirl.config import Config, parse_cores
+from minirl.core.adapter import adapter_params
+from minirl.generation.hf import HFGenerator
+from minirl.generation.hf_process import ProcGenerator
+from minirl.generation.server_proc import ServerOptions
+from minirl.generation.vllm import VLLMGenerator, loads_bitsandbytes
+from minirl.generation.vllm_server import ServerGenerator
 from minirl.sync.base import WeightSync
+from minirl.sync.factory import make_sync
+from minirl.sync.local import SharedSync, ShmSync
+from minirl.sync.servers import ServerSync
+from minirl.training.plan import resolve_engine_share
 from minirl.types import Generator, PolicyTrainer
-
 
 QLORA_UNQUANTIZED = (
     "minirl: qlora: {engine} cannot load the base in bitsandbytes 4-bit: the engine samples from the unquantized "
@@ -49,9 +62,6 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
     if backend == "vllm-server":
         return _server_generator(cfg, trainer, gen_devices, on_gpu)
     if backend == "vllm":
-        from minirl.training.plan import resolve_engine_share
-        from minirl.sync.factory import make_sync
-        from minirl.generation.vllm import VLLMGenerator, loads_bitsandbytes
         dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
         share = resolve_engine_share(cfg, trainer.device, gen_devices, sleep_mode) if on_gpu else 0.0
         quant = None
@@ -74,16 +84,10 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
             raise
         return gen, sync, why
     if asynchronous:  # its own model in its own process: no GIL shared with the trainer
-        from minirl.core.adapter import adapter_params
-        from minirl.config import parse_cores
-        from minirl.sync.local import ShmSync
-        from minirl.generation.hf_process import ProcGenerator
         cores = parse_cores(gen_devices) if gen_devices and not on_gpu else None
         device = f"cuda:{gen_devices.split(',')[0]}" if gen_devices and on_gpu else trainer.device
         gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=cores, device=device)
         return gen, ShmSync(), "transformers generator process: the adapter goes through one shared-memory buffer"
-    from minirl.sync.local import SharedSync
-    from minirl.generation.hf import HFGenerator
     gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
     return gen, SharedSync(), "synchronous transformers loop: the generator uses the trainer's own model"
 
@@ -92,12 +96,9 @@ def split_devices(spec: str | None, n: int, on_gpu: bool) -> list[str]:
     """Where each of `n` servers runs: on GPU one id each from `spec` ('0,1'; None: every GPU), round robin; on
     CPU an equal share of the cores in `spec` ('0-3'; None: every core this process may use), or, with fewer
     cores than servers, one core each, round robin."""
-    import os
     if on_gpu:
-        import torch
         ids = spec.split(",") if spec else [str(i) for i in range(torch.cuda.device_count())]
         return [ids[i % len(ids)] for i in range(n)]
-    from minirl.config import parse_cores
     cores = parse_cores(spec) if spec else sorted(os.sched_getaffinity(0))
     if len(cores) < n:
         return [str(cores[i % len(cores)]) for i in range(n)]
@@ -109,11 +110,6 @@ def _server_generator(cfg: Config, trainer: PolicyTrainer, gen_devices: str | No
                       on_gpu: bool) -> tuple[Generator, WeightSync, str]:
     """(ServerGenerator, ServerSync, why): the servers minirl starts (`num_servers`, pinned by `split_devices`),
     or yours (`server_urls`, key from VLLM_API_KEY)."""
-    import os
-    from pathlib import Path
-    from minirl.sync.servers import ServerSync
-    from minirl.generation.server_proc import ServerOptions
-    from minirl.generation.vllm_server import ServerGenerator
     dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
     common = dict(restart=cfg.restart_servers, timeout_s=cfg.server_timeout_s, dtype=dtype,
                   log_dir=str(Path(cfg.out_dir) / "servers"))
@@ -125,7 +121,6 @@ def _server_generator(cfg: Config, trainer: PolicyTrainer, gen_devices: str | No
     if not vllm_available():
         raise RuntimeError("backend='vllm-server' starts vLLM servers, but vllm is not installed here: `bash "
                            "install.sh cpu` (CPU) or `bash install.sh gpu` (GPU), or give server_urls")
-    from minirl.training.plan import resolve_engine_share
     places = split_devices(gen_devices, cfg.num_servers, on_gpu)
     if cfg.load_in_4bit:
         print(QLORA_UNQUANTIZED.format(engine="a vLLM server started by minirl"), flush=True)

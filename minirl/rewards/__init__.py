@@ -3,8 +3,17 @@ each group and turns rewards into group-relative advantages (`scorer.py`), the w
 (`workers.py`, `worker_main.py`). Code rewards run model-written code in `minirl.rewards.sandbox`."""
 from minirl.rewards import builtin  # noqa: F401 - registers the built-in rewards
 from minirl.rewards.builtin import arithmetic_correct, code_tests_pass, format_match, last_integer, overlong_penalty
-from minirl.rewards.registry import (COMPLETION_KEYWORDS, REGISTRY, RewardFn, bind_reward, check_columns,
-    check_data_columns, resolve_reward, reward, source_hash)
+from minirl.rewards.registry import (
+    COMPLETION_KEYWORDS,
+    REGISTRY,
+    RewardFn,
+    bind_reward,
+    check_columns,
+    check_data_columns,
+    resolve_reward,
+    reward,
+    source_hash,
+)
 from minirl.rewards.scorer import Scorer
 
 __all__ = ["COMPLETION_KEYWORDS", "REGISTRY", "RewardFn", "Scorer", "arithmetic_correct", "bind_reward",

@@ -51,7 +51,7 @@ def format_match(prompt: str, completion: str, *, pattern: str, **_: Any) -> flo
 
 # --- the built-in code task's reward ---------------------------------------------------------------------------
 
-_SANDBOX_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox")
+_SANDBOX_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox")
 
 
 @reward

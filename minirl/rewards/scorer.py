@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from minirl.rewards.advantages import group_advantages
-from minirl.rewards.sandbox.process import ENABLE_SANDBOX
-from minirl.types import Group, RewardFailure, ScoredGroup
 from minirl.rewards.registry import accepted_keywords, resolve_reward, source_hash
+from minirl.rewards.sandbox.process import ENABLE_SANDBOX
 from minirl.rewards.worker_main import reason
 from minirl.rewards.workers import RewardCall, RewardWorkers
+from minirl.types import Group, RewardFailure, ScoredGroup
 
 
 @dataclass

@@ -52,6 +52,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+import cloudpickle
+
 from minirl.core import lifecycle
 from minirl.rewards import worker_main
 from minirl.rewards.worker_main import one_line, reason, recv_frame, run_call, send_frame
@@ -320,10 +322,6 @@ def _death(code: int) -> str:
 
 
 def _pickle_reward(name: str, fn: Callable) -> bytes:
-    try:
-        import cloudpickle
-    except ImportError:
-        raise ImportError("reward workers need cloudpickle: pip install cloudpickle (or pass workers=0)") from None
     top = (getattr(fn, "__module__", None) or "").partition(".")[0]
     own = top == __name__.partition(".")[0] and top not in cloudpickle.list_registry_pickle_by_value()
     if own:

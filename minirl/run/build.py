@@ -8,19 +8,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from minirl.data import rows as D
-from minirl.run.checkpoint import Checkpoint, restore
 from minirl.config import Config, ConfigError
-from minirl.generation.episodes import make_runner
+from minirl.data import rows as D
 from minirl.generation import Generator
+from minirl.generation.episodes import make_runner
 from minirl.generation.factory import make_generator
-from minirl.training.models import chat_template_text, cpu_dtype_warning, resolve_model
-from minirl.run.placement import CpuThreads, Placement
-from minirl.training.plan import MemoryPlan, check_plan
-from minirl.rewards import Scorer, check_columns, check_data_columns
-from minirl.sync.base import WeightSync
 from minirl.generation.tasks import TASKS, resolve_env
+from minirl.rewards import Scorer, check_columns, check_data_columns
+from minirl.run.checkpoint import Checkpoint, restore
+from minirl.run.placement import CpuThreads, Placement
 from minirl.run.trackers import check_tracker
+from minirl.sync.base import WeightSync
+from minirl.training.models import chat_template_text, cpu_dtype_warning, resolve_model
+from minirl.training.plan import MemoryPlan, check_plan
 from minirl.training.trainer import Trainer
 from minirl.types import Episode, Prompt, RolloutSource, SamplingParams, Sleeper
 

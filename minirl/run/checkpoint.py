@@ -26,6 +26,7 @@ depends on timing, so an uninterrupted run is not reproducible token for token e
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import random
@@ -180,7 +181,6 @@ def _refuse_if_in_use(out: Path) -> None:
     """Before anything loads (a resume would read checkpoints the going run is rotating away): refuse an out_dir
     whose lock a going run holds. Probes with a shared lock, released at once; writes nothing. `lock_out_dir`
     still takes the lock when the run claims the folder."""
-    import fcntl
     lock = out / ".lock"
     if lock.is_symlink() or not lock.is_file():
         return  # no run ever held it, or a planted link that lock_out_dir refuses
@@ -194,7 +194,6 @@ def _refuse_if_in_use(out: Path) -> None:
 def lock_out_dir(out: Path):
     """Hold `out` for this process until the returned file is closed (or the process dies, even by SIGKILL): a
     second run into the same out_dir while one is going, e.g. a --resume started too early, stops in one line."""
-    import fcntl
     try:  # O_NOFOLLOW: a symbolic link planted as .lock would make this truncate and write the file it points at
         fd = os.open(out / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:

@@ -14,17 +14,18 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
 from minirl.config import Config
+from minirl.training.models import load_tokenizer, resolve_model, train_dtype
 
 
 def export_merged(run_dir: str | Path, out: str | Path) -> dict:
     """Merge `run_dir`'s adapter into its base model and save model + tokenizer to `out` (a new or empty folder,
     written whole or not at all). Returns what was written, with `note` when the run was QLoRA."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    from minirl.training.models import load_tokenizer, resolve_model, train_dtype
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():
         raise ValueError(f"{str(run_dir)!r} is not a minirl run folder (no config.yaml); give the out_dir of a run")

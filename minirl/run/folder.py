@@ -8,13 +8,21 @@ import json
 from pathlib import Path
 from typing import Any
 
-from minirl.core import lifecycle
-from minirl.run.checkpoint import (atomic_text, check_out_dir, clear_run, lock_out_dir, mark_run, past_steps,
-    save_adapter, save_checkpoint)
 from minirl.config import Config
+from minirl.core import lifecycle
 from minirl.core.metrics import MetricsLog
-from minirl.types import Checkpointable
+from minirl.run.checkpoint import (
+    atomic_text,
+    check_out_dir,
+    clear_run,
+    lock_out_dir,
+    mark_run,
+    past_steps,
+    save_adapter,
+    save_checkpoint,
+)
 from minirl.run.trackers import make_tracker
+from minirl.types import Checkpointable
 
 
 class RunDir:

@@ -10,26 +10,26 @@ sync), `sync/check.py` (the check after every push), `run/folder.py` (out_dir: c
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 import time
 import traceback
+from functools import partial
 from typing import Any, Callable, Sequence
 
-from minirl.data import rows as D
-from minirl.run.background import Background, attempt
-from minirl.run.checkpoint import Checkpoint, resume_point
 from minirl.config import Config
-from minirl.run.evaluation import evaluate, eval_options
-from minirl.run.export import export_merged
 from minirl.core.metrics import rollout_metrics, sample_rows, step_summary
-from minirl.run.build import RunParts, build_parts, resolve_rewards, sampling_params
-from minirl.run.placement import CpuThreads, cuda_device_count, place
-from minirl.rewards.scorer import failure_kinds
+from minirl.data import rows as D
 from minirl.pipeline.rollout import Pipeline
+from minirl.rewards.scorer import failure_kinds
+from minirl.run.background import Background, attempt
+from minirl.run.build import RunParts, build_parts, resolve_rewards, sampling_params
+from minirl.run.checkpoint import Checkpoint, resume_point
+from minirl.run.evaluation import eval_options, evaluate
+from minirl.run.export import export_merged
 from minirl.run.folder import RunDir
+from minirl.run.placement import CpuThreads, cuda_device_count, place
+from minirl.run.trackers import scalars
 from minirl.sync.base import SyncStats
 from minirl.sync.check import SyncCheck
-from minirl.run.trackers import scalars
 from minirl.types import ScoredGroup
 
 

@@ -16,6 +16,8 @@ import os
 import re
 from dataclasses import asdict, dataclass
 
+import torch
+
 from minirl.config import Config, ConfigError, parse_cores
 from minirl.generation.factory import pick_backend
 
@@ -118,7 +120,6 @@ def place(cfg: Config, cuda_devices: int) -> Placement:
 
 
 def cuda_device_count() -> int:
-    import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -130,7 +131,6 @@ class CpuThreads:
         self._before: tuple[int, set[int] | None] | None = None
 
     def apply(self, p: Placement) -> None:
-        import torch
         if p.train_threads is None:
             return
         self._before = (torch.get_num_threads(), os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None)
@@ -142,7 +142,6 @@ class CpuThreads:
             os.sched_setaffinity(0, parse_cores(cfg.train_devices))
 
     def restore(self) -> None:
-        import torch
         before, self._before = self._before, None
         if before is not None:
             torch.set_num_threads(before[0])

@@ -6,8 +6,10 @@ Names: a step event's numeric fields as they are (`reward/mean`, `loss`, ...); a
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -75,8 +77,6 @@ class WandbTracker:
     run continues the same W&B run."""
 
     def __init__(self, out: Path, config: dict, resume: bool):
-        import hashlib
-        import os
         import wandb
         run_id = "minirl-" + hashlib.sha1(str(out.resolve()).encode()).hexdigest()[:12]
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "minirl"), name=str(out), id=run_id,

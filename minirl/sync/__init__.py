@@ -14,8 +14,17 @@ worker extension, with `channel.py`) through what both sides share (`wire.py`, `
 After every push, `verify` (`check.py`, with the run's `SyncCheck`) checks that the engine serves the new adapter.
 Every vLLM private name, patched method and tensor write is in `vllm_compat.py`.
 """
-from minirl.sync.base import (TRANSPORTS, AdapterTarget, CollectiveError, SyncError, SyncStats, SyncTimeout,
-                              SyncVerificationError, Verification, WeightSync)
+from minirl.sync.base import (
+                              TRANSPORTS,
+                              AdapterTarget,
+                              CollectiveError,
+                              SyncError,
+                              SyncStats,
+                              SyncTimeout,
+                              SyncVerificationError,
+                              Verification,
+                              WeightSync,
+)
 from minirl.sync.check import SyncCheck, verify
 from minirl.sync.factory import make_sync
 

@@ -3,13 +3,18 @@ sender rings for in-place swaps (`Doorbell`), and the gate that keeps installs o
 Used by `minirl.sync.receiver`; imports no vLLM."""
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
+from multiprocessing.connection import Listener
 from typing import Any, Callable
 
-from minirl.sync import vllm_compat as compat
+import torch
+import torch.distributed as dist
+
 from minirl.core.adapter import torch_dtype
+from minirl.sync import vllm_compat as compat
 from minirl.sync.wire import PROGRESS_BITS, PROGRESS_MASK, broadcast, finish, open_group
 
 
@@ -54,7 +59,6 @@ class Doorbell:
     holding the authkey can connect (`address`, `authkey`)."""
 
     def __init__(self, channel: str, handle: Callable[[Any], dict], device=None, stream=None):
-        from multiprocessing.connection import Listener
         self.authkey = os.urandom(16)
         self.listener = Listener(family="AF_UNIX", authkey=self.authkey)
         self.address = self.listener.address
@@ -64,7 +68,6 @@ class Doorbell:
         self.thread.start()
 
     def _serve(self) -> None:
-        import torch
         try:
             self.conn = self.listener.accept()
         except Exception:
@@ -101,10 +104,8 @@ class Doorbell:
 
 def _on_stream(stream):
     """The engine's CUDA stream for the doorbell thread's copies (so they are ordered with the forward passes)."""
-    import contextlib
     if stream is None:
         return contextlib.nullcontext()
-    import torch
     return torch.cuda.stream(stream)
 
 
@@ -112,7 +113,6 @@ class Channel:
     """One sender's flat buffer as the worker sees it (mapped, or received into), with its doorbell if any."""
 
     def __init__(self, layout: dict, source: dict, device):
-        import torch
         self.layout, self.source = layout, source
         self.kind = source["kind"]
         self.group = self.store = None
@@ -184,7 +184,6 @@ class Channel:
         elif self.kind == "collective":
             broadcast(self.group, self.raw, timeout_s, "the engine worker's receive")
         elif self.kind == "cuda_ipc":
-            import torch
             torch.cuda.current_stream(self.raw.device).synchronize()
         return self.flat
 
@@ -194,7 +193,6 @@ class Channel:
             self.bell = None
         if self.group is not None:
             try:
-                import torch.distributed as dist
                 if hasattr(self.group, "shutdown"):
                     self.group.shutdown()
                 elif isinstance(self.group, dist.ProcessGroupNCCL) and hasattr(self.group, "abort"):

@@ -9,9 +9,11 @@ import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import torch
+
 from minirl.config import Config
-from minirl.types import Generator, PolicyTrainer, Scorable
 from minirl.sync.base import SyncVerificationError, Verification
+from minirl.types import Generator, PolicyTrainer, Scorable
 
 
 class SyncCheck:
@@ -62,7 +64,6 @@ def make_probe(model, prompt_ids: Sequence[int], n_tokens: int = 32, seed: int =
     an id at or above `vocab` (padded embedding rows).
     Sampled rather than greedy: typical tokens (mean logprob about -1.5 on the embedded model), whose logprobs
     move when the adapter does; greedy or end-of-answer tokens are near-certain and barely move."""
-    import torch
     g = torch.Generator().manual_seed(seed)
     dev = next(model.parameters()).device
     ids, out = list(prompt_ids), []

@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from minirl.sync import vllm_compat
 from minirl.sync.base import WeightSync
+from minirl.sync.files import FileSync
+from minirl.sync.tensor import TensorSync, pick_transport
 
 if TYPE_CHECKING:
     from minirl.sync.tensor import InMemoryTarget
@@ -13,9 +16,6 @@ def make_sync(transport: str, generator: "InMemoryTarget", trainer_device: str =
               timeout_s: float = 30.0) -> tuple[WeightSync, str]:
     """The `WeightSync` for a vLLM generator and a config value, and why: 'files' → FileSync; 'ipc' /
     'collective' → TensorSync; 'auto' → in-memory when the engine has the receiver, else files."""
-    from minirl.sync import vllm_compat
-    from minirl.sync.files import FileSync
-    from minirl.sync.tensor import TensorSync, pick_transport
     if transport == "files":
         return FileSync(), "sync_transport='files'"
     if not vllm_compat.vllm_hooks():  # warned once: another vLLM release than the hooks were checked against

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 from minirl.core import lifecycle
-from minirl.types import AdapterSource, AdapterUpdate
 from minirl.sync.base import AdapterTarget, SyncStats
+from minirl.types import AdapterSource, AdapterUpdate
 
 
 def tmpfs_dir() -> Path:

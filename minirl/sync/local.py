@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from minirl.types import AdapterSource, AdapterUpdate
 from minirl.sync.base import AdapterTarget, SyncStats
+from minirl.types import AdapterSource, AdapterUpdate
 
 
 class SharedSync:

@@ -35,18 +35,21 @@ Everything an engine call needs travels as plain msgpack-able values (ints, stri
 """
 from __future__ import annotations
 
+import os
 import time
 
+import torch
+
+from minirl.sync import cpu_lora
+from minirl.sync import vllm_compat as compat
 from minirl.sync.channel import Channel, Doorbell, Gate
 from minirl.sync.slots import Built, SlotPlan, StoredAdapter, build_lora, plan_slot
 from minirl.sync.wire import MEM_SCHEME, InstallRequest, lora_path_for
-from minirl.sync import cpu_lora, vllm_compat as compat
 
 cpu_lora.install_default()  # vLLM-CPU's LoRA ops without a copy of the adapter per token, in this (the worker's) process
 
 
 def _device_uuid(device) -> str | None:
-    import torch
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -284,7 +287,6 @@ class Receiver:
             out = {"channel": channel, "kind": source["kind"], "nbytes": int(layout["nbytes"])}
             if source.get("doorbell"):
                 if ch.raw.device.type == "cuda":
-                    import torch
                     self.stream = torch.cuda.current_stream(ch.raw.device)
                 ch.bell = Doorbell(channel, self.ring, self.worker.device, self.stream)
                 out["doorbell"] = {"address": ch.bell.address, "authkey": ch.bell.authkey}
@@ -298,7 +300,6 @@ class Receiver:
         return ch is not None
 
     def info(self) -> dict:
-        import os
         wm, dev = self.wm, self.worker.device
         mgr = compat.adapter_manager(wm)
         return {"pid": os.getpid(), "device": str(dev), "loras": sorted(wm.list_adapters()),

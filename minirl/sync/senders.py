@@ -22,20 +22,30 @@ The engine side is `minirl.sync.receiver.AdapterReceiver`; the engine must be st
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import shutil
 import time
 import uuid
+from multiprocessing.connection import Client
 
 import torch
 
 from minirl.core import lifecycle
-from minirl.sync import vllm_compat as compat
 from minirl.core.adapter import Packer, make_layout, move_into, prescaled_config, uniform
+from minirl.sync import vllm_compat as compat
 from minirl.sync.base import CollectiveError, SyncError, SyncTimeout
-from minirl.sync.wire import (PROGRESS_BITS, PROGRESS_MASK, EngineHost, InstallRequest, adapter_name, broadcast,
-    finish, open_group, rendezvous_dir)
-
+from minirl.sync.wire import (
+    PROGRESS_BITS,
+    PROGRESS_MASK,
+    EngineHost,
+    InstallRequest,
+    adapter_name,
+    broadcast,
+    finish,
+    open_group,
+    rendezvous_dir,
+)
 
 # ---- talking to the engine ----------------------------------------------------------------------------------
 
@@ -148,7 +158,6 @@ class Sender:
 
     def open_bell(self, opened: dict) -> None:
         """Connect to the doorbell the worker opened with the channel (its `minirl_open_channel` answer)."""
-        from multiprocessing.connection import Client
         bell = opened.get("doorbell")
         if bell is not None:
             self.bell = Client(bell["address"], family="AF_UNIX", authkey=bell["authkey"])
@@ -285,7 +294,6 @@ class IpcSender(Sender):
 
 def _result(fut, timeout_s: float):
     """The result of an engine-loop future, bounded."""
-    import concurrent.futures
     try:
         return fut.result(timeout=timeout_s + 5)
     except concurrent.futures.TimeoutError as e:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Protocol
 
 from minirl.core import lifecycle
-from minirl.types import AdapterSource, AdapterUpdate
 from minirl.sync.base import AdapterTarget, SyncStats
+from minirl.types import AdapterSource, AdapterUpdate
 
 
 class ServerTarget(AdapterTarget, Protocol):

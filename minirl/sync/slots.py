@@ -16,8 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from minirl.sync import vllm_compat as compat
 from minirl.core.adapter import unpack
+from minirl.sync import vllm_compat as compat
 
 
 def same_layout(a: dict, b: dict) -> bool:

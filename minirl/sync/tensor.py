@@ -10,8 +10,8 @@ import torch
 from minirl.core.adapter import adapter_params, b_scalings, peft_config_dict
 from minirl.sync.base import AdapterTarget, SyncError, SyncStats
 from minirl.sync.senders import SENDERS, Sender, call_on_loop, rpc
-from minirl.types import AdapterSource, AdapterUpdate
 from minirl.sync.wire import WORKER_EXTENSION, EngineHost
+from minirl.types import AdapterSource, AdapterUpdate
 
 _LORA_IDS = itertools.count(1_000_001)  # far above the generator's own counter (shared with request ids)
 

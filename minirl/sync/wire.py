@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
+import torch.distributed as dist
+
+from minirl.core import lifecycle
 from minirl.sync import vllm_compat as compat
 from minirl.sync.base import CollectiveError
 
@@ -67,7 +71,6 @@ def rendezvous_dir() -> str:
     """A private folder (0700, /dev/shm when writable) for one collective group's file store: the group's peers
     meet through a file only this user can open, so no TCP store listens on any port (torch's TCPStore binds
     every interface) and there is no free-port race. Its path is handed to the worker over the engine's RPC."""
-    from minirl.core import lifecycle
     return lifecycle.private_dir("rdv")
 
 
@@ -92,7 +95,6 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
     default group (vLLM has its own). The peers meet through a file store in `rdv_dir` (`rendezvous_dir`); gloo's
     connections are bound to 127.0.0.1 (NCCL's bootstrap to the loopback interface unless NCCL_SOCKET_IFNAME is
     set). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
-    import torch.distributed as dist
     timeout = timedelta(seconds=timeout_s)
     store = dist.FileStore(os.path.join(rdv_dir, "store"), 2)
     store.set_timeout(timeout)
@@ -101,7 +103,6 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
         if backend == "gloo":
             pg = compat.gloo_group(store, rank, 2, timeout)
         elif backend == "nccl":
-            import torch
             with _nccl_on_loopback():
                 pg = compat.nccl_group(store, rank, 2, timeout)
                 store.set("joined", "1") if rank == 0 else store.get("joined")  # meet here, then connect
@@ -119,7 +120,6 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
 def broadcast(pg, buf, timeout_s: float, what: str, wait: bool = True):
     """Broadcast `buf` from rank 0; a peer that is gone or late raises within `timeout_s`. `wait=False`: returns
     the started work, for `finish`."""
-    import torch.distributed as dist
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0

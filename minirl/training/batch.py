@@ -12,10 +12,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Iterator, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
+from minirl.core.logits import Processing, histories, processed_logits, seen_tokens
 from minirl.rewards.advantages import batch_scale
 from minirl.training.loss import token_weights
-from minirl.core.logits import Processing, histories, processed_logits, seen_tokens
 from minirl.types import ScoredGroup
 
 LOGIT_CHUNK = 1024  # completion tokens per lm_head chunk
@@ -152,7 +153,6 @@ def hidden_logprobs(h_N_H, targets_N, temp_N, head, rows: Batch, with_entropy: b
         hist_c = None if hist is None else (hist[0][sl].to(h_N_H.device), hist[1][sl].to(h_N_H.device))
         args = (h_N_H[sl], targets_N[sl], temp_N[sl], head)
         if recompute:
-            from torch.utils.checkpoint import checkpoint
             lp, e = checkpoint(_chunk_logp, *args, with_entropy, proc, hist_c, use_reentrant=False)
         else:
             lp, e = _chunk_logp(*args, with_entropy, proc, hist_c)

@@ -9,12 +9,30 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
+import threading
 from functools import lru_cache
 from pathlib import Path
+from urllib.parse import urlsplit
+
+import torch
+from huggingface_hub import constants, errors, hf_hub_download, try_to_load_from_cache
+from peft import LoraConfig, get_peft_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 from minirl.config import Config
+from minirl.core.adapter import make_contiguous
 from minirl.training.folders import publish_folder
+from minirl.training.shapes.synthetic import synthetic as build
 
 EMBEDDED = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -44,8 +62,6 @@ def embedded_model_dir() -> Path:
     target = cache_dir() / EMBEDDED
     if (target / "config.json").exists():
         return target
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = _gguf_path()
 
@@ -83,10 +99,6 @@ def resolve_model(name: str) -> str:
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
     """Whether the Hugging Face Hub answers a TCP connect within `timeout_s` (name lookup included: it runs in a
     thread of its own, since `getaddrinfo` has no timeout of its own)."""
-    import socket
-    import threading
-    from urllib.parse import urlsplit
-    from huggingface_hub import constants
     url = urlsplit(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
     ok: list[bool] = []
 
@@ -108,7 +120,6 @@ def _hub_model(name: str) -> str:
     """A Hugging Face id, found within seconds or one clear error (once per process). Offline (HF_HUB_OFFLINE, or the Hub unreachable)
     the cached snapshot folder is used, and offline mode is set so that processes started later (a generator) do not
     wait on the network either; online, the id must exist on the Hub."""
-    from huggingface_hub import errors, hf_hub_download, try_to_load_from_cache
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or not _hub_reachable()
     if offline:
         cached = try_to_load_from_cache(name, "config.json")
@@ -148,7 +159,6 @@ def chat_template_text(value: str | None) -> str | None:
 def load_tokenizer(name: str, model_kwargs: dict | None = None, chat_template: str | None = None):
     """The model's tokenizer (a pad token set if it has none), with `chat_template` (Config.chat_template: text or a
     file) replacing its own template."""
-    from transformers import AutoTokenizer
     kw = {k: v for k, v in (model_kwargs or {}).items() if k in TOKENIZER_KWARGS}
     template = chat_template_text(chat_template)
     tok = AutoTokenizer.from_pretrained(resolve_model(name), **kw)
@@ -184,7 +194,6 @@ def train_dtype(cfg: Config):
     """The trainer's weight dtype for `cfg.dtype`: 'auto' is bfloat16 on GPU, float32 on CPU -- also on CPUs with
     native bf16 (AVX512-bf16 + AMX): a bf16 LoRA step of the embedded model gains nothing there, its matmuls are
     too small (`python scripts/bf16_check.py`; BENCHMARKS.md, "Backends, memory, sync check")."""
-    import torch
     if cfg.dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return getattr(torch, cfg.dtype)
@@ -201,15 +210,11 @@ def build_model(cfg: Config, device: str, checkpointing: bool = False):
     """The base model with a fresh LoRA adapter (peft), as the trainer and a generator process build it.
     `checkpointing`: the decoder layers recompute their activations in backward (non-reentrant, so the frozen
     embeddings need no grad; it acts only in training mode, so generation and no-grad forwards are unchanged)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-    from minirl.core.adapter import make_contiguous
     kw = {}
     if cfg.load_in_4bit:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise RuntimeError("load_in_4bit needs bitsandbytes (its 4-bit path runs on CPU too): pip install "
                                "'bitsandbytes>=0.50' (or `bash install.sh cpu` / `bash install.sh gpu`)")
-        from transformers import BitsAndBytesConfig
         kw["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg),
             bnb_4bit_use_double_quant=True)  # as vLLM's in-flight NF4 (generation.vllm.loads_bitsandbytes)
@@ -230,16 +235,12 @@ def build_model(cfg: Config, device: str, checkpointing: bool = False):
 def synthetic(name: str, path: str | Path | None = None, seed: int = 0, device: str = "cpu") -> Path:
     """A randomly initialised model of a published shape (`minirl.training.shapes.synthetic.NAMES`: Qwen2.5-0.5B/1.5B/7B,
     Llama-3.2-1B, the tiny `qwen2-tiny`), saved as a Hugging Face folder; see `minirl.training.shapes.synthetic.synthetic`."""
-    from minirl.training.shapes.synthetic import synthetic as build
     return build(name, path, seed, device)
 
 
 def build_tiny_model(path: str | Path, vocab: int = 64, hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
     """A tiny random Llama-style model with a small word-level tokenizer (digits, '+', words, chat markers),
     saved to `path`. For tests: trains in seconds, loads in transformers, peft and vLLM like a real one."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     path = Path(path)
     if (path / "config.json").exists():

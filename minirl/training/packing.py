@@ -27,8 +27,8 @@ from typing import Sequence
 
 import torch
 
-from minirl.training.batch import Batch, Sample, _decoder_and_head, hidden_logprobs
 from minirl.core.logits import Processing
+from minirl.training.batch import Batch, Sample, _decoder_and_head, hidden_logprobs
 
 MASKABLE_ATTENTION = ("eager", "sdpa")  # attention implementations that take an arbitrary 4-D mask
 

@@ -32,8 +32,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from minirl.training.batch import LOGIT_CHUNK
+import psutil
+import torch
+from huggingface_hub import hf_hub_download
+
 from minirl.config import Config, ConfigError
+from minirl.training.batch import LOGIT_CHUNK
 from minirl.training.models import resolve_model
 
 GiB = 2**30
@@ -111,7 +115,6 @@ def model_config(cfg: Config) -> dict:
     where = resolve_model(cfg.model)
     p = Path(where) / "config.json"
     if not p.exists():
-        from huggingface_hub import hf_hub_download
         p = Path(hf_hub_download(where, "config.json"))
     return json.loads(p.read_text())
 
@@ -288,7 +291,6 @@ def plan(cfg: Config, gpu_gb: float | None = None, gradient_checkpointing: bool 
          engine_sleeps: bool = False, prompt_tokens: int | None = None) -> MemoryPlan:
     """The memory plan of `cfg` on this machine's GPU 0 (or a GPU of `gpu_gb` GB), from config.json alone. On a
     machine without a GPU and no `gpu_gb`, the plan is for the CPU, held against the machine's RAM."""
-    import torch
     if gpu_gb is None and torch.cuda.is_available():
         gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
     if gpu_gb is None:
@@ -299,7 +301,6 @@ def plan(cfg: Config, gpu_gb: float | None = None, gradient_checkpointing: bool 
 
 def plan_cpu(cfg: Config, gradient_checkpointing: bool | None = None) -> MemoryPlan:
     """The plan of `cfg` on CPU, held against the machine's RAM."""
-    import psutil
     return plan_shape(cfg, Shape.from_config(model_config(cfg)), "cpu", psutil.virtual_memory().total / 1e9,
                       gradient_checkpointing)
 
@@ -363,7 +364,6 @@ def resolve_engine_share(cfg: Config, trainer_device: str, engine_gpus: str | No
     just before the engine starts)."""
     if cfg.gpu_memory_utilization != "auto":
         return float(cfg.gpu_memory_utilization)
-    import torch
     dev = torch.device(trainer_device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     if engine_gpus is not None and str(index) not in engine_gpus.split(","):

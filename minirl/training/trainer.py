@@ -1,23 +1,34 @@
 """The LoRA trainer: base model + peft adapter, token-level GRPO-family loss, token-budget micro-batches."""
 from __future__ import annotations
 
+import ctypes
 import math
-import warnings
+import platform
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
 
 from minirl.config import Config
-from minirl.training.batch import (Batch, Sample, completion_logprobs, make_batch, samples_from_groups, scale_by_batch,
-    sequence_logprobs)
-from minirl.training.loss import LossSettings, policy_loss
+from minirl.core.logits import Processing
 from minirl.core.metrics import memory_metrics
+from minirl.training.batch import (
+    Batch,
+    Sample,
+    completion_logprobs,
+    make_batch,
+    samples_from_groups,
+    scale_by_batch,
+    sequence_logprobs,
+)
+from minirl.training.loss import LossSettings, policy_loss
 from minirl.training.models import build_model, checkpointing_on, load_tokenizer, resolve_model
 from minirl.training.packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completion_logprobs
 from minirl.training.plan import resolve_token_budget
-from minirl.core.logits import Processing
 from minirl.types import ScoredGroup
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -29,8 +40,6 @@ def fix_malloc_threshold(nbytes: int = 128 * 1024) -> bool:
     freed so far (up to 32 MiB): activation tensors then come from the heap, which keeps what they freed, and a
     CPU training step's resident peak was ~2.5x its live bytes (BENCHMARKS.md, "Memory and the memory plan").
     Process-wide and idempotent; False where the C library is not glibc."""
-    import ctypes
-    import platform
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     return bool(ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, nbytes))
@@ -194,8 +203,6 @@ class Trainer:
     def load_state(self, adapter_dir: str | Path, state: dict) -> None:
         """Continue from a checkpoint: the adapter saved in `adapter_dir` (copied into the live LoRA tensors, so
         the flat adapter buffer stays shared) and `state_dict()`'s output."""
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
         res = set_peft_model_state_dict(self.model, load_file(str(Path(adapter_dir) / "adapter_model.safetensors")))
         if getattr(res, "unexpected_keys", None):
             raise ValueError(f"{adapter_dir}: the adapter does not fit this model (unexpected {res.unexpected_keys[:3]})")

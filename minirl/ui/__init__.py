@@ -2,8 +2,8 @@
 alerts (`doctor.py`), the helpers to try reward functions before training (`prototype.py`), and episodes shown
 token by token with what the loss trains on (`episodes.py`)."""
 from minirl.ui.dashboard import Dashboard, alerts_html, samples_html
-from minirl.ui.episodes import EpisodePreview, episode_html, preview_episodes
 from minirl.ui.doctor import Alert, doctor
+from minirl.ui.episodes import EpisodePreview, episode_html, preview_episodes
 from minirl.ui.panels import PANELS, figure, render
 from minirl.ui.prototype import check, preview, rescore
 

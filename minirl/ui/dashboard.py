@@ -10,16 +10,18 @@ matplotlib is used through `Figure` objects (no pyplot), so nothing changes a no
 """
 from __future__ import annotations
 
+import asyncio
 import html
 import threading
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import ipywidgets as W
+
 from minirl.core.metrics import LogTail, load_events
 from minirl.ui.doctor import Alert, doctor
 from minirl.ui.panels import PANELS, View, figure, png_bytes
-
 
 # --- HTML pieces (shared by the widget and by notebooks) ----------------------------------------------------
 
@@ -89,7 +91,6 @@ class Dashboard:
 
     def __init__(self, run: Any, every: float = 2.0, panels: Sequence[str] = PANELS, samples: int = 6,
                  controls: bool = True, dpi: int = 80):
-        import ipywidgets as W
 
         self.run, self.every, self.panels, self.n_samples, self.dpi = run, every, tuple(panels), samples, dpi
         self._dirty = threading.Event()
@@ -224,7 +225,6 @@ class Dashboard:
 
     # timer on the kernel's event loop
     def _start_timer(self) -> None:
-        import asyncio
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -232,7 +232,6 @@ class Dashboard:
         self._task = loop.create_task(self._poll())
 
     async def _poll(self) -> None:
-        import asyncio
         idle_after_end = 0
         while True:
             await asyncio.sleep(self.every)

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minirl.types import Completion, ScoredGroup
+from minirl.data import rows as D
+from minirl.generation.episodes import EpisodeRunner
+from minirl.generation.hf import HFGenerator
+from minirl.generation.tasks import TASKS, resolve_env
+from minirl.rewards import Scorer
+from minirl.types import Completion, SamplingParams, ScoredGroup
+from minirl.ui.prototype import load_policy
 
 COLORS = {"prompt": "#eeeeee", "sampled": "#c7f0c2", "env": "#cfe0fb"}
 
@@ -105,14 +111,6 @@ def preview_episodes(env: Any, data: Any = None, *, rewards: Sequence[str | Call
                      temperature: float = 1.0, prompt_column: str = "prompt", seed: int = 0) -> EpisodePreview:
     """Play `n` episodes on each of the first `rows` rows with the current model (+ adapter) and score them.
     `env`: an Env class or factory, or a built-in task's name (then `data` defaults to its held-out rows)."""
-    from minirl.data import rows as D
-    from minirl.generation.tasks import resolve_env
-    from minirl.generation.episodes import EpisodeRunner
-    from minirl.generation.hf import HFGenerator
-    from minirl.rewards import Scorer
-    from minirl.generation.tasks import TASKS
-    from minirl.types import SamplingParams
-    from minirl.ui.prototype import load_policy
 
     name, factory = resolve_env(env)
     if data is None:

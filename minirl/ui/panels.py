@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
 from minirl.core.metrics import load_events
 
 GEN_COLOR, TRAIN_COLOR = "#1f77b4", "#ff7f0e"
@@ -71,7 +74,6 @@ def _line(ax, steps, key, label=None, **kw) -> bool:
 
 
 def _finish(ax, title: str, legend: bool = True, ylabel: str | None = None, int_x: bool = True) -> None:
-    from matplotlib.ticker import MaxNLocator
     ax.set_title(title, fontsize=9, loc="left")
     if int_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -239,7 +241,6 @@ def draw_timeline(ax, timeline: dict[str, Sequence[tuple[float, float]]], title:
 
 @functools.lru_cache(maxsize=None)
 def _figure_class():
-    from matplotlib.figure import Figure
 
     class DashboardFigure(Figure):
         """A plain matplotlib Figure that also shows itself in a notebook (no pyplot, no inline backend needed)."""

@@ -16,9 +16,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minirl.rewards import Scorer, resolve_reward, source_hash
-from minirl.types import Completion, Group, Prompt
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
+from minirl.core.metrics import load_events
+from minirl.data import rows as D
+from minirl.generation.hf import HFGenerator
+from minirl.rewards import Scorer, check_columns, check_data_columns, resolve_reward, source_hash
+from minirl.training.models import load_tokenizer, resolve_model
+from minirl.types import Completion, Group, Prompt, SamplingParams
 
 # --- a small table type ---------------------------------------------------------------------------------------
 
@@ -163,14 +170,10 @@ def load_policy(model: str = "smollm2-135m-instruct", adapter: str | Path | None
     """The model (+ optional peft adapter) and its tokenizer, loaded once per process."""
     key = (model, str(adapter) if adapter else None)
     if key not in _MODELS:
-        import torch
-        from transformers import AutoModelForCausalLM
 
-        from minirl.training.models import load_tokenizer, resolve_model
         tok = load_tokenizer(model)
         m = AutoModelForCausalLM.from_pretrained(resolve_model(model), dtype=torch.float32)
         if adapter:
-            from peft import PeftModel
             m = PeftModel.from_pretrained(m, str(adapter))
         _MODELS[key] = (m.eval(), tok)
     return _MODELS[key]
@@ -241,10 +244,6 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
             scale_by_std: bool = True, timeout_s: float = 10.0) -> Preview:
     """Generate `n` completions for each of `prompts` prompts with the current model (+ adapter) and score them
     with `rewards`. `data`: 'arithmetic', a list of dicts, a JSONL path, or a datasets.Dataset."""
-    from minirl.data import rows as D
-    from minirl.generation.hf import HFGenerator
-    from minirl.rewards import check_columns, check_data_columns
-    from minirl.types import SamplingParams
 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]
@@ -266,7 +265,6 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
 
 def _columns_lookup(start: dict, data: Any, prompt_column: str) -> dict[str, dict]:
     """prompt text -> dataset columns, for logs whose samples do not carry their columns."""
-    from minirl.data import rows as D
     rows: list[dict] = []
     if data is not None:
         rows = D.arithmetic_splits(0)[0] if isinstance(data, str) and data == "arithmetic" else D.load_rows(data)
@@ -285,7 +283,6 @@ def rescore(source: Any, rewards: Sequence[str | Callable] | str | Callable, *, 
     `source`: a Run, its out_dir, or its metrics.jsonl. Each row holds the logged score and reward versions, and
     the new scores with the new rewards' source hashes, so old and new are never confused. Dataset columns come
     from the samples (when logged), else from `data`, else from the run's own built-in task."""
-    from minirl.core.metrics import load_events
 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]

@@ -51,9 +51,9 @@ unless the caller passes `allow_unsandboxed=True`: then the program runs under t
 process limit does not hold), in a private temporary directory, with isolation "none (rlimits only)"; nothing
 then keeps a program from the caller's files and processes, nor a solution from its tests.
 """
-from minirl.rewards.sandbox.code_tests import (SplitAssert, TestsResult, as_programs, extract_code, run_tests,
+from .code_tests import (SplitAssert, TestsResult, as_programs, extract_code, run_tests,
     split_assert)
-from minirl.rewards.sandbox.process import (UNSANDBOXED, SandboxResult, Sandboxed, SandboxUnavailable,
+from .process import (UNSANDBOXED, SandboxResult, Sandboxed, SandboxUnavailable,
     default_max_processes, isolation, run_python, start)
 
 __all__ = ["UNSANDBOXED", "SandboxResult", "SandboxUnavailable", "Sandboxed", "SplitAssert", "TestsResult",

@@ -21,9 +21,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from minirl.rewards.sandbox import harness
-from minirl.rewards.sandbox.harness import NotPlainData, decode, encode
-from minirl.rewards.sandbox.process import SandboxResult, Sandboxed, pump, start
+from . import harness
+from .harness import NotPlainData, decode, encode
+from .process import SandboxResult, Sandboxed, pump, start
 
 
 @dataclass(frozen=True)

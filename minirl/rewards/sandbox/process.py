@@ -1,7 +1,7 @@
 """A program in the sandbox: `run_python` runs one to its end; `start` gives a `Sandboxed` (a program while it
 runs, with an optional line channel on its fds 3 and 4) that `pump` moves along, several at once: what
 `run_tests` talks to. `isolation()` names the isolation in effect here. What is and is not isolated:
-`minirl/sandbox/__init__.py`."""
+`minirl/rewards/sandbox/__init__.py`."""
 from __future__ import annotations
 
 import functools

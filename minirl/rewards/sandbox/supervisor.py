@@ -1,6 +1,6 @@
 """The sandbox's supervisor: run as a script (`python -I -S -B supervisor.py key=value ...`) by
 `minirl.rewards.sandbox.process`, afresh for every program. It unshares the namespaces, builds the private filesystem
-view, drops to a fresh uid and runs the program under its limits (see `minirl/sandbox/__init__.py` for what is and
+view, drops to a fresh uid and runs the program under its limits (see `minirl/rewards/sandbox/__init__.py` for what is and
 is not isolated). Standard library only, and only light modules: every run pays for its imports."""
 from __future__ import annotations
 

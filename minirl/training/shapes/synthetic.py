@@ -5,6 +5,9 @@ import json
 import os
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
 from minirl.training.folders import publish_folder
 
 HERE = Path(__file__).parent
@@ -27,8 +30,6 @@ def synthetic(name: str, path: str | Path | None = None, seed: int = 0, device: 
     """Build (once) a randomly initialised model of shape `name` in `path` (default: the cache dir's
     `synthetic/<name>`), in the shape's dtype, with the committed tokenizer; return the folder. `device` is where
     the random init runs ('cuda' is much faster at 1B+); the folder is the same either way up to the RNG."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path) if path is not None else _default_dir() / name
     if (path / "config.json").exists():
