@@ -132,11 +132,12 @@ class RewardFailure:
 @dataclass(frozen=True)
 class ScoredGroup:
     """A group after scoring. `rewards[i]` is None when sample i is excluded (a failed or skipped reward);
-    excluded samples get advantage 0 and take no part in the group's baseline or the loss."""
+    excluded samples get advantage 0 and take no part in the group's baseline or the loss. `advantages` is empty
+    until the step's advantages are computed (`minirl.rewards.advantages.step_advantages`, once per step)."""
     group: Group
     rewards: tuple[float | None, ...]
     per_reward: dict[str, tuple[float | None, ...]]
-    advantages: tuple[float, ...]
+    advantages: tuple[float, ...] = ()
     failures: tuple[RewardFailure, ...] = ()
     reward_versions: dict[str, str] = field(default_factory=dict)  # reward name -> source hash
 
@@ -146,6 +147,10 @@ class ScoredGroup:
 
     @property
     def zero_advantage(self) -> bool:
+        """Every advantage 0 (after `step_advantages`): the group teaches nothing."""
+        if len(self.advantages) != len(self.rewards):
+            raise ValueError("this group's advantages are not computed yet: "
+                             "minirl.rewards.advantages.step_advantages(groups, scale_rewards) first")
         return all(a == 0.0 for a in self.advantages)
 
 
@@ -293,3 +298,50 @@ class TurnSampler(Protocol):
 class AsyncGenerator(Generator, StreamingSource, TurnSampler, Protocol):
     """A generator on an event loop of its own (`loop`): code on it samples one sequence (episodes' turns) or
     iterates `stream`; other threads run coroutines there with `call`."""
+
+
+# ---- what a person looks at: a run, live or saved --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunStatus:
+    """A run's state as the dashboard shows it. `state`: 'not started', 'running', 'paused', 'finished', 'failed'
+    (`error` says why) or 'saved' (a run folder or log read after the fact). `knobs`: the values the live controls
+    start from (lr, temperature); empty for a saved run."""
+    state: str
+    error: BaseException | None = None
+    total_steps: int | None = None
+    reward_names: tuple[str, ...] = ()
+    log_path: Path | None = None
+    knobs: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("finished", "failed", "saved")
+
+
+@runtime_checkable
+class RunView(Protocol):
+    """What the dashboard (`minirl.ui.Dashboard`) and `render` read of a run: a live `minirl.Run`, or a saved run
+    folder, its metrics.jsonl or step records (`minirl.ui.SavedRun`). A saved run has no controls: `controllable`
+    is False, and its pause/resume/stop/set raise."""
+    on_step: list[Callable[[dict], None]]  # called with each step's record, on the run's thread (a saved run: never)
+    controllable: bool
+
+    def status(self) -> RunStatus: ...
+
+    def events(self) -> list[dict]:
+        """The run's events so far, in order (metrics.jsonl's: 'step', 'samples', 'eval', ...)."""
+
+    def timeline(self) -> dict | None:
+        """The live pipeline's recent generation / training intervals (`Timeline.snapshot`); None when none runs."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def stop(self, timeout: float | None = 60) -> None: ...
+
+    def set(self, **knobs: Any) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the run ends; its summary (a saved run: summary.json's, or {})."""

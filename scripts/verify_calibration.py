@@ -46,6 +46,7 @@ def main() -> None:
     from minirl.generation.hf import HFGenerator
     from minirl.generation.vllm import VLLMGenerator
     from minirl.rewards import Scorer
+    from minirl.rewards.advantages import step_advantages
     from minirl.sync.tensor import TensorSync
     from minirl.sync.wire import engine_kwargs
     from minirl.training.trainer import Trainer
@@ -58,7 +59,7 @@ def main() -> None:
     tok = trainer.tokenizer
     rows, _ = D.arithmetic_splits(8, cfg.seed)
     prompts = D.to_prompts(rows, tok)
-    scorer = Scorer.from_config(cfg.rewards, None, 10.0, True)
+    scorer = Scorer.from_config(cfg.rewards, None, 10.0)
     local = HFGenerator(trainer.model, tok, lambda: trainer.version)
     from minirl.sync.check import make_probe
     probe = make_probe(trainer.model, prompts[0].token_ids, 64, cfg.seed, tok.all_special_ids, len(tok))
@@ -73,7 +74,7 @@ def main() -> None:
         for step in range(args.steps):
             groups = local.generate(D.take(stream, cfg.prompts_per_step), cfg.group_size,
                                     SamplingParams(temperature=1.0, max_tokens=cfg.max_tokens, seed=step))
-            trainer.step([scorer.score_group(g) for g in groups])
+            trainer.step(step_advantages([scorer.score_group(g) for g in groups], cfg.recipe.scale_rewards))
             sync.push(trainer, gen)
             for k, p in probes.items():
                 n_hist[k].append(trainer.logprobs(*p, 1.0))

@@ -151,6 +151,6 @@ def test_eval_measures_the_held_out_split_and_writes_nothing(tiny_model, tmp_pat
 def test_bench_trl_overrides_reach_the_benchmark_typed_as_config_flags(monkeypatch):
     """`--minirl-overrides lr=1e-3` is the number 0.001 (YAML 1.1 alone reads "1e-3" as a string), true a bool."""
     seen = {}
-    monkeypatch.setattr("minirl.benchmarks.dispatch.run", lambda what, out, **kw: seen.update(kw) or {})
+    monkeypatch.setattr("minirl.cli.bench", lambda what, out, **kw: seen.update(kw) or {})
     assert main(["bench", "trl", "--minirl-overrides", "lr=1e-3,train_zero_adv=true"]) == 0
     assert seen["minirl_overrides"] == {"lr": 1e-3, "train_zero_adv": True}

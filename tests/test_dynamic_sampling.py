@@ -10,6 +10,7 @@ import pytest
 import minirl
 from minirl.data import rows as D
 from minirl.rewards import Scorer
+from minirl.rewards.advantages import informative
 from minirl.pipeline.rollout import Pipeline
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
@@ -75,7 +76,7 @@ def test_groups_without_spread_are_replaced_in_the_same_slots_at_any_k(K):
             want, resampled = _expected(plan[step], step, P, rounds, seed)
             assert [g.group.prompt.index for g in kept] == want
             assert gen["batch/resampled_groups"] == resampled
-            assert gen["batch/informative_groups"] == sum(not g.zero_advantage for g in kept) == sum(
+            assert gen["batch/informative_groups"] == sum(informative(g.rewards) for g in kept) == sum(
                 i % 3 != 0 for i in want)
             pipe.gen.version += 1
             pipe.signal_version()

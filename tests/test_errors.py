@@ -8,6 +8,7 @@ import pytest
 
 from minirl import Config, ConfigError, Run
 from minirl.rewards import Scorer
+from minirl.rewards.advantages import step_advantages
 from minirl.types import Completion, Group, Prompt
 
 from conftest import TOY_ROWS
@@ -59,11 +60,12 @@ def test_raising_reward_is_a_recorded_failure_excluded_from_baseline():
     s = Scorer([("good", good), ("raises", raises)], [1.0, 1.0], timeout_s=2)
     g = s.score_group(_group(["right", "wrong", "boom"]))
     assert g.rewards == (2.0, 1.0, None)
+    [g] = step_advantages([g], "group")
     assert g.advantages[2] == 0.0 and g.advantages[0] == pytest.approx(1.0, abs=1e-4)  # baseline over 2 valid
 
 
 def test_none_skips_without_failure():
-    g = Scorer([("n", returns_none)], [1.0]).score_group(_group(["a", "skip", "b"]))
+    [g] = step_advantages([Scorer([("n", returns_none)], [1.0]).score_group(_group(["a", "skip", "b"]))], "group")
     assert g.rewards == (0.5, None, 0.5) and g.failures == () and g.advantages == (0.0, 0.0, 0.0)
 
 
@@ -80,7 +82,7 @@ def test_bad_reward_values_are_failures(fn, bad_text, reason):
     finally:
         RELEASE.set()
     assert g.rewards[0] is None and reason in g.failures[0].reason
-    assert all(math.isfinite(a) for a in g.advantages)
+    assert all(math.isfinite(a) for a in step_advantages([g], "group")[0].advantages)
 
 
 def test_async_reward_and_timeout():

@@ -317,6 +317,31 @@ def test_boundary_objects_are_typed_everywhere():
     assert untyped_boundaries(ast.parse("def f(trainer, cfg: int): ...")) == ["f(trainer)"]  # positive control
 
 
+def run_probes(tree: ast.AST) -> list[str]:
+    """hasattr / getattr on something named as a run (the dashboard's, the log readers')."""
+    return [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+            and n.func.id in ("hasattr", "getattr") and n.args and re.search(r"\brun\b", ast.unparse(n.args[0]))]
+
+
+def test_nothing_probes_a_run():
+    """Issue 50 item 7: the dashboard and the log readers take a `RunView` (a live Run, a SavedRun) and ask it
+    nothing it does not declare."""
+    found = {str(p.relative_to(ROOT)): got for p in PKG.rglob("*.py") if (got := run_probes(ast.parse(p.read_text())))}
+    assert not found, found
+    assert run_probes(ast.parse("getattr(self.run, 'cfg', None); hasattr(x, 'y')")) == \
+        ["getattr(self.run, 'cfg', None)"]  # positive control
+
+
+def test_a_live_run_and_a_saved_one_are_both_run_views(tmp_path):
+    from minirl import Run
+    from minirl.ui import SavedRun
+    from minirl.types import RunView
+    (tmp_path / "metrics.jsonl").write_text('{"event": "step", "step": 0}\n')
+    for view in (Run(out_dir=str(tmp_path / "r")), SavedRun(tmp_path), SavedRun([{"step": 0}])):
+        assert isinstance(view, RunView), view
+        assert set(protocol_members(RunView)) <= set(dir(view))
+
+
 def test_nothing_probes_a_generator():
     found = {str(p.relative_to(ROOT)): got for p in PKG.rglob("*.py")
              if (got := generator_probes(ast.parse(p.read_text())))}
@@ -332,7 +357,7 @@ def test_each_protocol_lists_every_member_its_callers_use():
     from minirl.sync.servers import ServerTarget
     from minirl.sync.tensor import InMemoryTarget
     from minirl.types import (AdapterSource, AsyncGenerator, Checkpointable, PolicyTrainer, RolloutSource, Scorable,
-        Sleeper, TurnSampler)
+        RunView, Sleeper, TurnSampler)
 
     def uses(paths, names, cls=None):  # cls: only inside that class (a module may use the same name for another thing)
         trees = [ast.parse((PKG / p).read_text()) for p in paths]
@@ -354,8 +379,51 @@ def test_each_protocol_lists_every_member_its_callers_use():
                                  protocol_members(AsyncGenerator, Sleeper)),
         "generator in episodes": (uses(["generation/episodes.py"], {"gen", "generator"}),
                                   protocol_members(RolloutSource, TurnSampler)),
+        "run in the dashboard": (uses(["ui/dashboard.py"], {"run"}), protocol_members(RunView)),
     }
     undeclared = {k: sorted(used - declared) for k, (used, declared) in checks.items() if used - declared}
     assert not undeclared, undeclared
     assert all(used for used, _ in checks.values())  # positive control: the uses are read at all
     assert member_uses(ast.parse("trainer.opt.step(); self.trainer.version"), {"trainer"}) == {"opt", "version"}
+
+
+# ---- issue 50 items 4-5: the config writes nothing into itself; advantages are made in one function -----------
+
+ADVANTAGE_CALLERS = {"minirl/run/loop.py": "each step's batch, before training",
+                     "minirl/ui/prototype.py": "the reward lab's preview of what a run would train on",
+                     "minirl/ui/episodes.py": "the episode preview's scores"}
+
+
+def calls_to(tree: ast.AST, name: str) -> int:
+    return sum(isinstance(n, ast.Call) and name in (getattr(n.func, "id", None), getattr(n.func, "attr", None))
+               for n in ast.walk(tree))
+
+
+def advantage_makers(tree: ast.AST) -> list[str]:
+    """What in a module makes advantages: a call to the advantage math, or `advantages=` given to a copy."""
+    out = [f"calls {f}" for f in ("group_advantages", "batch_scale") if calls_to(tree, f)]
+    out += ["sets advantages= on a copy" for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and getattr(n.func, "id", getattr(n.func, "attr", None)) == "replace"
+            and any(k.arg == "advantages" for k in n.keywords)]
+    return out
+
+
+def test_advantages_are_made_in_one_function_called_from_one_place():
+    makers, callers = {}, set()
+    for p in PKG.rglob("*.py"):
+        rel = str(p.relative_to(ROOT))
+        tree = ast.parse(p.read_text())
+        if rel != "minirl/rewards/advantages.py" and advantage_makers(tree):
+            makers[rel] = advantage_makers(tree)
+        if calls_to(tree, "step_advantages"):
+            callers.add(rel)
+    assert makers == {}, f"advantages made outside rewards/advantages.py: {makers}"
+    assert callers == set(ADVANTAGE_CALLERS), callers
+    planted = ast.parse("import dataclasses\ng = dataclasses.replace(g, advantages=(1.0,))\nx = batch_scale([])")
+    assert advantage_makers(planted) == ["calls batch_scale", "sets advantages= on a copy"]  # the check sees them
+
+
+def test_the_config_never_writes_into_its_frozen_instance():
+    hits = [f"{p.name}:{i}" for p in (PKG / "config").glob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "object.__setattr__" in line]
+    assert hits == []

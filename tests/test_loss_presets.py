@@ -1,16 +1,19 @@
 """Issue 37, item 1: `loss_type` presets, GSPO's sequence-level ratio (off-policy, by hand), `scale_rewards`."""
 import argparse
+import dataclasses
 import math
 
 import pytest
 import torch
 import yaml
 
+import minirl
+from conftest import TOY_ROWS
+
 from minirl import Config, ConfigError
-from minirl.training.batch import scale_by_batch
 from minirl.config import add_cli_args, overrides_from_args
-from minirl.rewards.advantages import group_advantages
-from minirl.config.presets import PRESETS
+from minirl.rewards.advantages import group_advantages, step_advantages
+from minirl.config.presets import LOSS_FIELDS, PRESETS
 from minirl.training.loss import LossSettings, policy_loss, token_weights
 from minirl.rewards import Scorer
 from minirl.types import Completion, Group, Prompt
@@ -105,51 +108,84 @@ def test_sequence_level_behav_clip_masks_whole_sequences():
     assert tok.behav_clipped == 4 and logp.grad[0, 0] == 0  # token level: sequence 0's first token is masked
 
 
-def test_presets_set_the_fields_explicit_ones_win_and_config_yaml_records_them(tmp_path):
+def test_presets_fill_the_unset_fields_and_a_set_one_wins():
     for name, fields in PRESETS.items():
-        cfg = Config(loss_type=name)
-        assert {k: getattr(cfg, k) for k in fields} == fields
+        r = Config(loss_type=name).recipe
+        assert {k: getattr(r, k) for k in fields} == fields and r.preset == name
     assert PRESETS["bnpo"] == PRESETS["dapo"]  # said in the docs: the same settings here
-    loss_fields = set(PRESETS["dapo"])
-    assert {k: getattr(Config(), k) for k in loss_fields} == PRESETS["dapo"]  # no preset: the defaults are dapo's
+    assert {k: getattr(Config().recipe, k) for k in LOSS_FIELDS} == PRESETS["dapo"]  # no preset: dapo's
     g = Config(loss_type="gspo")
-    assert (g.clip_low, g.clip_high, LossSettings.from_config(g).importance_level) == (3e-4, 4e-4, "sequence")
-    # Python: an explicit field wins, even one set to its default; replace keeps it and re-resolves the rest
-    c = Config(loss_type="gspo", clip_high=0.28, scale_rewards="group")
-    assert (c.clip_low, c.clip_high, c.importance_level) == (3e-4, 0.28, "sequence")
+    assert (g.clip_low, g.clip_high) == (None, None)  # the config holds what was set; the recipe resolves the rest
+    assert (LossSettings.from_config(g).clip_low, LossSettings.from_config(g).importance_level) == (3e-4, "sequence")
+    c = Config(loss_type="gspo", clip_high=0.28, scale_rewards="group")  # set to a default value: still set
+    assert (c.recipe.clip_low, c.recipe.clip_high, c.recipe.importance_level) == (3e-4, 0.28, "sequence")
     d = c.replace(loss_type="dr_grpo")
-    assert (d.loss_agg, d.scale_rewards, d.clip_high, d.clip_low) == ("constant", "group", 0.28, 0.2)
-    # YAML
-    (tmp_path / "c.yaml").write_text("loss_type: gspo\nclip_high: 0.01\n")
-    y = Config.from_yaml(tmp_path / "c.yaml")
-    assert (y.clip_low, y.clip_high, y.loss_agg) == (3e-4, 0.01, "seq-mean")
-    # CLI flags over a YAML file (`minirl train`): the flag and the file's fields win over the preset
-    ap = argparse.ArgumentParser()
-    add_cli_args(ap)
-    flags = overrides_from_args(ap.parse_args(["--loss-type", "dr_grpo", "--clip-low", "0.1"]))
-    f = y.replace(**flags)
-    assert (f.loss_agg, f.scale_rewards, f.clip_low, f.clip_high) == ("constant", "none", 0.1, 0.01)
-    # config.yaml (Run writes cfg.to_yaml()) records the resolved fields, and loads back to the same config
-    saved = yaml.safe_load(y.to_yaml())
-    assert (saved["loss_type"], saved["clip_low"], saved["importance_level"]) == ("gspo", 3e-4, "sequence")
-    y.to_yaml(tmp_path / "config.yaml")
-    assert Config.from_yaml(tmp_path / "config.yaml") == y
+    assert (d.recipe.loss_agg, d.recipe.scale_rewards, d.recipe.clip_high, d.recipe.clip_low) == (
+        "constant", "group", 0.28, 0.2)
     with pytest.raises(ConfigError, match="loss_type='ppo'"):
         Config(loss_type="ppo")
+    with pytest.raises(ConfigError, match="loss_agg='sum'"):
+        Config(loss_agg="sum")
+
+
+def _flags(*argv):
+    ap = argparse.ArgumentParser()
+    add_cli_args(ap)
+    return overrides_from_args(ap.parse_args(list(argv)))
+
+
+@pytest.mark.parametrize("given", [{}, {"clip_high": 0.01, "lr": 1e-4}, {"loss_agg": "constant", "clip_low": 0.1}])
+@pytest.mark.parametrize("start", [None, *PRESETS])
+def test_a_saved_config_then_another_loss_type_is_that_preset_plus_the_fields_set(tmp_path, start, given):
+    """Issue 50: save (config.yaml as a run writes it), reload, replace(loss_type=X) == Config(loss_type=X) plus the
+    same fields set, for every pair of presets; and the same through `minirl train CONFIG --loss-type X` flags."""
+    saved = tmp_path / "config.yaml"
+    Config(loss_type=start, **given).to_yaml(saved)
+    loaded = Config.from_yaml(saved)
+    assert loaded == Config(loss_type=start, **given)
+    for x in PRESETS:
+        want = Config(loss_type=x, **given)
+        assert loaded.replace(loss_type=x) == want
+        assert loaded.replace(**_flags("--loss-type", x)) == want
+        assert loaded.replace(loss_type=x).recipe == want.recipe
+
+
+def test_config_yaml_says_which_loss_fields_the_user_set_and_which_the_preset(tmp_path):
+    text = Config(loss_type="gspo", clip_high=0.001).to_yaml()
+    lines = {line.split(":")[0]: line for line in text.splitlines()}
+    assert lines["clip_high"] == "clip_high: 0.001"
+    assert lines["clip_low"] == "clip_low: null  # 0.0003 from loss_type gspo"
+    assert lines["importance_level"] == "importance_level: null  # sequence from loss_type gspo"
+    # a user who edits loss_type in the saved file gets the new preset for every field they did not set
+    (tmp_path / "c.yaml").write_text(text.replace("loss_type: gspo", "loss_type: dr_grpo"))
+    edited = Config.from_yaml(tmp_path / "c.yaml").recipe
+    assert (edited.loss_agg, edited.clip_low, edited.clip_high, edited.importance_level) == (
+        "constant", 0.2, 0.001, "token")
+    assert yaml.safe_load(text)["clip_low"] is None
+
+
+def test_config_coerces_what_it_is_given_before_its_init():
+    """Issue 50: values are coerced before the dataclass's __init__ and never written after (test_layers: no
+    object.__setattr__ in the config)."""
+    c = Config(lr="1e-4", rewards="arithmetic_correct", max_async_steps="1", loss_type="grpo")
+    assert (c.lr, c.rewards, c.max_async_steps) == (1e-4, ["arithmetic_correct"], 1)
+    assert Config(**{f: getattr(c, f) for f in c.to_dict()}) == c and dataclasses.replace(c) == c
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.lr = 1.0
 
 
 def test_scale_adv_by_std_still_loads_as_scale_rewards(tmp_path):
     (tmp_path / "old.yaml").write_text("scale_adv_by_std: false\n")
     assert Config.from_yaml(tmp_path / "old.yaml").scale_rewards == "none"
     assert Config(scale_adv_by_std=True).scale_rewards == "group" and Config(scale_rewards="batch").scale_adv_by_std is False
-    assert Config(loss_type="grpo", scale_adv_by_std=False).scale_rewards == "none"  # explicit under its old name
+    assert Config(loss_type="grpo", scale_adv_by_std=False).recipe.scale_rewards == "none"  # explicit under its old name
     with pytest.raises(ConfigError, match="give only scale_rewards"):
         Config(scale_adv_by_std=False, scale_rewards="group")
     with pytest.raises(ConfigError, match="scale_rewards='std'"):
         Config(scale_rewards="std")
 
 
-def _scored(scale_by_std):
+def _scored(scale):
     table = {"a": [1.0, 0.0, 0.0, 0.0], "b": [3.0, 1.0]}
 
     def r(prompt, completion, **_):
@@ -157,35 +193,48 @@ def _scored(scale_by_std):
     groups = [Group(Prompt(i, (1,), p), tuple(Completion((1,), (-1.0,), (0,), str(j), "stop")
                                               for j in range(len(table[p]))))
               for i, p in enumerate(table)]
-    return Scorer([("r", r)], [1.0], 5.0, scale_by_std=scale_by_std).score_groups(groups)
+    return step_advantages(Scorer([("r", r)], [1.0], 5.0).score_groups(groups), scale)
 
 
 def test_scale_rewards_group_and_batch_by_hand():
     """Rewards [1, 0, 0, 0] and [3, 1]. 'group': each group by its own std (sqrt(3)/4 and 1); 'batch': centred on
     each group's mean, divided by the std of all six rewards, sqrt(41)/6; 'none': centred only."""
-    group = _scored(True)
+    group = _scored("group")
     s1 = math.sqrt(3) / 4
     assert group[0].advantages == pytest.approx([0.75 / s1, -0.25 / s1, -0.25 / s1, -0.25 / s1], rel=1e-5)
     assert group[1].advantages == pytest.approx([1.0, -1.0], rel=1e-5)
-    batch = scale_by_batch(_scored(False))
+    batch = _scored("batch")
     sb = math.sqrt(41) / 6
     assert batch[0].advantages == pytest.approx([0.75 / sb, -0.25 / sb, -0.25 / sb, -0.25 / sb], rel=1e-5)
     assert batch[1].advantages == pytest.approx([1.0 / sb, -1.0 / sb], rel=1e-5)
-    assert _scored(False)[1].advantages == pytest.approx([1.0, -1.0])
+    assert _scored("none")[1].advantages == pytest.approx([1.0, -1.0])
     assert group_advantages([2.0, 2.0]) == [0.0, 0.0]  # no spread stays zero at every scale
 
 
-def test_the_trainer_scales_by_the_batch_std_when_asked(tiny_model, monkeypatch):
-    """scale_rewards='batch' reaches the loss: the trainer's batch holds the batch-scaled advantages."""
+def test_a_run_trains_on_the_advantages_its_scale_rewards_asks_for(toy_cfg, monkeypatch):
+    """The run loop makes each step's advantages once (`step_advantages`) with the config's recipe: 'batch' reaches
+    the trainer as each group centred on its own mean and divided by the std of every reward of the step."""
     import minirl.training.trainer as T
     seen = []
-    real = T.make_batch
-    monkeypatch.setattr(T, "make_batch", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
-    tr = T.Trainer(Config(model=tiny_model, backend="hf", lora_rank=4, max_tokens=8, scale_rewards="batch"))
-    tr.step(_scored(False))
-    sb = math.sqrt(41) / 6
-    assert sorted(seen[0].adv_B.tolist()) == pytest.approx(sorted([0.75 / sb] + [-0.25 / sb] * 3 + [1 / sb, -1 / sb]),
-                                                          rel=1e-5)
+    real = T.Trainer.step
+    monkeypatch.setattr(T.Trainer, "step", lambda self, groups: seen.append(groups) or real(self, groups))
+    minirl.Run(toy_cfg.replace(steps=1, scale_rewards="batch", reward_workers=0), data=TOY_ROWS).run()
+    (groups,) = seen
+    rewards = [r for g in groups for r in g.rewards]
+    sb = torch.tensor(rewards, dtype=torch.float64).std(unbiased=False).item() + 1e-6
+    assert sb > 1e-3  # the toy's rewards have a spread: the check means something
+    for g in groups:
+        mean = sum(g.rewards) / len(g.rewards)
+        spread = max(g.rewards) > min(g.rewards)
+        assert g.advantages == pytest.approx([(r - mean) / sb if spread else 0.0 for r in g.rewards], rel=1e-9)
+
+
+def test_the_trainer_refuses_groups_whose_advantages_were_not_made(tiny_model):
+    from minirl.training.trainer import Trainer
+    raw = Scorer([("r", lambda prompt, completion, **_: float(completion == "1"))], [1.0]).score_groups(
+        [Group(Prompt(0, (1,), "p"), tuple(Completion((1,), (-1.0,), (0,), str(j), "stop") for j in range(2)))])
+    with pytest.raises(ValueError, match="step_advantages"):
+        Trainer(Config(model=tiny_model, backend="hf", lora_rank=4, max_tokens=8)).step(raw)
 
 
 def _scored_with_a_solved_group():
@@ -195,8 +244,8 @@ def _scored_with_a_solved_group():
     groups = [Group(Prompt(i, (1, 2), p), tuple(Completion((3,), (-1.0,), (0,), str(j), "stop")
                                                 for j in range(len(table[p]))))
               for i, p in enumerate(table)]
-    return Scorer([("r", lambda prompt, completion, **_: table[prompt][int(completion)])], [1.0], 5.0,
-                  scale_by_std=True).score_groups(groups)
+    return step_advantages(Scorer([("r", lambda prompt, completion, **_: table[prompt][int(completion)])], [1.0],
+                                  5.0).score_groups(groups), "group")
 
 
 def test_train_zero_adv_counts_the_solved_group_in_the_denominator_as_trl_does(tiny_model):

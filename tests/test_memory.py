@@ -175,7 +175,7 @@ def test_qlora_engine_loads_the_4bit_base_where_vllm_can_else_says_so(monkeypatc
     pytest.importorskip("vllm")
     import types
     import torch
-    import minirl.generation.vllm as V
+    import minirl.generation.factory as factory
     from minirl.config import Config
     from minirl.generation.factory import make_generator
 
@@ -186,14 +186,14 @@ def test_qlora_engine_loads_the_4bit_base_where_vllm_can_else_says_so(monkeypatc
     def fake_engine(*a, **kw):
         asked.update(kw)
         raise Started
-    monkeypatch.setattr(V, "VLLMGenerator", fake_engine)
+    monkeypatch.setattr(factory, "VLLMGenerator", fake_engine)
     trainer = types.SimpleNamespace(device="cpu", model=torch.nn.Linear(1, 1), model_path="m")
     cfg = Config(load_in_4bit=True, backend="vllm")
     with pytest.raises(Started):
         make_generator(cfg, trainer, "vllm", False, None)
     out = capsys.readouterr().out.strip().splitlines()
     assert asked["quantization"] is None and len(out) == 1 and out[0].startswith("minirl: qlora: this vLLM")
-    monkeypatch.setattr(V, "loads_bitsandbytes", lambda: True)  # a vLLM with bitsandbytes on a GPU
+    monkeypatch.setattr(factory, "loads_bitsandbytes", lambda: True)  # a vLLM with bitsandbytes on a GPU
     with pytest.raises(Started):
         make_generator(cfg, trainer, "vllm", False, None)
     assert asked["quantization"] == "bitsandbytes" and capsys.readouterr().out == ""

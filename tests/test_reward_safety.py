@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from minirl import Run
-from minirl.rewards.advantages import group_advantages
+from minirl.rewards.advantages import group_advantages, step_advantages
 from minirl.core.metrics import read_log
 from minirl.rewards import Scorer
 from minirl.rewards.builtin import code_tests_pass
@@ -44,6 +44,8 @@ def fuzzed(prompt, completion, fault, **_):
         fault, float("yes" in completion.split()))
 
 
+@pytest.mark.full("a real run through every reward fault at once: ~4 min; by default each fault is injected into the "
+                  "scorer alone (test_errors.py, the tests below) and a run with failing rewards stops with the fix")
 def test_reward_fuzz_on_a_real_run_counts_every_failure_and_ends_with_a_finite_adapter(toy_cfg):
     rows = [{"prompt": r["prompt"], "fault": f} for r, f in zip(TOY_ROWS, FAULTS)]
     rows += [{"prompt": r["prompt"], "fault": "ok"} for r in TOY_ROWS[20:33]]
@@ -74,11 +76,16 @@ def test_huge_finite_rewards_are_failures_and_advantages_stay_finite():
     assert any(math.isnan(a) for a in group_advantages([1e308, 1e308, 0.0, 0.0]))  # the fault the clip exists for
     g = Scorer([("big", lambda p, c, **_: 1e308 if c == "big" else float(c == "a"))], [1.0]).score_group(
         _group(["big", "big", "a", "b"]))
+    [g] = step_advantages([g], "group")
     assert g.rewards == (None, None, 1.0, 0.0) and all(math.isfinite(a) for a in g.advantages)
     assert [f.reason for f in g.failures] == ["returned 1e+308, beyond reward_clip=1e+06"] * 2
     # even with the clip off, a group whose advantages come out non-finite is never trained on
     g = Scorer([("big", lambda p, c, **_: 1e308 if c == "big" else 0.0)], [1.0], reward_clip=math.inf).score_group(
         _group(["big", "big", "a", "b"]))
+    for scale in ("group", "batch", "none"):
+        [s] = step_advantages([g], scale)
+        assert s.rewards == (None,) * 4 and s.advantages == (0.0,) * 4, scale
+    [g] = step_advantages([g], "group")
     assert g.rewards == (None,) * 4 and g.advantages == (0.0,) * 4
     assert any("non-finite advantage" in f.reason for f in g.failures)
 
@@ -91,7 +98,8 @@ class Refuses(float):
 def test_values_float_cannot_take_are_failures_with_their_reason():
     values = {"10**400": 10**400, "10**5000": 10**5000, "Decimal": Decimal("1e400"), "refuses": Refuses(2.0),
               "a": 1.0, "b": 0.0}
-    g = Scorer([("r", lambda p, c, **_: values[c])], [1.0]).score_group(_group(list(values)))
+    [g] = step_advantages([Scorer([("r", lambda p, c, **_: values[c])], [1.0]).score_group(_group(list(values)))],
+                          "group")
     assert g.rewards == (None, None, None, None, 1.0, 0.0) and all(math.isfinite(a) for a in g.advantages)
     assert [f.reason for f in g.failures] == [
         "returned int 1000000000000000000000000000000000000000, which float() cannot take (OverflowError: int too "

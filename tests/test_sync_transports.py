@@ -355,6 +355,8 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+@pytest.mark.full("~4 min of an engine swapping adapters under load; by default test_swaps checks the versions' "
+                  "bookkeeping and test_sync_serves_the_trainers_adapter[*-True] an in-flight swap on the engine")
 def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer, tok, monkeypatch):
     """50 in-place syncs while requests stream through the generator: no request fails; every token's version
     tag (`Completion.versions`, from the worker's swap reports) is the adapter that produced it (its sampled

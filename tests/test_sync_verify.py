@@ -76,10 +76,11 @@ def _real_step(trainer, gen, step: int, samples: bool = True) -> None:
     """One real trainer step on groups the generator process sampled (none: a step without samples)."""
     from minirl.data.rows import to_prompts
     from minirl.rewards import Scorer
+    from minirl.rewards.advantages import step_advantages
     from minirl.types import SamplingParams
     prompts = to_prompts([{"prompt": f"What is {i} + 1 ?"} for i in range(3)], trainer.tokenizer)
     groups = gen.generate(prompts, 4, SamplingParams(temperature=1.0, max_tokens=6, seed=step)) if samples else []
-    trainer.step([Scorer.from_config([words], None, 10.0).score_group(g) for g in groups])
+    trainer.step(step_advantages([Scorer.from_config([words], None, 10.0).score_group(g) for g in groups], "group"))
 
 
 def _push_and_check(p) -> None:

@@ -47,6 +47,8 @@ def _spoil(folder, out):
 
 @pytest.mark.vllm
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+@pytest.mark.full("two real vLLM servers, one killed mid-run: ~10 min on 2 cores; by default a server that stops "
+                  "answering stops the run (test_a_server_that_stops_answering_...)")
 def test_run_on_two_servers_survives_a_killed_server(tmp_path):
     from minirl import Config, Run
     from minirl.sync.wire import adapter_name

@@ -77,7 +77,7 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
     steps = all_steps[:steps] if steps else all_steps
     s = head.get("settings", {})
     cfg = Config(model=model or head["model"], backend="hf", seed=0, max_tokens=s.get("max_tokens", 48),
-                 token_budget=token_budget or s.get("token_budget", 512), loss_agg=s.get("loss_agg", "token-mean"),
+                 token_budget=token_budget or s.get("token_budget", 512), loss_agg=s.get("loss_agg"),
                  gradient_checkpointing=gradient_checkpointing, kl_coef=kl_coef)
     sides = {name: Trainer(cfg.replace(packing=name)) for name in ("padded", "shared-prefix")}
     secs: dict[str, list[float]] = {n: [] for n in sides}
@@ -92,7 +92,7 @@ def bench_trainer_step(path: str | Path, rounds: int = 3, model: str | None = No
             "what": "Trainer.step on stored batches, padded vs shared-prefix packed",
             "batches": str(path), "steps_per_round": len(steps), "rounds": len(order), "order": order,
             "settings": {"model": cfg.model, "token_budget": cfg.token_budget, "max_tokens": cfg.max_tokens,
-                         "loss_agg": cfg.loss_agg, "gradient_checkpointing": gradient_checkpointing,
+                         "loss_agg": cfg.recipe.loss_agg, "gradient_checkpointing": gradient_checkpointing,
                          "kl_coef": kl_coef, "torch_threads": torch.get_num_threads()},
             "machine": {"cpu": _cpu_model(), "cores": os.cpu_count(),
                         "gpu": torch.cuda.get_device_name(0) if cuda else None}, "commit": _commit(),

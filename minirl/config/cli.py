@@ -6,6 +6,7 @@ import argparse
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 from functools import lru_cache
 from typing import Any
@@ -27,6 +28,23 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+@lru_cache(maxsize=None)
+def field_sections() -> dict[str, str]:
+    """The section each field sits under in `fields.py` (its `# --- name ---` comment): the groups of the CLI help
+    and of docs/config.md."""
+    lines, _ = inspect.getsourcelines(Config)
+    names = {f.name for f in dataclasses.fields(Config)}
+    out, section = {}, ""
+    for line in lines:
+        head = re.match(r"\s*# --- (.+?) -+\s*$", line)
+        if head:
+            section = head.group(1)
+        field = re.match(r"\s*(\w+):", line)
+        if field and field.group(1) in names:
+            out[field.group(1)] = section
+    return out
+
+
 def _parse_value(text: str) -> Any:
     v = yaml.safe_load(text)
     if isinstance(v, str):  # YAML 1.1 reads "1e-3" as a string
@@ -39,10 +57,13 @@ def _parse_value(text: str) -> Any:
 
 def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None) -> None:
     """One `--flag` per field; values are parsed as YAML scalars/lists (`--target-modules "[q_proj,v_proj]"`)."""
-    docs = field_docs()
+    docs, sections = field_docs(), field_sections()
     defaults = defaults or Config()
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for f in dataclasses.fields(Config):
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
+        section = sections[f.name]
+        group = groups.get(section) or groups.setdefault(section, parser.add_argument_group(f"config: {section}"))
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
                             metavar="X",
                             help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%"))
 

@@ -4,17 +4,29 @@ docstrings are the config reference (`cli.field_docs`); checks live in `validate
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minirl.config.io import apply_preset, coerce_fields, from_dict, from_yaml, to_yaml, translate_aliases
+from minirl.config.io import coerce, from_dict, from_yaml, to_yaml, translate_aliases
+from minirl.config.presets import LOSS_FIELDS, Recipe, resolve
 from minirl.config.validate import validate
 
 
+class _Coercing(type):
+    """`Config(...)` takes the old names of renamed fields (`io.ALIASES`) and coerces each given value to its
+    field's type (`io.coerce`: '1e-4' is a number, a single string a one-item list) before the dataclass's own
+    __init__; the instance is never written after it."""
+
+    def __call__(cls, *args: Any, **kw: Any) -> Any:
+        names = [f.name for f in dataclasses.fields(cls)]
+        if len(args) > len(names) or set(names[:len(args)]) & set(kw):
+            raise TypeError(f"{cls.__name__}() takes at most {len(names)} values, each given once")
+        return super().__call__(**coerce(cls, translate_aliases({**dict(zip(names, args)), **kw})))
+
+
 @dataclass(frozen=True)
-class Config:
+class Config(metaclass=_Coercing):
     # --- model -------------------------------------------------------------------------------------------
     model: str = "smollm2-135m-instruct"
     """Base model: the embedded default 'smollm2-135m-instruct', a Hugging Face id, or a local folder."""
@@ -73,7 +85,7 @@ class Config:
     eval_size: int = 64
     """At most this many held-out prompts are evaluated. 0 = no evaluation (the run says so in one line)."""
 
-    # --- recipes (issue 37: what a TRL / Unsloth user brings): data columns, model loading, truncation -------
+    # --- recipes: data columns, model loading, truncation (what a TRL / Unsloth user brings) ----------------
     answer_column: str | None = None
     """A column of `data` / `eval_data` renamed 'answer' before rewards see it (e.g. 'solution'); None = as is."""
     model_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -137,7 +149,7 @@ class Config:
     max_prompt_tokens: int = 512
     """Prompts longer than this (after the chat template) are an error."""
 
-    # --- environments (multi-turn episodes: minirl/generation/envs.py, minirl/generation/episodes.py) -----------------------------
+    # --- environments: multi-turn episodes (minirl/generation/envs.py, episodes.py) ------------------------
     env: str | None = None
     """Multi-turn environment: a built-in task ('sums': sums of 3-4 numbers with an `add` tool), or a
     'module:Class' path to a `minirl.Env`; None = single-turn prompts. In Python, `Run(cfg, env=MyEnv)` takes the
@@ -187,31 +199,32 @@ class Config:
 
     # --- loss ----------------------------------------------------------------------------------------------
     loss_type: str | None = None
-    """A preset by TRL's name that sets loss_agg, scale_rewards, clip_low, clip_high and importance_level; a field
-    you set yourself (Python, YAML or a flag) wins over it, and config.yaml records the fields it resolved to.
-    'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo': constant, none, 0.2 / 0.2, token. 'dapo':
-    token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as 'dapo' (TRL's two differ only in counting
-    tokens per device or over the whole step; minirl's weights always span the step). 'gspo': seq-mean, group,
-    3e-4 / 4e-4, sequence. No preset touches kl_coef (0 = off, as TRL's beta), tis_cap, behav_clip or opsm_delta.
-    None: the fields as set (their defaults equal 'dapo'). Table: docs/recipes.md."""
-    loss_agg: str = "token-mean"
-    """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO)."""
-    scale_rewards: str = "group"
+    """A preset by TRL's name for the five fields below (loss_agg, scale_rewards, clip_low, clip_high,
+    importance_level): each of them left unset (None) takes the preset's value; one you set (Python, YAML or a flag)
+    is yours and stays when loss_type changes. 'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo': constant,
+    none, 0.2 / 0.2, token. 'dapo': token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as 'dapo'
+    (TRL's two differ only in counting tokens per device or over the whole step; minirl's weights always span the
+    step). 'gspo': seq-mean, group, 3e-4 / 4e-4, sequence. None: 'dapo'. No preset touches kl_coef (0 = off, as
+    TRL's beta), tis_cap, behav_clip or opsm_delta. `cfg.recipe` holds the five as resolved; a run's config.yaml
+    writes an unset one as null with the value it resolved to. Table: docs/recipes.md."""
+    loss_agg: str | None = None
+    """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO). None: loss_type's."""
+    scale_rewards: str | None = None
     """How group-centred advantages are scaled: 'group' (divided by the group's reward std, GRPO), 'batch' (by the
-    std of every reward in the step's batch, TRL's 'batch') or 'none' (Dr. GRPO). Replaces scale_adv_by_std, still
-    accepted: true = 'group', false = 'none'."""
-    importance_level: str = "token"
+    std of every reward in the step's batch, TRL's 'batch') or 'none' (Dr. GRPO). None: loss_type's. Replaces
+    scale_adv_by_std, still accepted: true = 'group', false = 'none'."""
+    importance_level: str | None = None
     """'token': each token's own ratio. 'sequence' (GSPO): the sequence's length-normalised ratio
     exp(mean_t(logp - old_logp)) replaces the token ratio in the PPO clip, in the capped IS weight (tis_cap, on the
     sequence's mean log ratio to the sampling policy) and in behav_clip, so a sequence is clipped, capped or masked
     whole; each token's gradient flows through the sequence ratio (GSPO-token). opsm_delta is unchanged: it was
     already a per-sequence test (mean |log ratio| to the sampling policy) masking whole sequences. With GSPO's
     clip range behav_clip masks a sequence whose mean log-prob moved more than ~4e-4 since it was sampled (an
-    engine whose numerics differ from the trainer's shows it in clip_frac/behav)."""
-    clip_low: float = 0.2
-    """Lower ratio clip: ratio >= 1 - clip_low."""
-    clip_high: float = 0.28
-    """Upper ratio clip (clip-higher): ratio <= 1 + clip_high."""
+    engine whose numerics differ from the trainer's shows it in clip_frac/behav). None: loss_type's."""
+    clip_low: float | None = None
+    """Lower ratio clip: ratio >= 1 - clip_low. None: loss_type's (0.2 but for 'gspo')."""
+    clip_high: float | None = None
+    """Upper ratio clip (clip-higher): ratio <= 1 + clip_high. None: loss_type's (0.28 with 'dapo', the default)."""
     tis_cap: float | None = 2.0
     """Truncated importance sampling cap C on pi_trainer / pi_behaviour; None = no correction."""
     opsm_delta: float | None = None
@@ -311,20 +324,17 @@ class Config:
 
     # ------------------------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
-        coerce_fields(self)
-        apply_preset(self)
         self.validate()
 
     @property
-    def explicit(self) -> frozenset[str]:
-        """The fields given when this config was made (keyword, YAML key or flag), kept by `replace`: those a
-        `loss_type` preset does not override."""
-        return self.__dict__.get("_explicit", frozenset())
+    def recipe(self) -> Recipe:
+        """The loss settings this config resolves to: the loss fields as set, the rest from `loss_type`'s preset."""
+        return resolve(self.loss_type, {k: getattr(self, k) for k in LOSS_FIELDS})
 
     @property
     def scale_adv_by_std(self) -> bool:
         """The old name: whether advantages are divided by the group std (scale_rewards == 'group')."""
-        return self.scale_rewards == "group"
+        return self.recipe.scale_rewards == "group"
 
     def validate(self) -> None:
         """Raise one `ConfigError` naming the field and the fix for a bad setting (`validate.py`)."""
@@ -348,24 +358,9 @@ class Config:
         return from_yaml(cls, path)
 
     def replace(self, **kw: Any) -> "Config":
-        """A copy with `kw` changed; the fields given explicitly stay so, and the others follow the (new) preset."""
-        return type(self)(**{**{k: getattr(self, k) for k in self.explicit}, **translate_aliases(kw)})
-
-
-def _track_explicit(init):
-    """Config's generated __init__, recording which fields were given (`Config.explicit`) and taking the old
-    names of renamed fields (`io.ALIASES`)."""
-    names = [f.name for f in dataclasses.fields(Config)]
-
-    @functools.wraps(init)
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        kw = translate_aliases(kw)
-        object.__setattr__(self, "_explicit", frozenset(names[:len(args)]) | frozenset(kw))
-        init(self, *args, **kw)
-    return __init__
-
-
-Config.__init__ = _track_explicit(Config.__init__)  # type: ignore[method-assign]
+        """A copy with `kw` changed (old field names accepted). The loss fields left to the preset stay so: they
+        follow a new loss_type."""
+        return dataclasses.replace(self, **translate_aliases(kw))
 
 
 # The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized for 2 CPU cores

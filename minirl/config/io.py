@@ -12,27 +12,30 @@ from typing import Any
 import yaml
 
 from minirl.config.errors import ConfigError
-from minirl.config.presets import PRESETS
+from minirl.config.presets import LOSS_FIELDS
+
+NONE_IS_A_VALUE = {"scale_rewards"}  # 'none' is one of its values (no scaling), not None (the preset's)
 
 
-def coerce_fields(cfg) -> None:
-    """Each field of `cfg` (a frozen Config) set to its value coerced to the field's type, or one ConfigError."""
-    hints = _hints(type(cfg))
-    for f in dataclasses.fields(cfg):
-        object.__setattr__(cfg, f.name, _coerce(f.name, getattr(cfg, f.name), hints[f.name]))
+def coerce(cls, kw: dict[str, Any]) -> dict[str, Any]:
+    """The given field values `kw` each coerced to its field's type (a new dict), or one ConfigError."""
+    hints = _hints(cls)
+    out = {name: v if name in NONE_IS_A_VALUE and isinstance(v, str) else
+           _coerce(name, v, hints[name]) if name in hints else v for name, v in kw.items()}
     for name in ("max_async_steps", "token_budget"):  # int | 'auto': a number written as a string ('1') is a number
-        k = getattr(cfg, name)
+        k = out.get(name)
         if isinstance(k, str) and k.strip().lstrip("-").isdigit():
-            object.__setattr__(cfg, name, int(k))
-    u = cfg.gpu_memory_utilization  # float | 'auto': a number written as a string ('0.5') is a number
+            out[name] = int(k)
+    u = out.get("gpu_memory_utilization")  # float | 'auto': a number written as a string ('0.5') is a number
     if isinstance(u, str) and u.strip() != "auto":
         try:
-            object.__setattr__(cfg, "gpu_memory_utilization", float(u))
+            out["gpu_memory_utilization"] = float(u)
         except ValueError:
             pass  # validate names it
-    gc = cfg.gradient_checkpointing  # bool | 'auto': 'true' / 'false' (a CLI flag, a quoted YAML value) are bools
+    gc = out.get("gradient_checkpointing")  # bool | 'auto': 'true' / 'false' (a flag, a quoted YAML value) are bools
     if isinstance(gc, str) and gc.strip().lower() in ("true", "false", "yes", "no"):
-        object.__setattr__(cfg, "gradient_checkpointing", gc.strip().lower() in ("true", "yes"))
+        out["gradient_checkpointing"] = gc.strip().lower() in ("true", "yes")
+    return out
 
 
 def _scale_rewards(v: Any) -> str:
@@ -68,19 +71,17 @@ def translate_aliases(kw: dict[str, Any]) -> dict[str, Any]:
     return kw
 
 
-def apply_preset(cfg) -> None:
-    """The fields `cfg.loss_type` names (`loss.PRESETS`) set on `cfg`, except those given explicitly."""
-    if cfg.loss_type is None:
-        return
-    if cfg.loss_type not in PRESETS:
-        raise ConfigError(f"loss_type={cfg.loss_type!r}: use one of {', '.join(PRESETS)}, or none")
-    for name, value in PRESETS[cfg.loss_type].items():
-        if name not in cfg.explicit:
-            object.__setattr__(cfg, name, value)
-
-
 def to_yaml(cfg, path: str | Path | None = None) -> str:
-    text = yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    """`field: value` lines; a loss field left to the `loss_type` preset is written `null` with a comment giving the
+    value it resolves to, so the file says what the user set and what the preset did, and loads back the same."""
+    recipe = cfg.recipe
+    lines = []
+    for name, value in cfg.to_dict().items():
+        line = yaml.safe_dump({name: value}, sort_keys=False, width=10**6).rstrip("\n")
+        if name in LOSS_FIELDS and value is None:
+            line += f"  # {getattr(recipe, name)} from loss_type {recipe.preset}"
+        lines.append(line)
+    text = "\n".join(lines) + "\n"
     if path is not None:
         Path(path).write_text(text)
     return text

@@ -1,15 +1,19 @@
-"""The loss's vocabulary as the config knows it: the allowed values of its fields and the `loss_type` presets (the
-Config fields each name sets). The loss (`minirl.training.loss`) reads these; the config imports nothing of it."""
+"""The loss's vocabulary as the config knows it: the allowed values of its fields, the `loss_type` presets and
+`resolve`, the pure function that gives a config's loss settings. The loss (`minirl.training.loss`) reads these;
+the config imports nothing of it."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 AGGREGATIONS = ("token-mean", "seq-mean", "constant")
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 
-# `loss_type` presets: the Config fields each name sets (a field the user set explicitly wins). TRL's names; where
-# two mean the same here, they map to the same settings: TRL's 'bnpo' and 'dapo' differ only in whether tokens are
-# counted per device micro-batch or over the whole step, and minirl's weights are always over the whole step.
-PRESETS: dict[str, dict[str, object]] = {
+# `loss_type` presets: the Config fields each name sets (a field the user set wins). TRL's names; where two mean
+# the same here, they map to the same settings: TRL's 'bnpo' and 'dapo' differ only in whether tokens are counted
+# per device micro-batch or over the whole step, and minirl's weights are always over the whole step.
+PRESETS: dict[str, dict[str, Any]] = {
     "grpo": dict(loss_agg="seq-mean", scale_rewards="group", clip_low=0.2, clip_high=0.2, importance_level="token"),
     "dr_grpo": dict(loss_agg="constant", scale_rewards="none", clip_low=0.2, clip_high=0.2, importance_level="token"),
     "dapo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28, importance_level="token"),
@@ -17,3 +21,25 @@ PRESETS: dict[str, dict[str, object]] = {
     "gspo": dict(loss_agg="seq-mean", scale_rewards="group", clip_low=3e-4, clip_high=4e-4,
                  importance_level="sequence"),
 }
+DEFAULT_PRESET = "dapo"  # what the fields left unset follow when loss_type is None
+LOSS_FIELDS = ("loss_agg", "scale_rewards", "clip_low", "clip_high", "importance_level")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The loss settings a config resolves to (`Config.recipe`): each field as the user set it, else the preset's."""
+    loss_agg: str
+    scale_rewards: str
+    clip_low: float
+    clip_high: float
+    importance_level: str
+    preset: str
+    """The preset the unset fields came from: `loss_type`, or DEFAULT_PRESET when it is None."""
+
+
+def resolve(loss_type: str | None, given: Mapping[str, Any]) -> Recipe:
+    """The `Recipe` of a config whose `loss_type` is `loss_type` and whose LOSS_FIELDS are `given` (None = unset).
+    A pure function: the config stores only what the user set, and every reader resolves the rest through it."""
+    preset = loss_type or DEFAULT_PRESET
+    values = PRESETS[preset]
+    return Recipe(**{k: values[k] if given.get(k) is None else given[k] for k in LOSS_FIELDS}, preset=preset)

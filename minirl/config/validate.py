@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from minirl.config.errors import ConfigError
-from minirl.config.presets import IMPORTANCE_LEVELS, SCALE_REWARDS
+from minirl.config.presets import AGGREGATIONS, IMPORTANCE_LEVELS, PRESETS, SCALE_REWARDS
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,13 @@ def validate(cfg) -> None:
         if not ok:
             problems.append(msg)
     need(cfg.lr_schedule in ("constant", "cosine"), f"lr_schedule={cfg.lr_schedule!r}: use 'constant' or 'cosine'")
-    need(cfg.loss_agg in ("token-mean", "seq-mean", "constant"),
+    need(cfg.loss_type is None or cfg.loss_type in PRESETS,
+         f"loss_type={cfg.loss_type!r}: use one of {', '.join(PRESETS)}, or none")
+    need(cfg.loss_agg in (None, *AGGREGATIONS),
          f"loss_agg={cfg.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
-    need(cfg.scale_rewards in SCALE_REWARDS, f"scale_rewards={cfg.scale_rewards!r}: use 'group', 'batch' or 'none'")
-    need(cfg.importance_level in IMPORTANCE_LEVELS,
+    need(cfg.scale_rewards in (None, *SCALE_REWARDS),
+         f"scale_rewards={cfg.scale_rewards!r}: use 'group', 'batch' or 'none'")
+    need(cfg.importance_level in (None, *IMPORTANCE_LEVELS),
          f"importance_level={cfg.importance_level!r}: use 'token' or 'sequence' (GSPO)")
     need(cfg.backend in ("auto", "vllm", "vllm-server", "hf"),
          f"backend={cfg.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")

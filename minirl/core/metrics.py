@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from minirl.types import ScoredGroup
+from minirl.types import RunView, ScoredGroup
 
 # name -> meaning. Every "step" event carries these keys (those that apply to the run).
 METRICS: dict[str, str] = {
@@ -275,14 +275,14 @@ def read_log(path: str | Path) -> list[dict]:
     return tail.events
 
 
-def load_events(source: Any) -> list[dict]:
-    """Events from a path (metrics.jsonl or its run folder), a Run, or a list (events or step records)."""
-    if hasattr(source, "history") and hasattr(source, "out"):  # a Run
-        p = Path(source.out) / "metrics.jsonl"
-        return read_log(p) if p.exists() else [{"event": "step", **h} for h in source.history]
+def load_events(source: str | Path | Sequence[dict] | RunView) -> list[dict]:
+    """Events from a path (metrics.jsonl or its run folder), a list (events or step records), or a run (`RunView`:
+    a live `Run`)."""
     if isinstance(source, (str, Path)):
         return read_log(source)
-    return [e if "event" in e else {"event": "step", **e} for e in source]
+    if isinstance(source, (list, tuple)):
+        return [e if "event" in e else {"event": "step", **e} for e in source]
+    return source.events()
 
 
 def steps(events: list[dict]) -> Iterator[dict]:

@@ -32,6 +32,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from minirl.rewards.advantages import informative
 from minirl.types import Group, Prompt, RolloutSource, ScoredGroup
 
 STOP = object()  # the shutdown marker the producer puts in the buffer
@@ -242,7 +243,7 @@ class Pipeline:
             free = sorted(held)
             for sg in scored:  # each drops one group: the one without spread it replaces, or itself
                 self.accounting["dropped_no_spread"] += 1
-                if not sg.zero_advantage and free:
+                if informative(sg.rewards) and free:
                     slot = free.pop(0)
                     held.pop(slot)
                     await self.buffer.put(step, slot, sg)
@@ -254,7 +255,7 @@ class Pipeline:
         groups = [g for _, g in put]
         scored = await asyncio.get_running_loop().run_in_executor(self._score_pool, self.scorer.score_groups, groups)
         for (slot, _), sg in zip(put, scored):
-            if held is not None and sg.zero_advantage:
+            if held is not None and not informative(sg.rewards):
                 held[slot] = sg  # waits for a replacement (`_refill`)
             else:
                 await self.buffer.put(step, slot, sg)
@@ -316,7 +317,7 @@ class Pipeline:
                                "staleness/mean": sum(stale) / len(stale) if stale else None,
                                "staleness/max": max(stale, default=None),
                                **({"batch/resampled_groups": self.resampled.pop(step, 0),
-                                   "batch/informative_groups": sum(not g.zero_advantage for g in kept)}
+                                   "batch/informative_groups": sum(informative(g.rewards) for g in kept)}
                                   if self.refill is not None else {})}
             t_prev = now
 

@@ -1,4 +1,4 @@
-"""The scorer: reward functions on each group, then group-relative advantages.
+"""The scorer: reward functions on each group, their weighted totals (advantages: `advantages.py`, once per step).
 
 A reward is a plain function `(prompt, completion, **columns) -> float | None` (sync or async). `None` means
 "skip this sample". Rewards combine by weight (weight 0 = logged only). A reward call that raises (SystemExit and
@@ -17,7 +17,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from minirl.rewards.advantages import group_advantages
 from minirl.rewards.registry import accepted_keywords, resolve_reward, source_hash
 from minirl.rewards.sandbox.process import ENABLE_SANDBOX
 from minirl.rewards.worker_main import reason
@@ -31,7 +30,6 @@ class Scorer:
     rewards: list[tuple[str, Callable]]
     weights: list[float]
     timeout_s: float = 10.0
-    scale_by_std: bool = True
     workers: int = 0              # reward worker processes; 0 = in this process
     reward_clip: float = 1e6      # |value| above this is a failure (so advantages stay finite)
     memory_mb: int | None = 2048  # per worker process
@@ -45,12 +43,12 @@ class Scorer:
 
     @classmethod
     def from_config(cls, refs: Sequence[str | Callable], weights: Sequence[float] | None, timeout_s: float,
-                    scale_by_std: bool = True, workers: int = 0, reward_clip: float = 1e6,
+                    workers: int = 0, reward_clip: float = 1e6,
                     memory_mb: int | None = 2048) -> "Scorer":
         if not refs:
             raise ValueError("no reward functions: set `rewards` to at least one reward")
         resolved = [resolve_reward(r) for r in refs]
-        return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s, scale_by_std,
+        return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s,
                    workers, reward_clip, memory_mb)
 
     @property
@@ -101,7 +99,7 @@ class Scorer:
                 raise RewardsFailing(_stop_line(name, self._failing_steps[name], reasons[-1]))
 
     def score_group(self, group: Group, names: Sequence[str] | None = None) -> ScoredGroup:
-        """Every reward (or only `names`) on every completion of `group`, then the group's advantages."""
+        """Every reward (or only `names`) on every completion of `group`."""
         return self.score_groups([group], names)[0]
 
     def score_groups(self, groups: Sequence[Group], names: Sequence[str] | None = None) -> list[ScoredGroup]:
@@ -124,19 +122,14 @@ class Scorer:
         return [self._finish(g, rewards, p, f) for g, p, f in zip(groups, per, failures)]
 
     def _finish(self, group: Group, rewards, per: dict, failures: list[RewardFailure]) -> ScoredGroup:
-        """A group's weighted totals and advantages from its per-reward values."""
+        """A group's weighted totals from its per-reward values (a sample with a failed weighted reward: None)."""
         weights = dict(zip((n for n, _ in self.rewards), self.weights))
         totals: list[float | None] = []
         for i in range(len(group.completions)):
             vals = [(per[n][i], weights[n]) for n, _ in rewards if weights[n] != 0]
             totals.append(None if any(v is None for v, _ in vals) else sum(v * w for v, w in vals))
-        adv = group_advantages(totals, self.scale_by_std)
-        if not all(math.isfinite(a) for a in adv):  # cannot happen with clipped rewards; never train on it
-            failures += [RewardFailure("advantage", i, f"non-finite advantage {a}") for i, a in enumerate(adv)
-                         if not math.isfinite(a)]
-            totals, adv = [None] * len(totals), [0.0] * len(adv)
-        return ScoredGroup(group, tuple(totals), {n: tuple(v) for n, v in per.items()}, tuple(adv),
-                           tuple(failures), dict(self.versions))
+        return ScoredGroup(group, tuple(totals), {n: tuple(v) for n, v in per.items()}, (), tuple(failures),
+                           dict(self.versions))
 
 
 def _columns(columns: dict, completion, takes: set[str] | None = None) -> dict:

@@ -90,8 +90,8 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     c = cfg
     check_tracker(c.report_to)
     chat_template_text(c.chat_template)  # a template file that is not there: one line, before anything loads
-    scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.scale_rewards == "group",
-                                c.reward_workers, c.reward_clip, c.reward_memory_mb)
+    scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.reward_workers, c.reward_clip,
+                                c.reward_memory_mb)
     data = data if data is not None else c.data
     eval_data = eval_data if eval_data is not None else c.eval_data
     if env is not None and isinstance(data, str) and data == "arithmetic" and c.env in TASKS:

@@ -16,9 +16,10 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from minirl.config import Config
-from minirl.core.metrics import rollout_metrics, sample_rows, step_summary
+from minirl.core.metrics import LogTail, rollout_metrics, sample_rows, step_summary
 from minirl.data import rows as D
 from minirl.pipeline.rollout import Pipeline
+from minirl.rewards.advantages import step_advantages
 from minirl.rewards.scorer import failure_kinds
 from minirl.run.background import Background, attempt
 from minirl.run.build import RunParts, build_parts, resolve_rewards, sampling_params
@@ -30,7 +31,7 @@ from minirl.run.placement import CpuThreads, cuda_device_count, place
 from minirl.run.trackers import scalars
 from minirl.sync.base import SyncStats
 from minirl.sync.check import SyncCheck
-from minirl.types import ScoredGroup
+from minirl.types import RunStatus, ScoredGroup
 
 
 def _part(name: str) -> property:
@@ -64,6 +65,7 @@ class Run(Background):
         self._cpu = CpuThreads()
         self.pipeline: Pipeline | None = None
         self._check: SyncCheck | None = None
+        self._tail: LogTail | None = None
 
     trainer, generator, sync, scorer, rollouts = (_part(n) for n in ("trainer", "generator", "sync", "scorer",
                                                                      "rollouts"))
@@ -128,6 +130,7 @@ class Run(Background):
         self._pos0 = self.stream.position
         t_prev = time.perf_counter()
         for step, scored, gen in self._batches():
+            scored = step_advantages(scored, c.recipe.scale_rewards)  # the step's advantages: made here, once
             self.scorer.watch(scored)  # a reward failing every call for steps in a row stops the run, with the fix
             t1 = time.perf_counter()
             self._between_steps = False
@@ -281,6 +284,32 @@ class Run(Background):
     def _interrupt(self) -> None:
         if self.pipeline is not None:
             self.pipeline.interrupt()
+
+    # --- as the dashboard sees it (`types.RunView`) ------------------------------------------------------------
+    controllable = True
+
+    def status(self) -> RunStatus:
+        state = ("failed" if self.error is not None else ("paused" if self.paused else "running") if self.running
+                 else "finished" if "steps" in self.summary else "not started")
+        return RunStatus(state, self.error, self.cfg.steps, tuple(map(str, self.cfg.rewards)),
+                         self.out / "metrics.jsonl", {"lr": self.cfg.lr, "temperature": self.cfg.temperature})
+
+    def events(self) -> list[dict]:
+        """This run's log as written so far (read incrementally; never an older run's file in out_dir), with the
+        step records it holds in memory where they are ahead of the file."""
+        mine = [{"event": "step", **h} for h in self.history]
+        if self.log is None or not (self.out / "metrics.jsonl").exists():
+            return mine
+        if self._tail is None:
+            self._tail = LogTail(self.out / "metrics.jsonl")
+        self._tail.poll()
+        events = self._tail.events
+        if len(mine) > sum(e.get("event") == "step" for e in events):
+            events = [e for e in events if e.get("event") != "step"] + mine
+        return events
+
+    def timeline(self) -> dict | None:
+        return self.pipeline.timeline.snapshot() if self.pipeline is not None else None
 
     SAFE_KNOBS = ("lr", "temperature", "max_staleness", "top_p", "kl_coef", "tis_cap", "clip_low", "clip_high")
 

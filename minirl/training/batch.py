@@ -8,14 +8,13 @@ never exist for the whole batch (nor for prompt or padding positions).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Iterator, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from minirl.core.logits import Processing, histories, processed_logits, seen_tokens
-from minirl.rewards.advantages import batch_scale
 from minirl.training.loss import token_weights
 from minirl.types import ScoredGroup
 
@@ -74,13 +73,6 @@ class Batch:
             cur.append(i)
         if cur:
             yield self.rows(cur)
-
-
-def scale_by_batch(groups: Sequence[ScoredGroup]) -> list[ScoredGroup]:
-    """`scale_rewards="batch"`: the groups' (group-centred, unscaled) advantages divided by the std of every valid
-    reward of the step (`loss.batch_scale`)."""
-    scale = batch_scale([list(g.rewards) for g in groups])
-    return [replace(g, advantages=tuple(a / scale for a in g.advantages)) for g in groups]
 
 
 def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = False,

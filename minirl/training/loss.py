@@ -1,4 +1,4 @@
-"""Advantages and the token-level GRPO-family policy loss, as pure functions on tensors.
+"""The token-level GRPO-family policy loss, as pure functions on tensors (advantages: `rewards/advantages.py`).
 
 Where this departs from the GRPO paper (Shao et al., 2024):
 - The objective is token-level and *decoupled* (as in AReaL / "decoupled PPO"): the clipped ratio is taken
@@ -15,8 +15,6 @@ Where this departs from the GRPO paper (Shao et al., 2024):
 - Clipping may be asymmetric (DAPO's clip-higher): ratio in [1 - clip_low, 1 + clip_high].
 - The KL term to the reference is optional and off by default (Dr. GRPO / DAPO drop it); when on it uses the
   k3 estimator, like the paper.
-- Advantages are mean-centred within a group; dividing by the group std is optional (Dr. GRPO drops it), and may
-  use the std of the whole step's rewards instead ("batch", as TRL's scale_rewards="batch").
 - `importance_level="sequence"` is GSPO (Zheng et al., 2025) inside the decoupled objective: every ratio above (the
   clipped one against the proximal policy, the capped IS weight against the behaviour policy, `behav_clip`'s) is
   the length-normalised sequence ratio exp(mean_t log ratio) of the token's sequence. The gradient is GSPO-token's:
@@ -30,7 +28,7 @@ Where this departs from the GRPO paper (Shao et al., 2024):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -82,8 +80,10 @@ class LossSettings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LossSettings":
-        """The fields of the same name of a `Config`."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+        """A `Config`'s settings: the clip range and importance level as its `recipe` resolves them."""
+        r = cfg.recipe
+        return cls(clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
+                   opsm_delta=cfg.opsm_delta, behav_clip=cfg.behav_clip, importance_level=r.importance_level)
 
 
 def policy_loss(

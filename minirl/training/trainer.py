@@ -22,7 +22,6 @@ from minirl.training.batch import (
     completion_logprobs,
     make_batch,
     samples_from_groups,
-    scale_by_batch,
     sequence_logprobs,
 )
 from minirl.training.loss import LossSettings, policy_loss
@@ -104,8 +103,9 @@ class Trainer:
         c = self.cfg
         loss_settings = LossSettings.from_config(c)
         t0 = time.perf_counter()
-        if c.scale_rewards == "batch":  # the scorer centred each group; the scale is the whole step's
-            groups = scale_by_batch(groups)
+        if any(len(g.advantages) != len(g.rewards) for g in groups):
+            raise ValueError("Trainer.step needs the step's advantages: pass the groups through "
+                             "minirl.rewards.advantages.step_advantages(groups, cfg.recipe.scale_rewards) first")
         samples = self.samples(groups)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
@@ -113,7 +113,7 @@ class Trainer:
             m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version,
                       "train/skipped_nonfinite": 0, **memory_metrics()})
             return m
-        batch = make_batch(samples, self.tokenizer.pad_token_id, c.loss_agg, c.max_tokens)
+        batch = make_batch(samples, self.tokenizer.pad_token_id, c.recipe.loss_agg, c.max_tokens)
         if self.packing == "shared-prefix":
             micro = [mb.to(self.device) for mb in pack(samples, batch, self.token_budget)]
         else:

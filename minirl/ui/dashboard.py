@@ -19,9 +19,10 @@ from typing import Any, Sequence
 
 import ipywidgets as W
 
-from minirl.core.metrics import LogTail, load_events
+from minirl.types import RunView
 from minirl.ui.doctor import Alert, doctor
 from minirl.ui.panels import PANELS, View, figure, png_bytes
+from minirl.ui.saved import SavedRun
 
 # --- HTML pieces (shared by the widget and by notebooks) ----------------------------------------------------
 
@@ -87,29 +88,29 @@ class Dashboard:
 
     It refreshes every `every` seconds from the kernel's event loop while the run is alive, redrawing only after
     a new step. `refresh()` draws now; `wait()` blocks the cell until the run ends while keeping the view live
-    (optional: without it the kernel stays free); `close()` stops the timer."""
+    (optional: without it the kernel stays free); `close()` stops the timer. `run`: a live `minirl.Run`, or a saved
+    one (its out_dir, its metrics.jsonl or step records: read as a `SavedRun`)."""
 
-    def __init__(self, run: Any, every: float = 2.0, panels: Sequence[str] = PANELS, samples: int = 6,
-                 controls: bool = True, dpi: int = 80):
+    def __init__(self, run: RunView | str | Path | Sequence[dict], every: float = 2.0,
+                 panels: Sequence[str] = PANELS, samples: int = 6, controls: bool = True, dpi: int = 80):
 
-        self.run, self.every, self.panels, self.n_samples, self.dpi = run, every, tuple(panels), samples, dpi
+        self.run: RunView = SavedRun(run) if isinstance(run, (str, Path, list, tuple)) else run
+        self.every, self.panels, self.n_samples, self.dpi = every, tuple(panels), samples, dpi
         self._dirty = threading.Event()
         self._dirty.set()
         self._task = None
-        self._tail: LogTail | None = None
         self._last_steps = -1
         self._t0 = time.time()
         self.refreshes = 0
         self.alerts: list[Alert] = []
-        if hasattr(run, "on_step"):
-            run.on_step.append(self._mark)  # the run thread only sets a flag
+        self.run.on_step.append(self._mark)  # the run thread only sets a flag
 
         self.status = W.HTML()
         self.doctor_box = W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="1150px"))
         self.samples_box = W.HTML()
         children = [self.status, self.doctor_box, self.image]
-        if controls and hasattr(run, "pause"):
+        if controls and self.run.controllable:
             children.append(self._controls(W))
         children.append(W.HTML("<b style='font-size:12px'>recent samples</b>"))
         children.append(self.samples_box)
@@ -119,13 +120,13 @@ class Dashboard:
 
     # controls: pause / resume / stop and the safe knobs
     def _controls(self, W):
-        cfg = self.run.cfg
+        knobs = self.run.status().knobs
         b_pause = W.Button(description="pause", icon="pause", layout=W.Layout(width="90px"))
         b_resume = W.Button(description="resume", icon="play", layout=W.Layout(width="90px"))
         b_stop = W.Button(description="stop", icon="stop", button_style="danger", layout=W.Layout(width="90px"))
-        self.lr = W.FloatLogSlider(value=cfg.lr, base=10, min=-6, max=-2, step=0.1, description="lr",
+        self.lr = W.FloatLogSlider(value=knobs["lr"], base=10, min=-6, max=-2, step=0.1, description="lr",
                                    readout_format=".1e", continuous_update=False)
-        self.temperature = W.FloatSlider(value=cfg.temperature, min=0.1, max=2.0, step=0.05,
+        self.temperature = W.FloatSlider(value=knobs["temperature"], min=0.1, max=2.0, step=0.05,
                                          description="temperature", continuous_update=False)
         self.message = W.HTML()
 
@@ -152,44 +153,23 @@ class Dashboard:
         self._dirty.set()
 
     # data
-    def _events(self) -> list[dict]:
-        out = getattr(self.run, "out", None)
-        opened = getattr(self.run, "log", None) is not None or not hasattr(self.run, "start")
-        if out is not None and opened and (Path(out) / "metrics.jsonl").exists():  # never an old run's log
-            if self._tail is None:
-                self._tail = LogTail(Path(out) / "metrics.jsonl")
-            self._tail.poll()
-            return self._tail.events
-        if hasattr(self.run, "start"):  # a Run that has not opened its log yet
-            return [{"event": "step", **h} for h in getattr(self.run, "history", [])]
-        return load_events(self.run)
-
     def view(self) -> View:
-        events = self._events()
-        pipe = getattr(self.run, "pipeline", None)
-        live = None
-        if pipe is not None and getattr(pipe, "timeline", None) is not None:
-            live = pipe.timeline.snapshot()
-        v = View.from_events(events, live)
-        if len(getattr(self.run, "history", ())) > len(v.steps):  # the run's memory is ahead of the file
-            v.steps = [dict(h) for h in self.run.history]
-        cfg = getattr(self.run, "cfg", None)
-        if cfg is not None:
-            v.total_steps = cfg.steps
-            v.reward_names = tuple(cfg.rewards)
+        st = self.run.status()
+        v = View.from_events(self.run.events(), self.run.timeline())
+        if st.total_steps is not None:
+            v.total_steps = st.total_steps
+        if st.reward_names:
+            v.reward_names = st.reward_names
         return v
 
     def _state(self) -> str:
-        r = self.run
-        if getattr(r, "error", None) is not None:
-            return f"<b style='color:#b00020'>failed: {html.escape(repr(r.error))}</b> (run.wait() shows the traceback)"
-        if getattr(r, "running", False):
-            if r.paused:
-                return "<b style='color:#a15c00'>paused</b>"
-            return "<b style='color:#2a7d2a'>running</b>"
-        if getattr(r, "summary", None) and "steps" in r.summary:
-            return "<b>finished</b>"
-        return "<b>not started</b> (call run.start())" if hasattr(r, "start") else "<b>from log</b>"
+        st = self.run.status()
+        if st.state == "failed":
+            return (f"<b style='color:#b00020'>failed: {html.escape(repr(st.error))}</b> "
+                    "(run.wait() shows the traceback)")
+        return {"paused": "<b style='color:#a15c00'>paused</b>", "running": "<b style='color:#2a7d2a'>running</b>",
+                "finished": "<b>finished</b>", "not started": "<b>not started</b> (call run.start())",
+                "saved": "<b>from log</b>"}[st.state]
 
     def refresh(self, force: bool = False) -> bool:
         """Redraw if something changed (or `force`). Returns whether it drew. Runs on the caller's thread."""
@@ -210,7 +190,8 @@ class Dashboard:
 
     def _status_html(self, v: View | None) -> str:
         n = self._last_steps if v is None else len(v.steps)
-        total = getattr(getattr(self.run, "cfg", None), "steps", None) or (v.total_steps if v else None)
+        st = self.run.status()
+        total = st.total_steps or (v.total_steps if v else None)
         last = (v.steps[-1] if v and v.steps else None)
         parts = [self._state(), f"step {max(n, 0)}" + (f" / {total}" if total else "")]
         if last:
@@ -218,9 +199,8 @@ class Dashboard:
             if isinstance(last.get("time/step_s"), (int, float)):
                 parts.append(f"{last['time/step_s']:.1f} s/step")
         parts.append(f"{time.time() - self._t0:.0f} s since the dashboard opened")
-        out = getattr(self.run, "out", None)
-        if out is not None:
-            parts.append(f"log: <code>{html.escape(str(Path(out) / 'metrics.jsonl'))}</code>")
+        if st.log_path is not None:
+            parts.append(f"log: <code>{html.escape(str(st.log_path))}</code>")
         return "<div style='font-size:13px'>" + " · ".join(parts) + "</div>"
 
     # timer on the kernel's event loop
@@ -239,18 +219,10 @@ class Dashboard:
                 self.refresh()
             except Exception as e:  # noqa: BLE001 - a drawing error must not kill the timer silently
                 self.status.value = f"<span style='color:#b00020'>dashboard error: {html.escape(repr(e))}</span>"
-            idle_after_end = idle_after_end + 1 if self._finished() else 0
+            idle_after_end = idle_after_end + 1 if self.run.status().ended else 0
             if idle_after_end >= 2 and not self._dirty.is_set():  # run over and its last state drawn
                 self.refresh(force=True)
                 return
-
-    def _finished(self) -> bool:
-        r = self.run
-        if not hasattr(r, "start"):
-            return True  # a log, not a run
-        if getattr(r, "running", False):
-            return False
-        return getattr(r, "error", None) is not None or "steps" in (getattr(r, "summary", None) or {})
 
     @property
     def timer(self):
@@ -270,7 +242,7 @@ class Dashboard:
         still updates). Interrupt the kernel to stop waiting: the run goes on in the background."""
         t0 = time.time()
         try:
-            while getattr(self.run, "running", False):
+            while self.run.status().state in ("running", "paused"):
                 if timeout is not None and time.time() - t0 > timeout:
                     break
                 self.refresh()
@@ -280,12 +252,12 @@ class Dashboard:
                   "work again now that the kernel is free)")
             raise
         self.refresh(force=True)
-        return self.run.wait(0) if hasattr(self.run, "wait") else {}
+        return self.run.wait(0)
 
     def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
-        if hasattr(self.run, "on_step") and self._mark in self.run.on_step:
+        if self._mark in self.run.on_step:
             self.run.on_step.remove(self._mark)
 
     def _repr_mimebundle_(self, **kw):  # ipywidgets' own repr (used by display() and a cell's last value)

@@ -20,6 +20,7 @@ from minirl.generation.episodes import EpisodeRunner
 from minirl.generation.hf import HFGenerator
 from minirl.generation.tasks import TASKS, resolve_env
 from minirl.rewards import Scorer
+from minirl.rewards.advantages import step_advantages
 from minirl.types import Completion, SamplingParams, ScoredGroup
 from minirl.ui.prototype import load_policy
 
@@ -123,6 +124,6 @@ def preview_episodes(env: Any, data: Any = None, *, rewards: Sequence[str | Call
     groups = runner.generate(prompts, n, SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
     scorer = Scorer.from_config(["env", *[r for r in rewards if r != "env"]], None, 10.0)
     try:
-        return EpisodePreview([scorer.score_group(g) for g in groups], tok)
+        return EpisodePreview(step_advantages([scorer.score_group(g) for g in groups], "group"), tok)
     finally:
         scorer.close()

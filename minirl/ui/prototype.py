@@ -24,6 +24,7 @@ from minirl.core.metrics import load_events
 from minirl.data import rows as D
 from minirl.generation.hf import HFGenerator
 from minirl.rewards import Scorer, check_columns, check_data_columns, resolve_reward, source_hash
+from minirl.rewards.advantages import step_advantages
 from minirl.training.models import load_tokenizer, resolve_model
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
@@ -224,11 +225,12 @@ class Preview:
                 f"rewards {vs}")
 
     def rescore(self, rewards: Sequence[str | Callable], weights: Sequence[float] | None = None,
-                scale_by_std: bool = True, timeout_s: float = 10.0) -> "Preview":
+                scale_rewards: str = "group", timeout_s: float = 10.0) -> "Preview":
         """The same samples scored by other (edited) rewards, without generating again."""
-        scorer = Scorer.from_config(rewards, weights, timeout_s, scale_by_std)
+        scorer = Scorer.from_config(rewards, weights, timeout_s)
         raw = self._groups_raw or [g.group for g in self.groups]
-        return Preview([scorer.score_group(g) for g in raw], [n for n, _ in scorer.rewards], dict(scorer.versions), raw)
+        return Preview(step_advantages([scorer.score_group(g) for g in raw], scale_rewards),
+                       [n for n, _ in scorer.rewards], dict(scorer.versions), raw)
 
     def __repr__(self) -> str:
         return repr(self.table())
@@ -241,13 +243,13 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
             model: str = "smollm2-135m-instruct", adapter: str | Path | None = None, prompts: int = 4, n: int = 4,
             max_tokens: int = 32, temperature: float = 1.0, weights: Sequence[float] | None = None,
             prompt_column: str = "prompt", system_prompt: str | None = None, seed: int = 0,
-            scale_by_std: bool = True, timeout_s: float = 10.0) -> Preview:
+            scale_rewards: str = "group", timeout_s: float = 10.0) -> Preview:
     """Generate `n` completions for each of `prompts` prompts with the current model (+ adapter) and score them
     with `rewards`. `data`: 'arithmetic', a list of dicts, a JSONL path, or a datasets.Dataset."""
 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]
-    scorer = Scorer.from_config(rewards, weights, timeout_s, scale_by_std)
+    scorer = Scorer.from_config(rewards, weights, timeout_s)
     rows = D.arithmetic_splits(0, seed)[0] if isinstance(data, str) and data == "arithmetic" else D.load_rows(data)
     cols = check_data_columns([k for k in rows[0] if k != prompt_column])
     for name, fn in scorer.rewards:
@@ -257,8 +259,8 @@ def preview(rewards: Sequence[str | Callable] | str | Callable, data: Any = "ari
     # one small generate on a fresh model: merging the LoRA first would cost more than it saves
     groups = HFGenerator(m, tok, merge=False).generate(ps, n, SamplingParams(temperature=temperature,
                                                                              max_tokens=max_tokens, seed=seed))
-    return Preview([scorer.score_group(g) for g in groups], [n_ for n_, _ in scorer.rewards],
-                   dict(scorer.versions), groups)
+    scored = step_advantages([scorer.score_group(g) for g in groups], scale_rewards)
+    return Preview(scored, [n_ for n_, _ in scorer.rewards], dict(scorer.versions), groups)
 
 
 # --- rescore: cached rollouts of a run, with an edited reward -----------------------------------------------
