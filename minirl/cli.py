@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from minirl.benchmarks.dispatch import run as bench
-from minirl.config import DEMO, Config, ConfigError, add_cli_args, overrides_from_args
+from minirl.config import DEMO, Config, ConfigError, add_cli_args, dashed, overrides_from_args
 from minirl.config.cli import _parse_value
 from minirl.core.lifecycle import Terminated, sigterm_interrupts
 from minirl.generation.tasks import TASKS
@@ -32,6 +32,7 @@ from minirl.ui import render
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (not the usage block) that suggest the flag that was meant."""
+    commands: tuple[str, ...] = ()  # the top-level parser's subcommands, named when none is given
 
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
@@ -39,6 +40,8 @@ class _Parser(argparse.ArgumentParser):
             hints = [f"{a} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(a.split("=")[0], known, 1))
                      else a for a in message.split(":", 1)[1].split() if a.startswith("-")]
             message = f"unrecognized arguments: {' '.join(hints) or message.split(':', 1)[1].strip()}"
+        if message == "the following arguments are required: cmd" and self.commands:  # `minirl` alone
+            message = "give a command: " + ", ".join(self.commands)
         print(f"minirl: error: {message}; see `{self.prog} --help`", file=sys.stderr)
         sys.exit(2)
 
@@ -146,11 +149,16 @@ def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
 
 def _eval(cfg: Config, adapter: str | None = None) -> dict:
     """`minirl eval`: greedy held-out accuracy of the base model, or of a saved adapter on top of it."""
+    weights = Path(adapter or ".") / "adapter_model.safetensors"
+    if adapter and not weights.is_file():  # before the model loads
+        where = "its adapter/ folder" if (Path(adapter) / "adapter").is_dir() else "a folder holding it"
+        raise ValueError(f"--adapter {adapter}: no adapter_model.safetensors there; give {where} (a run's "
+                         "out_dir/adapter, or a checkpoint's adapter)")
     run = Run(cfg.replace(steps=0))
     run.load()  # no out_dir of its own: nothing is written
     try:
         if adapter:
-            set_peft_model_state_dict(run.trainer.model, load_file(str(Path(adapter) / "adapter_model.safetensors")))
+            set_peft_model_state_dict(run.trainer.model, load_file(str(weights)))
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
         res = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens, **eval_options(cfg, 0))
@@ -246,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--gpu-gb", type=float, default=None, help="plan for a GPU of this many GB (default: this "
                     "machine's GPU 0, or its RAM on CPU)")
     parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl, "export": export}
-    args, extra = p.parse_known_args(argv)
+    p.commands = tuple(parsers)
+    args, extra = p.parse_known_args(dashed(sys.argv[1:] if argv is None else argv))
     if extra:  # named by the subcommand's parser, so the hint points at its --help
         parsers[args.cmd].error(f"unrecognized arguments: {' '.join(extra)}")
     try:

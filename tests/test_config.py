@@ -165,3 +165,15 @@ def test_a_device_spec_that_is_not_one_names_the_field_and_the_forms():
                        capture_output=True, text=True)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and "train_devices='abc'" in lines[0] and "CPU cores" in lines[0]
+
+
+def test_an_unknown_keyword_is_one_config_error_naming_the_field_meant():
+    """Issue 51 item 6: `Config(stepz=3)` says what the YAML and the CLI already say."""
+    import pytest
+    from minirl import ConfigError
+    for make in (lambda: Config(stepz=3), lambda: Config().replace(stepz=3)):
+        with pytest.raises(ConfigError, match=r"'stepz' \(did you mean 'steps'\?\)"):
+            make()
+    with pytest.raises(ConfigError, match=r"unknown config field\(s\): 'zzz'; see"):
+        Config(zzz=1)
+    assert Config(scale_adv_by_std=False).recipe.scale_rewards == "none"  # an old name is still known

@@ -95,6 +95,22 @@ class Refuses(float):
         raise ArithmeticError("no float for you")
 
 
+def test_a_returned_value_is_never_walked_nor_asked_for_its_repr():
+    """Issue 51 item 4 (its repr part): a list sharing its halves 40 levels deep (2**40 leaves, 160 bytes pickled)
+    and an object whose __repr__ must not run are failures named by type and size, at once."""
+    deep = [0.0]
+    for _ in range(40):
+        deep = [deep, deep]
+
+    class Loud:
+        def __repr__(self):
+            raise AssertionError("the scorer ran a returned value's own __repr__")
+    s = Scorer([("r", lambda p, c, **_: 0.0)], [1.0])
+    assert s.check_value(deep) == (None, "returned list of 2 items, expected a float or None")
+    assert s.check_value(Loud()) == (None, "returned Loud (not shown), expected a float or None")
+    assert s.check_value("x" * 10**7) == (None, f"returned str '{'x' * 39}, expected a float or None")
+
+
 def test_values_float_cannot_take_are_failures_with_their_reason():
     values = {"10**400": 10**400, "10**5000": 10**5000, "Decimal": Decimal("1e400"), "refuses": Refuses(2.0),
               "a": 1.0, "b": 0.0}
@@ -106,7 +122,7 @@ def test_values_float_cannot_take_are_failures_with_their_reason():
         "large to convert to float)",
         "returned int (cannot be shown), which float() cannot take (OverflowError: int too large to convert to float)",
         "returned Decimal Decimal('1E+400'), expected a float or None",
-        "returned Refuses 2.0, which float() cannot take (ArithmeticError: no float for you)"]
+        "returned Refuses (not shown), which float() cannot take (ArithmeticError: no float for you)"]
     assert failure_kinds([g]) == {"float() cannot take": 3, "expected a float": 1}
     scorer = Scorer([("big", lambda p, c, **_: 10**400 if c == "big" else float(c == "a"))], [1.0], workers=1)
     g = scorer.score_group(_group(["big", "a", "b"]))  # from a worker process too

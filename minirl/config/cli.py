@@ -9,7 +9,7 @@ import inspect
 import re
 import textwrap
 from functools import lru_cache
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -66,6 +66,19 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Config | None = None
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=_parse_value, default=argparse.SUPPRESS,
                             metavar="X",
                             help=f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r})".replace("%", "%%"))
+
+
+def dashed(argv: Sequence[str]) -> list[str]:
+    """`argv` with each Config flag spelt with underscores (`--model_kwargs`, as the field is named in YAML and
+    docs/config.md) written as its flag (`--model-kwargs`): every spelling of a field parses."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    out = []
+    for a in argv:
+        flag, eq, value = a.partition("=")
+        if flag.startswith("--") and "_" in flag and flag[2:] in names:
+            a = "--" + flag[2:].replace("_", "-") + eq + value
+        out.append(a)
+    return out
 
 
 def overrides_from_args(ns: argparse.Namespace) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minirl.config.io import coerce, from_dict, from_yaml, to_yaml, translate_aliases
+from minirl.config.io import check_names, coerce, from_dict, from_yaml, to_yaml, translate_aliases
 from minirl.config.presets import LOSS_FIELDS, Recipe, resolve
 from minirl.config.validate import validate
 
@@ -22,6 +22,7 @@ class _Coercing(type):
         names = [f.name for f in dataclasses.fields(cls)]
         if len(args) > len(names) or set(names[:len(args)]) & set(kw):
             raise TypeError(f"{cls.__name__}() takes at most {len(names)} values, each given once")
+        check_names(cls, kw)  # Config(stepz=3): one ConfigError with "did you mean 'steps'?"
         return super().__call__(**coerce(cls, translate_aliases({**dict(zip(names, args)), **kw})))
 
 

@@ -87,14 +87,20 @@ def to_yaml(cfg, path: str | Path | None = None) -> str:
     return text
 
 
-def from_dict(cls, d: dict[str, Any]) -> Any:
+def check_names(cls, given: Any) -> None:
+    """One ConfigError naming each unknown field in `given` with the closest known name (a keyword, a YAML key)."""
     known = {f.name for f in dataclasses.fields(cls)} | set(ALIASES)
-    unknown = sorted(map(str, set(d) - known))
+    unknown = sorted(map(str, set(given) - known))
     if unknown:
         hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
                  if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
         raise ConfigError(f"unknown config field(s): {', '.join(hints)}; see `minirl train --help`")
+
+
+def from_dict(cls, d: dict[str, Any]) -> Any:
+    check_names(cls, d)
     return cls(**d)
+
 
 def from_yaml(cls, path: str | Path) -> Any:
     """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""

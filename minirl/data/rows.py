@@ -87,7 +87,8 @@ def code_rows() -> list[dict]:
 BUILTIN_DATA = {"code": code_rows}  # 'arithmetic' has its own fixed held-out split (`arithmetic_splits`)
 
 
-def load_rows(source: Any, prompt_column: str | None = None, answer_column: str | None = None) -> list[dict]:
+def load_rows(source: Any, prompt_column: str | None = None, answer_column: str | None = None,
+              field: str = "data") -> list[dict]:
     """Rows from a Dataset, a list of dicts, a file, a saved dataset folder or an `hf:` name (`sources.py`), with
     one clear error naming the file and line (or row) when that fails. With `prompt_column`, every row must have
     it; with `answer_column`, that column is renamed 'answer' (the keyword rewards receive)."""
@@ -95,7 +96,7 @@ def load_rows(source: Any, prompt_column: str | None = None, answer_column: str 
     if isinstance(source, str) and source in BUILTIN_DATA:
         return BUILTIN_DATA[source]()
     if isinstance(source, (str, Path)):
-        rows, names = read_source(source)
+        rows, names = read_source(source, field)
     elif hasattr(source, "to_list"):  # datasets.Dataset
         rows = source.to_list()
     else:
@@ -182,7 +183,7 @@ def make_splits(data: Any, eval_data: Any, *, prompt_column: str, eval_fraction:
     if eval_size == 0:
         ev, ev_ids, note = [], [], "no held-out evaluation (eval_size=0)"
     elif eval_data is not None and not eval_builtin:
-        ev = load_rows(eval_data, prompt_column, answer_column)[:eval_size]
+        ev = load_rows(eval_data, prompt_column, answer_column, field="eval_data")[:eval_size]
         ev_ids, note = list(range(len(ev))), f"{len(ev)} held-out prompts from eval_data"
     elif builtin or eval_builtin:
         held = held if builtin else arithmetic_splits(eval_size, seed)[1]

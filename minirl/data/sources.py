@@ -7,6 +7,7 @@ name for error messages. Every failure is one `ValueError` naming the source and
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from pathlib import Path
@@ -15,13 +16,14 @@ FILE_KINDS = ".jsonl, .json, .csv, .parquet"
 HF_PREFIX = "hf:"
 
 
-def parse_hf(spec: str) -> tuple[str, str | None, str]:
+def parse_hf(spec: str, field: str = "data") -> tuple[str, str | None, str]:
     """'hf:NAME[:CONFIG][@SPLIT]' -> (name, config or None, split; 'train' when not given)."""
     rest = spec[len(HF_PREFIX):]
     rest, _, split = rest.partition("@")
     name, _, config = rest.partition(":")
     if not name:
-        raise ValueError(f"data {spec!r}: no dataset name; write hf:NAME[:CONFIG][@SPLIT], e.g. hf:openai/gsm8k:main@train")
+        raise ValueError(f"{field} {spec!r}: no dataset name; write hf:NAME[:CONFIG][@SPLIT], "
+                         "e.g. hf:openai/gsm8k:main@train")
     return name, config or None, split or "train"
 
 
@@ -66,8 +68,14 @@ def _read_json(p: Path) -> list:
 
 def _read_csv(p: Path) -> list[dict]:
     """A CSV file with a header row; every value is text (rewards convert what they compare)."""
-    with open(p, newline="", encoding="utf-8") as f:
-        return [dict(r) for r in csv.DictReader(f)]
+    raw = p.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{p}:{line}: not UTF-8 text (byte {raw[e.start]:#04x}); save the file as UTF-8 "
+                         "(a spreadsheet's 'CSV UTF-8')") from None
+    return [dict(r) for r in csv.DictReader(io.StringIO(text, newline=""))]
 
 
 def _read_parquet(p: Path) -> list[dict]:
@@ -78,13 +86,13 @@ def _read_parquet(p: Path) -> list[dict]:
         raise ValueError(f"{p}: not a readable parquet file ({type(e).__name__}: {e})") from None
 
 
-def _read_saved(p: Path, split: str = "train") -> list[dict]:
+def _read_saved(p: Path, split: str = "train", field: str = "data") -> list[dict]:
     """A folder written by `Dataset.save_to_disk` (or `DatasetDict.save_to_disk`: its `split`)."""
     import datasets
     ds = datasets.load_from_disk(str(p))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ValueError(f"data {str(p)!r}: a DatasetDict without a {split!r} split (splits: {sorted(ds)}); "
+            raise ValueError(f"{field} {str(p)!r}: a DatasetDict without a {split!r} split (splits: {sorted(ds)}); "
                              f"save the split you train on, e.g. ds[{sorted(ds)[0]!r}].save_to_disk(...)")
         ds = ds[split]
     return ds.to_list()
@@ -95,35 +103,36 @@ def _offline() -> bool:
         os.environ.get("HF_DATASETS_OFFLINE", "").lower() in ("1", "true", "yes")
 
 
-def load_hf(spec: str) -> list[dict]:
+def load_hf(spec: str, field: str = "data") -> list[dict]:
     """`hf:NAME[:CONFIG][@SPLIT]` through `datasets.load_dataset`; offline, only what the local cache holds."""
     import datasets
-    name, config, split = parse_hf(spec)
+    name, config, split = parse_hf(spec, field)
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         if _offline() or "offline" in first.lower() or isinstance(e, ConnectionError):
-            raise ValueError(f"data {spec!r}: the dataset {name!r} is not in the local Hugging Face cache and the Hub "
-                             "cannot be reached (offline); download it where there is a network, or save it with "
+            raise ValueError(f"{field} {spec!r}: the dataset {name!r} is not in the local Hugging Face cache and the "
+                             "Hub cannot be reached (offline); download it where there is a network, or save it with "
                              "Dataset.save_to_disk and give that folder") from None
-        raise ValueError(f"data {spec!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) failed "
+        raise ValueError(f"{field} {spec!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) failed "
                          f"({type(e).__name__}: {first}); check the name, config and split") from None
     return ds.to_list()
 
 
-def read_source(spec: str | Path) -> tuple[list, list[str] | None]:
-    """Rows from a file, a saved dataset folder or an `hf:` name, and each row's 'file:line' where it has one."""
+def read_source(spec: str | Path, field: str = "data") -> tuple[list, list[str] | None]:
+    """Rows from a file, a saved dataset folder or an `hf:` name, and each row's 'file:line' where it has one.
+    `field`: the config field that named it ('data' or 'eval_data'), as errors name it."""
     if isinstance(spec, str) and spec.startswith(HF_PREFIX):
-        return load_hf(spec), None
+        return load_hf(spec, field), None
     p = Path(spec)
     if p.is_dir():
         if not ((p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists()):
-            raise ValueError(f"data {str(spec)!r}: a folder, but not one written by Dataset.save_to_disk "
+            raise ValueError(f"{field} {str(spec)!r}: a folder, but not one written by Dataset.save_to_disk "
                              "(no dataset_info.json); give such a folder or a file")
-        return _read_saved(p), None
+        return _read_saved(p, field=field), None
     if not p.is_file():
-        raise ValueError(f"data {str(spec)!r}: no such file; give a file ({FILE_KINDS}), a Dataset.save_to_disk "
+        raise ValueError(f"{field} {str(spec)!r}: no such file; give a file ({FILE_KINDS}), a Dataset.save_to_disk "
                          "folder, hf:NAME[:CONFIG][@SPLIT], or a built-in task")
     kind = p.suffix.lower()
     if kind == ".json":

@@ -9,6 +9,7 @@ is no longer filled from a column."""
 from __future__ import annotations
 
 import ast
+import difflib
 import hashlib
 import importlib
 import inspect
@@ -121,7 +122,13 @@ def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:
         return ref, REGISTRY[ref]
     if ":" in ref:
         return import_ref(ref, "reward", "module:function")
-    raise ValueError(f"unknown reward {ref!r}: registered rewards are {sorted(REGISTRY)}; "
+    if "," in ref and all(p.strip() in REGISTRY or ":" in p for p in ref.split(",")):
+        names = [p.strip() for p in ref.split(",")]
+        raise ValueError(f"reward {ref!r} names {len(names)} rewards in one string: give a list, rewards: {names} "
+                         f"(a flag: --rewards \"[{', '.join(names)}]\")")
+    close = difflib.get_close_matches(ref, REGISTRY, 1)
+    meant = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown reward {ref!r}{meant}: registered rewards are {sorted(REGISTRY)}; "
                      "register one with @minirl.reward or pass 'module:function'")
 
 

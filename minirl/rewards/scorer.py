@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 from minirl.rewards.registry import accepted_keywords, resolve_reward, source_hash
@@ -155,13 +157,26 @@ def _stop_line(name: str, steps: int, last: str) -> str:
     return f"reward {name!r} failed every call for {steps} steps in a row, last: {last}; stopping the run: {fix}"
 
 
+SHOWN = (int, float, bool, complex, Decimal, Fraction)  # types whose own repr is bounded and calls no user code
+
+
 def _shown(v: Any) -> str:
-    """`type value` for a failure's reason, at most 40 characters of the value, whatever its repr does."""
-    try:
-        text = repr(v)
-    except Exception:  # noqa: BLE001 - an int too long to write, a repr that raises
-        text = "(cannot be shown)"
-    return f"{type(v).__name__} {text:.40}"
+    """`type value` for a failure's reason, at most 40 characters of the value. Only builtin scalars are written
+    (a string or bytes cut first): a container is its size, anything else its type alone, so no value's own
+    `__repr__` runs (it could hang) and no repr walks a structure (2**40 shared leaves pickle to 160 bytes)."""
+    t = type(v)
+    if t in (str, bytes):
+        text = repr(v[:40])
+    elif t in (list, tuple, dict, set, frozenset):
+        text = f"of {len(v)} items"
+    elif t in SHOWN:
+        try:
+            text = repr(v)
+        except ValueError:  # an int too long to write
+            text = "(cannot be shown)"
+    else:
+        text = "(not shown)"
+    return f"{t.__name__} {text:.40}"
 
 
 def _is_numpy_number(v: Any) -> bool:
