@@ -90,6 +90,21 @@ def test_stdin_echo_and_reported_isolation():
 
 
 @needs_isolation
+def test_any_str_the_policy_writes_gets_a_result():
+    """Issue 51 item 5: a lone surrogate or a NUL in the code, the input or a solution is the program's fault (a
+    SyntaxError, a failed test), never an exception in the caller."""
+    for code, why in (("print(1)\n# \ud800\n", "SyntaxError: Non-UTF-8 code"),
+                      ("print(1)\x00\n", "SyntaxError: source code cannot contain null bytes")):
+        r = timed(code)
+        assert (r.ok, r.returncode) == (False, 1) and why in r.stderr, r
+    r = timed("import sys; print(len(sys.stdin.buffer.read()))", stdin="a\ud800\x00")
+    assert (r.ok, r.stdout) == (True, "5\n")  # the surrogate's three bytes reach the program
+    from minirl.sandbox import run_tests
+    t = run_tests("def f(x):\n    return x  # \ud800\n", ["assert f(1) == 1"])
+    assert (t.passed, t.total) == (0, 1) and "surrogates not allowed" in t.first_failure
+
+
+@needs_isolation
 def test_limits_identity_and_capabilities_in_effect():
     r = timed("import os, resource\n"
               "print([resource.getrlimit(getattr(resource, 'RLIMIT_' + n))[0] for n in "

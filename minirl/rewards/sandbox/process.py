@@ -274,7 +274,9 @@ def _start(code: str, stdin: str, mode: str, limits: dict, timeout_s: float, cap
     theirs = [w for _, w in pipes[:3]] + ([pipes[3][0], pipes[4][1]] if channel else [])
     try:
         with tempfile.TemporaryFile() as code_file, tempfile.TemporaryFile() as stdin_file:
-            code_file.write(code.encode()), stdin_file.write(stdin.encode())
+            # any str the policy can write travels: a lone surrogate as its bytes (the program sees a source it cannot
+            # decode, a SyntaxError: a result, not an exception here)
+            code_file.write(code.encode(errors="surrogatepass")), stdin_file.write(stdin.encode(errors="surrogatepass"))
             code_file.seek(0), stdin_file.seek(0)
             config = dict(mode=mode, code_fd=code_file.fileno(), status_fd=theirs[2], caller=os.getpid(),
                           requests_fd=theirs[3] if channel else -1, replies_fd=theirs[4] if channel else -1, **limits)
