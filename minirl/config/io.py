@@ -79,7 +79,8 @@ def to_yaml(cfg, path: str | Path | None = None) -> str:
     for name, value in cfg.to_dict().items():
         line = yaml.safe_dump({name: value}, sort_keys=False, width=10**6).rstrip("\n")
         if name in LOSS_FIELDS and value is None:
-            line += f"  # {getattr(recipe, name)} from loss_type {recipe.preset}"
+            line += f"  # {getattr(recipe, name)} from loss_type {recipe.preset}" + (
+                " (the default)" if cfg.loss_type is None else "")
         lines.append(line)
     text = "\n".join(lines) + "\n"
     if path is not None:
