@@ -262,15 +262,20 @@ class LogTail:
 
 
 
-def read_log(path: str | Path) -> list[dict]:
-    """Every complete event of a run's log (`metrics.jsonl`, or the run folder holding it); after a resume, the
-    resumed run's events replace those of the steps it redid (`supersede`)."""
+def log_path(path: str | Path) -> Path:
+    """The metrics.jsonl that `path` names (the file, or the run folder holding it); FileNotFoundError if none."""
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
     if not p.exists():
         raise FileNotFoundError(f"{p}: no metrics log here; give a run's out_dir or its metrics.jsonl")
-    tail = LogTail(p)
+    return p
+
+
+def read_log(path: str | Path) -> list[dict]:
+    """Every complete event of a run's log (`metrics.jsonl`, or the run folder holding it); after a resume, the
+    resumed run's events replace those of the steps it redid (`supersede`)."""
+    tail = LogTail(log_path(path))
     tail.poll()
     return tail.events
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from minirl.core.metrics import LogTail, load_events
+from minirl.core.metrics import LogTail, load_events, log_path
 from minirl.types import RunStatus
 
 
@@ -17,14 +17,8 @@ class SavedRun:
     def __init__(self, source: str | Path | Sequence[dict]):
         self.source = source
         self.on_step: list[Callable[[dict], None]] = []  # a saved run takes no steps
-        log = None
-        if isinstance(source, (str, Path)):
-            p = Path(source)
-            log = p / "metrics.jsonl" if p.is_dir() else p
-            if not log.exists():
-                raise FileNotFoundError(f"{log}: no metrics log here; give a run's out_dir or its metrics.jsonl")
-        self.log_path = log
-        self._tail = LogTail(log) if log is not None else None
+        self.log_path = log_path(source) if isinstance(source, (str, Path)) else None
+        self._tail = LogTail(self.log_path) if self.log_path is not None else None
 
     def status(self) -> RunStatus:
         return RunStatus("saved", log_path=self.log_path)
