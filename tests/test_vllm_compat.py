@@ -1,6 +1,8 @@
 """`minirl.sync.vllm_compat`: each private hook on a stand-in that has the private names of the release it was checked
 against (vLLM 0.32), the fallbacks on a release it was not (one warning, the files transport, vLLM's own ops), and,
 where vLLM is installed, that those names exist in it."""
+import dataclasses
+import inspect
 import sys
 import types
 import warnings
@@ -81,7 +83,7 @@ def test_cpu_lora_ops_stay_vllms_on_another_release(monkeypatch):
 
 
 class _Manager:
-    """The private names of vLLM 0.32's worker LoRA manager and model manager that the hooks use."""
+    """The names of vLLM 0.32's worker LoRA manager and model manager that the hooks use."""
 
     def __init__(self):
         self._adapter_manager = types.SimpleNamespace(lora_index_to_id=[None, 7], modules={}, model="m",
@@ -90,23 +92,144 @@ class _Manager:
     def _load_adapter(self, req):
         return ("file", req)
 
+    def add_adapter(self, req):
+        return ("add", req)
+
+    def remove_adapter(self, lid):
+        return ("remove", lid)
+
+    def list_adapters(self):
+        return {7: None}
+
+
+def _ns(**kw):
+    return types.SimpleNamespace(**kw)
+
 
 def test_worker_hooks_on_vllm_0_32s_names():
     wm = _Manager()
-    runner = types.SimpleNamespace(lora_manager=wm, requests={"r": 1})
-    worker = types.SimpleNamespace(model_runner=runner)
-    assert compat.worker_lora_manager(worker) is wm
-    assert compat.worker_lora_manager(types.SimpleNamespace(model_runner=object())) is None
+    held = {"r": _ns(lora_request=_ns(lora_int_id=3), output_token_ids=[1, 2]),
+            "b": _ns(lora_request=None, output_token_ids=[])}
+    runner = _ns(lora_manager=wm, requests=held)
+    assert compat.worker_lora_manager(_ns(model_runner=runner)) is wm
+    assert compat.worker_lora_manager(_ns(model_runner=object())) is None
     assert compat.adapter_manager(wm).lora_index_to_id == [None, 7]
     assert compat.layer_weights(compat.adapter_manager(wm), "lora", "q_proj") == ("lora", "q_proj")
-    assert compat.runner_requests(runner) == {"r": 1} and compat.runner_requests(object()) == {}
-    compat.wrap_load_adapter(wm, lambda load: lambda req: ("mem", req) if req == "mem" else load(req))
-    assert wm._load_adapter("mem") == ("mem", "mem") and wm._load_adapter("x") == ("file", "x")
+    assert compat.runner_requests(runner) == {"r": [3, 2], "b": [None, 0]} and compat.runner_requests(object()) == {}
+
+    def tag(t):
+        return lambda orig: lambda x: (t, orig(x))
+    compat.wrap_adapter_calls(wm, tag("mem"), tag("flush"), tag("drop"))
+    assert wm._load_adapter("x") == ("mem", ("file", "x")) and wm.add_adapter(1) == ("flush", ("add", 1))
+    assert wm.remove_adapter(2) == ("drop", ("remove", 2))
+
+
+def test_new_requests_are_noted_before_the_runner_takes_them():
+    """`watch_new_requests` wraps the model runner's `_update_states`: each new request on a LoRA is noted first,
+    then vLLM's own method runs; a runner without it is left alone."""
     seen = []
-    runner._update_states = lambda out: ("updated", out)
-    assert compat.wrap_update_states(runner, seen.append)
-    assert runner._update_states("s") == ("updated", "s") and seen == ["s"]  # noted first, then vLLM's own
-    assert compat.wrap_update_states(object(), seen.append) is False  # no such method: nothing wrapped
+    runner = _ns(_update_states=lambda out: seen.append("vllm") or "updated")
+    assert compat.watch_new_requests(runner, lambda rid, lid: seen.append((rid, lid)))
+    new = [_ns(req_id="a", lora_request=_ns(lora_int_id=5)), _ns(req_id="b", lora_request=None)]
+    assert runner._update_states(_ns(scheduled_new_reqs=new)) == "updated" and seen == [("a", 5), "vllm"]
+    assert compat.watch_new_requests(object(), seen.append) is False
+
+
+class _Gate:
+    def __init__(self):
+        self.log = []
+
+    def enter(self):
+        self.log.append("enter")
+
+    def leave(self):
+        self.log.append("leave")
+
+    def __enter__(self):
+        self.enter()
+
+    def __exit__(self, *exc):
+        self.leave()
+
+
+def test_engine_steps_and_lora_calls_pass_the_gate():
+    """A step is execute_model through sample_tokens when execute_model returned None (vLLM 0.32 deferred the
+    sampling), else execute_model alone; an error leaves the gate; the worker's LoRA calls pass it too."""
+    gate, outs = _Gate(), [None, "out"]
+
+    def execute_model(x):
+        gate.log.append("execute")
+        if x == "boom":
+            raise ValueError(x)
+        return outs.pop(0)
+    worker = _ns(execute_model=execute_model, sample_tokens=lambda g: gate.log.append("sample") or "tokens",
+                 **{n: (lambda n: lambda r: gate.log.append(n) or r)(n) for n in ("add_lora", "remove_lora", "pin_lora")})
+    compat.gate_worker_calls(worker, gate)
+    assert worker.execute_model(1) is None and gate.log == ["enter", "execute"]  # mid-step: the gate stays held
+    assert worker.sample_tokens(None) == "tokens" and gate.log[2:] == ["sample", "leave"]
+    gate.log.clear()
+    assert worker.execute_model(1) == "out" and worker.sample_tokens(None) == "tokens"
+    assert gate.log == ["enter", "execute", "leave", "sample"]  # a whole step in execute_model; no second leave
+    gate.log.clear()
+    with pytest.raises(ValueError):
+        worker.execute_model("boom")
+    assert gate.log == ["enter", "execute", "leave"]
+    gate.log.clear()
+    assert [worker.add_lora("r"), worker.remove_lora(1), worker.pin_lora(2)] == ["r", 1, 2]
+    assert gate.log == ["enter", "add_lora", "leave", "enter", "remove_lora", "leave", "enter", "pin_lora", "leave"]
+    gate, worker = _Gate(), _ns(execute_model=lambda: None)  # no sample_tokens: a step ends with execute_model
+    compat.gate_worker_calls(worker, gate)
+    assert worker.execute_model() is None and gate.log == ["enter", "leave"]
+
+
+def test_slot_pairs_view_each_tensors_place_in_the_stacked_slots():
+    """vLLM 0.32's LoRA linear layers: `lora_a_stacked` / `lora_b_stacked`, a tuple per slice of
+    [max_loras, 1, out, in]; a rank-3 adapter sits at the top left of its slot (rank padded to 4). Layers
+    the fast path cannot take (tp > 1, another layout) give None."""
+    a_st, b_st = (torch.zeros(2, 1, 4, 6),), (torch.zeros(2, 1, 8, 4),)
+    la, lb = torch.ones(3, 6), torch.full((8, 3), 2.0)
+    layer = _ns(lora_a_stacked=a_st, lora_b_stacked=b_st)
+    mgr = _ns(modules={"q": layer, "v": object()},
+              _get_lora_layer_weights=lambda lora, name: _ns(lora_a=la, lora_b=lb) if name == "q" else None)
+    pairs = compat.slot_pairs(mgr, "lora", 1)
+    assert [t for _, t in pairs] == [la, lb] and [d.shape for d, _ in pairs] == [(3, 6), (8, 3)]
+    compat.foreach_copy([d for d, _ in pairs], [t for _, t in pairs])
+    assert a_st[0][1, 0, :3].sum() == 18 and b_st[0][1, 0, :, :3].sum() == 48
+    assert a_st[0][0].sum() == 0 and a_st[0][1, 0, 3].sum() == 0 and b_st[0][1, 0, :, 3].sum() == 0  # nothing else
+    layer.tp_size = 2
+    assert compat.slot_pairs(mgr, "lora", 1) is None
+    layer.tp_size, layer.lora_a_stacked = 1, (torch.zeros(2, 4, 6),)
+    assert compat.slot_pairs(mgr, "lora", 1) is None
+
+
+def test_each_hook_names_the_release_it_was_checked_on_and_is_in_the_table():
+    helpers = {"warn_once", "vllm_version", "checked", "vllm_hooks"}
+    hooks = [f for n, f in vars(compat).items()
+             if inspect.isfunction(f) and f.__module__ == compat.__name__ and n not in helpers]
+    releases = [f"vLLM {r}" for r in compat.VLLM_CHECKED] + [f"torch {r}" for r in compat.TORCH_CHECKED]
+    assert len(hooks) >= 17
+    assert not [f.__name__ for f in hooks if not any(r in (f.__doc__ or "") for r in releases)]
+    assert not [f.__name__ for f in hooks if f.__name__ not in compat.__doc__]
+
+
+def test_the_receiver_hooks_into_a_worker_through_these_hooks(monkeypatch):
+    """The receiver on a stand-in worker (no engine): in-memory paths load from its store, removal drops the id's
+    state, new requests are noted with the version they start on, an engine step passes its gate."""
+    _fake_vllm_ops(monkeypatch)  # importing the receiver puts minirl's CPU LoRA ops in place: on stand-ins here
+    from minirl.sync.receiver import Receiver
+    from minirl.sync.wire import lora_path_for
+    wm = _Manager()
+    runner = _ns(lora_manager=wm, requests={}, _update_states=lambda out: None)
+    worker = _ns(model_runner=runner, execute_model=lambda: "out")
+    rec = Receiver(worker)
+    rec.versions[5] = 2
+    runner._update_states(_ns(scheduled_new_reqs=[_ns(req_id="a", lora_request=_ns(lora_int_id=5))]))
+    assert rec.started == {5: [("a", 2)]} and rec.requests() == {}
+    with pytest.raises(RuntimeError, match="not in the in-memory store"):
+        wm._load_adapter(_ns(lora_path=lora_path_for(5, 2), lora_int_id=5))
+    assert wm._load_adapter(_ns(lora_path="/adapters/six", lora_int_id=6))[0] == "file"
+    assert wm.remove_adapter(5) == ("remove", 5) and 5 not in rec.versions and 5 not in rec.started
+    assert worker.execute_model() == "out" and not rec.gate.busy
 
 
 def test_gloo_group_binds_loopback_and_falls_back_without_the_private_options(tmp_path, monkeypatch):
@@ -177,6 +300,10 @@ def test_the_hooked_names_exist_in_the_installed_torch():
     assert hasattr(torch.UntypedStorage, "_share_cuda_") and hasattr(torch.UntypedStorage, "_new_shared_cuda")
     assert hasattr(dist.ProcessGroupGloo, "_Options") and hasattr(torch, "_foreach_copy_")
     assert hasattr(torch, "_foreach_mul_")
+    t = torch.zeros(2)
+    v = compat.tensor_version(t)
+    t.add_(1)
+    assert compat.tensor_version(t) == v + 1
     if hasattr(dist, "ProcessGroupNCCL"):
         assert hasattr(dist.ProcessGroupNCCL.Options(), "_timeout")
 
@@ -201,7 +328,18 @@ def test_the_hooked_names_exist_in_the_installed_vllm():
     from vllm.lora.punica_wrapper import punica_cpu
     assert all(hasattr(lora_ops, n) and hasattr(punica_cpu, n) for n in compat.CPU_LORA_OPS)
     from vllm.lora.worker_manager import WorkerLoRAManager
-    assert hasattr(WorkerLoRAManager, "_load_adapter")
+    assert all(hasattr(WorkerLoRAManager, n) for n in ("_load_adapter", "add_adapter", "remove_adapter"))
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm.v1.worker.gpu_worker import Worker
+    calls = ("execute_model", "sample_tokens", "add_lora", "remove_lora", "pin_lora")
+    assert all(hasattr(w, n) for w in (Worker, CPUWorker) for n in calls)
+    from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    def fields(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    assert "scheduled_new_reqs" in fields(SchedulerOutput) and {"req_id", "lora_request"} <= fields(NewRequestData)
+    assert {"lora_request", "output_token_ids"} <= fields(CachedRequestState)
     from vllm.lora import model_manager
     assert hasattr(model_manager.LoRAModelManager, "_get_lora_layer_weights")
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner

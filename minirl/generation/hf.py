@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from minirl.core.logits import Processing, min_p_cut, penalise, seen_tokens
+from minirl.sync.vllm_compat import tensor_version
 from minirl.training.batch import sequence_logprobs
 from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
 
@@ -49,7 +50,7 @@ def merged_lora(model, cache: dict, version: int = 0):
     if layers is None:
         yield
         return
-    key = (version, tuple((m.lora_A[a].weight._version, m.lora_B[a].weight._version, m.scaling[a])
+    key = (version, tuple((tensor_version(m.lora_A[a].weight), tensor_version(m.lora_B[a].weight), m.scaling[a])
                           for m in layers for a in m.active_adapters))
     bufs, stale = cache.setdefault("bufs", {}), cache.get("key") != key
     swapped = []

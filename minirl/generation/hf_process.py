@@ -41,6 +41,7 @@ from minirl.config import Config
 from minirl.core import lifecycle
 from minirl.core.adapter import Packer, adapter_params, make_layout, unpack
 from minirl.generation.hf import HFGenerator, LocalEngine
+from minirl.sync.vllm_compat import foreach_copy
 from minirl.training.models import build_model, load_tokenizer
 from minirl.types import AdapterUpdate, Group, Prompt, SamplingParams
 
@@ -95,7 +96,7 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
     def apply_staged() -> None:  # between requests only: a sequence never sees its weights change
         with stage_lock:
             if staged["version"] is not None:
-                torch._foreach_copy_(dst, [s.to(d.device) for s, d in zip(src, dst)])
+                foreach_copy(dst, [s.to(d.device) for s, d in zip(src, dst)])
                 gen.set_version(staged["version"])
                 staged["version"] = None
 

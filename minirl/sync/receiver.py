@@ -21,7 +21,8 @@ How an adapter gets in, without files:
   slot (loading, activating or evicting an adapter).
 - The manager's `_load_adapter` is wrapped once so that LoRA paths starting with `minirl-mem://` are built from
   the store instead of files; so a LoRARequest with such a path can be served, evicted and reloaded like a file
-  adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry.
+  adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry. These wraps, the gate's and every
+  other touch of vLLM's private names go through `minirl.sync.vllm_compat`.
 
 The doorbell (CPU and GPU alike): vLLM's utility call reaches the worker through the engine core (client loop → ZMQ
 → engine core → the executor's shared-memory queue → worker, and back), which takes longer than the copy it carries
@@ -75,93 +76,47 @@ class Receiver:
         # lora id -> [(worker request id, version it started on)] for the requests started since its last install
         self.started: dict[int, list[tuple[str, int]]] = {}
         self.gate = Gate()                       # engine steps and LoRA calls vs installs from the doorbell thread
-        self.mid_step = False                    # execute_model returned; the step ends with sample_tokens
         self.stream = None                       # CUDA: the stream the worker's calls run on
         self._hook_manager()
-        self._gate_worker_calls()
-        self._record_starts()
+        compat.gate_worker_calls(worker, self.gate)  # a doorbell install never lands inside a step or a LoRA call
+        compat.watch_new_requests(worker.model_runner, self._note_start)
 
     # ---- hooks into the worker ------------------------------------------------------------------------------
 
     def _hook_manager(self) -> None:
         """Wrap the worker LoRA manager: `minirl-mem://` adapters load from the store; the slots written by fast
         installs are flushed before an adapter is loaded, activated or evicted; removal frees the id's state."""
-        wm = self.wm
-        add, remove = wm.add_adapter, wm.remove_adapter
-        mgr = compat.adapter_manager(wm)
+        wm, mgr = self.wm, compat.adapter_manager(self.wm)
 
-        def wrap(load):
+        def load(orig):
             def _load_adapter(lora_request):
                 if str(lora_request.lora_path).startswith(MEM_SCHEME):
                     return self.build(lora_request.lora_int_id)
-                return load(lora_request)
+                return orig(lora_request)
             return _load_adapter
 
-        def add_adapter(lora_request) -> bool:
-            lid = lora_request.lora_int_id
-            if self.stale and (lid not in wm.list_adapters() or getattr(lora_request, "load_inplace", False)
-                               or lid not in mgr.lora_index_to_id):
-                self.flush()
-            return add(lora_request)
+        def add(orig):
+            def add_adapter(lora_request) -> bool:
+                lid = lora_request.lora_int_id
+                if self.stale and (lid not in wm.list_adapters() or getattr(lora_request, "load_inplace", False)
+                                   or lid not in mgr.lora_index_to_id):
+                    self.flush()
+                return orig(lora_request)
+            return add_adapter
 
-        def remove_adapter(adapter_id: int) -> bool:
-            for state in (self.stale, self.store, self.built, self.plans, self.started, self.versions):
-                state.pop(adapter_id, None)
-            return remove(adapter_id)
+        def remove(orig):
+            def remove_adapter(adapter_id: int) -> bool:
+                for state in (self.stale, self.store, self.built, self.plans, self.started, self.versions):
+                    state.pop(adapter_id, None)
+                return orig(adapter_id)
+            return remove_adapter
+        compat.wrap_adapter_calls(wm, load, add, remove)
 
-        compat.wrap_load_adapter(wm, wrap)
-        wm.add_adapter, wm.remove_adapter = add_adapter, remove_adapter
-
-    def _gate_worker_calls(self) -> None:
-        """Engine steps and the worker's LoRA calls pass the gate, so that a doorbell install never lands inside
-        one. A step is `execute_model` through `sample_tokens` (when execute_model defers the sampling, it
-        returns None): the tokens it samples come from the weights of its forward pass."""
-        w, gate = self.worker, self.gate
-        execute, sample = w.execute_model, getattr(w, "sample_tokens", None)
-
-        def execute_model(*a, **kw):
-            gate.enter()
-            try:
-                out = execute(*a, **kw)
-            except BaseException:
-                gate.leave()
-                raise
-            if out is None and sample is not None:
-                self.mid_step = True
-            else:
-                gate.leave()
-            return out
-
-        def sample_tokens(*a, **kw):
-            try:
-                return sample(*a, **kw)
-            finally:
-                if self.mid_step:
-                    self.mid_step = False
-                    gate.leave()
-
-        def gated(fn):
-            def call(*a, **kw):
-                with gate:
-                    return fn(*a, **kw)
-            return call
-
-        w.execute_model = execute_model
-        if sample is not None:
-            w.sample_tokens = sample_tokens
-        for name in ("add_lora", "remove_lora", "pin_lora"):
-            if hasattr(w, name):
-                setattr(w, name, gated(getattr(w, name)))
-
-    def _record_starts(self) -> None:
-        """Record the adapter version each request starts on (the first time the worker is given the request), so
+    def _note_start(self, req_id: str, lora_id: int) -> None:
+        """Record the adapter version a request starts on (the first time the worker is given the request), so
         that per-token versions stay exact across in-place swaps."""
-        def note(scheduler_output) -> None:
-            for nr in getattr(scheduler_output, "scheduled_new_reqs", ()):
-                lr = getattr(nr, "lora_request", None)
-                if lr is not None and lr.lora_int_id in self.versions:
-                    self.started.setdefault(lr.lora_int_id, []).append((nr.req_id, self.versions[lr.lora_int_id]))
-        compat.wrap_update_states(self.worker.model_runner, note)
+        if lora_id in self.versions:
+            self.started.setdefault(lora_id, []).append((req_id, self.versions[lora_id]))
 
     # ---- the adapters --------------------------------------------------------------------------------------
 
@@ -311,11 +266,7 @@ class Receiver:
     def requests(self) -> dict[str, list]:
         """Each request the worker holds now: worker request id -> [its LoRA id (None: the base model), the output
         tokens it has so far]."""
-        out = {}
-        for rid, rs in compat.runner_requests(self.worker.model_runner).items():
-            lr = getattr(rs, "lora_request", None)
-            out[rid] = [None if lr is None else lr.lora_int_id, len(rs.output_token_ids)]
-        return out
+        return compat.runner_requests(self.worker.model_runner)
 
 
 class AdapterReceiver:

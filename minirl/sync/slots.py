@@ -151,26 +151,10 @@ def plan_slot(mgr, built: Built, slot: int) -> SlotPlan | None:
         return lo <= t.data_ptr() < hi
     if not all(aliased(b) for b, _ in built.scales):
         return None
-    dst, src = [], []
-    for name, module in mgr.modules.items():
-        lw = compat.layer_weights(mgr, built.lora, name)
-        if lw is None:
-            continue
-        a_st, b_st = getattr(module, "lora_a_stacked", None), getattr(module, "lora_b_stacked", None)
-        if getattr(module, "tp_size", 1) != 1 or not isinstance(a_st, tuple) or not isinstance(b_st, tuple):
-            return None
-        la = lw.lora_a if isinstance(lw.lora_a, list) else [lw.lora_a]
-        lb = lw.lora_b if isinstance(lw.lora_b, list) else [lw.lora_b]
-        if not (len(la) == len(lb) == len(a_st) == len(b_st)):
-            return None
-        for i, (a, b) in enumerate(zip(la, lb)):
-            for t, stacked in ((a, a_st[i]), (b, b_st[i])):
-                if t is None:
-                    continue
-                if stacked.dim() != 4 or t.dim() != 2:
-                    return None
-                dst.append(stacked[slot, 0, : t.shape[0], : t.shape[1]])
-                src.append(t)
+    pairs = compat.slot_pairs(mgr, built.lora, slot)
+    if pairs is None:
+        return None
+    dst, src = [d for d, _ in pairs], [t for _, t in pairs]
     if not src or not all(aliased(t) for t in src):
         return None
     scale_of = {id(b): sc for b, sc in built.scales if sc != 1.0}
