@@ -15,13 +15,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from decimal import Decimal
-from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 from minirl.rewards.registry import accepted_keywords, resolve_reward, source_hash
 from minirl.rewards.sandbox.process import ENABLE_SANDBOX
-from minirl.rewards.worker_main import reason
+from minirl.rewards.worker_main import number
 from minirl.rewards.workers import RewardCall, RewardWorkers
 from minirl.types import Group, RewardFailure, ScoredGroup
 
@@ -72,15 +70,11 @@ class Scorer:
 
     def check_value(self, v: Any) -> tuple[float | None, str | None]:
         """(value, None) for a usable reward value or an explicit skip (None); (None, reason) otherwise, also for a
-        value that float() cannot take (10**400, an object whose __float__ raises): never an exception."""
+        value that float() cannot take (10**400): never an exception. The pool's values are floats already
+        (`worker_main.number` ran under the call's timeout), so no code of a returned value runs here."""
+        v, why = number(v)
         if v is None:
-            return None, None
-        try:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
-                return None, f"returned {_shown(v)}, expected a float or None"
-            v = float(v)
-        except Exception as e:  # noqa: BLE001 - whatever a value's own methods raise, it is this call's failure
-            return None, f"returned {_shown(v)}, which float() cannot take ({reason(e)})"
+            return None, why
         if not math.isfinite(v):
             return None, f"returned non-finite {v}"
         if abs(v) > self.reward_clip:
@@ -155,32 +149,6 @@ def _stop_line(name: str, steps: int, last: str) -> str:
     else:
         fix = "fix the reward (try it on samples with minirl.check) or give it weight 0"
     return f"reward {name!r} failed every call for {steps} steps in a row, last: {last}; stopping the run: {fix}"
-
-
-SHOWN = (int, float, bool, complex, Decimal, Fraction)  # types whose own repr is bounded and calls no user code
-
-
-def _shown(v: Any) -> str:
-    """`type value` for a failure's reason, at most 40 characters of the value. Only builtin scalars are written
-    (a string or bytes cut first): a container is its size, anything else its type alone, so no value's own
-    `__repr__` runs (it could hang) and no repr walks a structure (2**40 shared leaves pickle to 160 bytes)."""
-    t = type(v)
-    if t in (str, bytes):
-        text = repr(v[:40])
-    elif t in (list, tuple, dict, set, frozenset):
-        text = f"of {len(v)} items"
-    elif t in SHOWN:
-        try:
-            text = repr(v)
-        except ValueError:  # an int too long to write
-            text = "(cannot be shown)"
-    else:
-        text = "(not shown)"
-    return f"{t.__name__} {text:.40}"
-
-
-def _is_numpy_number(v: Any) -> bool:
-    return type(v).__module__ == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
 
 
 def failure_kinds(groups: Sequence[ScoredGroup]) -> dict[str, int]:

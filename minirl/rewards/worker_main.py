@@ -1,11 +1,12 @@
 """A reward worker process: started by `minirl.rewards.workers.RewardWorkers`, which loads this file by path in a
 fresh interpreter (not `import minirl`: that imports torch). Standard library only. Also the framing both sides
-use on their socket."""
+use on their socket, a reply's JSON (`reply`), and the conversion of a returned value to a number (`number`)."""
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import inspect
+import json
 import os
 import pickle
 import resource
@@ -13,6 +14,8 @@ import signal
 import socket
 import struct
 import sys
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any, Callable
 
 
@@ -55,15 +58,61 @@ def one_line(text: str, limit: int = 300) -> str:
     return " ".join(text.split())[:limit]
 
 
-def run_call(fn: Callable, prompt: str, completion: str, columns: dict) -> tuple[Any, str | None]:
-    """Call a reward (awaiting it if it gives an awaitable); every exception becomes `(None, reason)`."""
+def run_call(fn: Callable, prompt: str, completion: str, columns: dict) -> tuple[float | None, str | None]:
+    """Call a reward (awaiting it if it gives an awaitable) and take its value as a number (`number`), both where
+    the call runs and so under its timeout; every exception becomes `(None, reason)`."""
     try:
         value = fn(prompt, completion, **columns)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
-        return value, None
+        return number(value)
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a reward's failures too
         return None, reason(e)
+
+
+def number(v: Any) -> tuple[float | None, str | None]:
+    """(float(v), None); (None, None) for None (a skip); (None, why) for a value that is not an int, float or numpy
+    number, or that float() cannot take. A value's own methods can run here (a subclass's __float__, __class__ in
+    isinstance) but never its __repr__; on an exact float or None no code of the value's runs."""
+    if v is None:
+        return None, None
+    try:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
+            return None, f"returned {shown(v)}, expected a float or None"
+        return float(v), None
+    except Exception as e:  # noqa: BLE001 - whatever a value's own methods raise, it is this call's failure
+        return None, f"returned {shown(v)}, which float() cannot take ({reason(e)})"
+
+
+SHOWN = (int, float, bool, complex, Decimal, Fraction)  # types whose own repr is bounded and calls no user code
+
+
+def shown(v: Any) -> str:
+    """`type value` for a failure's reason, at most 40 characters of each. Only builtin scalars are written (a
+    string or bytes cut first): a container is its size, anything else its type alone, so no value's own
+    `__repr__` runs (it could hang) and no repr walks a structure (2**40 shared leaves pickle to 160 bytes)."""
+    t = type(v)
+    if t in (str, bytes):
+        text = repr(v[:40])
+    elif t in (list, tuple, dict, set, frozenset):
+        text = f"of {len(v)} items"
+    elif t in SHOWN:
+        try:
+            text = repr(v)
+        except ValueError:  # an int too long to write
+            text = "(cannot be shown)"
+    else:
+        text = "(not shown)"
+    return f"{t.__name__:.40} {text:.40}"
+
+
+def _is_numpy_number(v: Any) -> bool:
+    return type(v).__module__ == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
+
+
+def reply(value: float | None, error: str | None) -> bytes:
+    """A worker's reply to the trainer: JSON `[value, error]` (NaN and infinities as JSON's extensions)."""
+    return json.dumps([value, error]).encode()
 
 
 async def _awaited(awaitable: Any) -> Any:
@@ -97,12 +146,12 @@ def serve(fd: int, parent_pid: int) -> None:
         try:
             fns[name] = pickle.loads(blob)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it with the name
-            send_frame(sock, pickle.dumps((None, f"reward {name!r} cannot be loaded in a worker process ({reason(e)}); "
-                                            "make its module importable from the trainer's sys.path")))
+            send_frame(sock, reply(None, f"reward {name!r} cannot be loaded in a worker process ({reason(e)}); "
+                                         "make its module importable from the trainer's sys.path"))
             return
     if added:
         sys.path.remove(cwd)
-    send_frame(sock, pickle.dumps((None, None)))
+    send_frame(sock, reply(None, None))
     while (msg := recv_frame(sock)) is not None:
         name, prompt, completion, columns = pickle.loads(msg)
         value, error = run_call(fns[name], prompt, completion, columns)
@@ -111,8 +160,4 @@ def serve(fd: int, parent_pid: int) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass  # a reward that closed or broke its streams
-        try:
-            reply = pickle.dumps((value, error), protocol=pickle.HIGHEST_PROTOCOL)
-        except BaseException as e:  # noqa: BLE001 - pickling arbitrary objects can raise anything
-            reply = pickle.dumps((None, f"unpicklable return value ({reason(e)})"))
-        send_frame(sock, reply)
+        send_frame(sock, reply(value, error))

@@ -13,9 +13,14 @@ wrong in a call becomes its `RewardOutcome.error`, one line, and the pool goes o
   printed more than N bytes", its worker killed at once. A failure rather than a truncation: a reward printing
   that much is looping or dumping, and stopping it then bounds its time and what the trainer reads. Below the
   cap, what a call printed comes back in `RewardOutcome.output`;
-- its value cannot come back (unpicklable, over MAX_REPLY_BYTES, or not plain data). Replies are loaded by an
-  unpickler that builds only plain data and numpy scalars: a worker running hostile code cannot run code here.
-Checking the value (finite, within the clip) is the Scorer's job: `value` is the returned object as is.
+- it returns something that is not a number (int, float, numpy number) or None, or that float() cannot take:
+  "returned list of 2 items, expected a float or None". The conversion runs where the call ran (its worker, or
+  its thread in-process), so a value whose `__float__` hangs is a timeout like a hung call;
+- its worker sends a reply that is not one: over MAX_REPLY_BYTES, or not JSON `[float or null, str or null]` (a
+  reward can write to its worker's socket): "return value cannot come back from the worker (...)"; its worker is
+  replaced. JSON has no shared references and builds only builtin objects, so a reply of n bytes makes at most n
+  objects, and its type is checked before anything else: nothing a worker sends runs code or stalls the trainer.
+`value` is a float or None: checking it (finite, within the clip) is the Scorer's job.
 
 Functions travel by cloudpickle (installed with vLLM; it has to become a declared dependency): notebook, `__main__`,
 closure and lambda rewards by value; functions of importable modules by reference, imported in the worker from the
@@ -36,7 +41,7 @@ hangs (the thread is abandoned, still running), survive `os._exit` or a segfault
 from __future__ import annotations
 
 import concurrent.futures as cf
-import io
+import json
 import math
 import os
 import pickle
@@ -58,9 +63,8 @@ from minirl.core import lifecycle
 from minirl.rewards import worker_main
 from minirl.rewards.worker_main import one_line, reason, recv_frame, run_call, send_frame
 
-MAX_REPLY_BYTES = 1 << 20
+MAX_REPLY_BYTES = 1 << 16  # a reply is a float and a reason of a few hundred characters
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-_NUMPY_SCALARS = {("numpy", "dtype"), ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")}
 # A worker's first lines: load this file by path (not `import minirl`, which imports torch), then serve.
 _BOOT = ("import importlib.util, sys\n"
          "spec = importlib.util.spec_from_file_location('minirl_reward_worker', sys.argv[1])\n"
@@ -80,9 +84,10 @@ class RewardCall:
 
 @dataclass(frozen=True)
 class RewardOutcome:
-    """What one call gave. `value`: the returned object as is (None on failure). `error`: None, or one line saying
-    why the call failed. `output`: what the call printed (at most `max_output_bytes`), None in-process."""
-    value: Any = None
+    """What one call gave. `value`: the returned number as a float (None: a skip, or a failure). `error`: None, or
+    one line saying why the call failed. `output`: what the call printed (at most `max_output_bytes`), None
+    in-process."""
+    value: float | None = None
     error: str | None = None
     output: str | None = None
 
@@ -250,10 +255,12 @@ class RewardWorkers:
                 raise RuntimeError(f"a reward {why} while starting; its output: {one_line(w.text(), 2000)}")
             return self._end(w, out, why)
         try:
-            value, error = _PlainData.loads(blob)
-            error = None if error is None else one_line(str(error))
-        except Exception as e:  # noqa: BLE001 - a reply that is not plain data is the call's failure
+            value, error = _reply(blob)
+        except Exception as e:  # noqa: BLE001 - any bytes that are not a reply are the call's failure
             value, error = None, f"return value cannot come back from the worker ({reason(e)})"
+            if w.ready:
+                return self._end(w, out, error)  # what it sends next would be taken for the next call's reply
+        error = None if error is None else one_line(error)
         if not w.ready:
             if error is not None:
                 raise RuntimeError(error)
@@ -336,14 +343,9 @@ def _pickle_reward(name: str, fn: Callable) -> bytes:
             cloudpickle.unregister_pickle_by_value(sys.modules[top])
 
 
-class _PlainData(pickle.Unpickler):
-    """Loads a worker's reply building only plain data and numpy scalars: no other class, no other callable."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _NUMPY_SCALARS:
-            raise pickle.UnpicklingError(f"{module}.{name} is not plain data (return a number)")
-        return super().find_class(module, name)
-
-    @classmethod
-    def loads(cls, blob: bytes) -> Any:
-        return cls(io.BytesIO(blob)).load()
+def _reply(blob: bytes) -> tuple[float | None, str | None]:
+    """A worker's reply (`worker_main.reply`), its type checked before it is used; ValueError for anything else."""
+    r = json.loads(blob)
+    if type(r) is list and len(r) == 2 and type(r[0]) in (float, type(None)) and type(r[1]) in (str, type(None)):
+        return r[0], r[1]
+    raise ValueError(f"a reply is [float or null, str or null], not {blob[:40]!r}")
