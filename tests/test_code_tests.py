@@ -283,3 +283,46 @@ def test_a_solution_answering_in_the_harness_place_only_fails_its_own_tests(forg
             "def add(a, b):\n    return a + b\n")
     r = run_tests(code, ADD_TESTS[:2] + ["import math\nassert math.isclose(add(1, 2), 3)"])
     assert (r.passed, r.total) == (0, 3), r
+
+
+# ---- a call with no plain answer fails its test, whatever the test does with it (issue 51) ----
+
+NOT_PLAIN = {"an object": "return object()", "a generator": "return (i for i in [x])",
+             "a function": "return f", "a module": "import os\n    return os",
+             "an int too long to write": "return 10 ** 5000", "a list holding an object": "return [1, object()]"}
+EXPECTING = {  # tests that pass when f(-1) raises ValueError: each caught NotPlainData (a ValueError) at fb083f9
+    "try/except ValueError/else": "try:\n    f(-1)\nexcept ValueError:\n    pass\nelse:\n    assert False, 'no error'",
+    "except Exception": "try:\n    f(-1)\n    ok = False\nexcept Exception:\n    ok = True\nassert ok",
+    "except BaseException": "try:\n    f(-1)\n    ok = False\nexcept BaseException:\n    ok = True\nassert ok",
+    "assertRaises(ValueError)": (
+        "import unittest\nclass T(unittest.TestCase):\n    def test(self):\n        with self.assertRaises(ValueError):\n"
+        "            f(-1)\nresult = unittest.TestResult()\nunittest.defaultTestLoader.loadTestsFromTestCase(T).run(result)\n"
+        "assert result.wasSuccessful(), result.failures"),
+    "a check that swallows everything": "def check(candidate):\n    try:\n        candidate(-1)\n    except BaseException:\n"
+                                        "        return\n    raise AssertionError('no error')",
+    "a caught call that then passes": "try:\n    f(-1)\nexcept BaseException:\n    pass\nassert f(2) == 2",
+}
+
+
+@needs_isolation
+@pytest.mark.parametrize("test_name", EXPECTING)
+def test_a_call_with_no_plain_answer_fails_whatever_the_test_catches(test_name):
+    test = EXPECTING[test_name]
+    honest = "def f(x):\n    if x < 0:\n        raise ValueError('negative')\n    return x\n"
+    assert run_tests(honest, [test], entry_point="f").all_passed  # the control: a real ValueError passes
+    for what, body in NOT_PLAIN.items():
+        forged = f"def f(x):\n    if x < 0:\n        {body}\n    return x\n"
+        r = run_tests(forged, [test], entry_point="f")
+        assert (r.passed, r.total) == (0, 1), (what, r)
+        assert "the answer of f() is not plain data" in r.first_failure, (what, r.first_failure)
+
+
+@needs_isolation
+def test_a_solution_that_dies_or_stalls_inside_an_expecting_test_fails_it():
+    test = EXPECTING["except BaseException"]
+    dies = "import os\ndef f(x):\n    os._exit(0)\n"
+    stalls = "def f(x):\n    while True: pass\n"
+    r = run_tests(dies, [test], entry_point="f")
+    assert r.passed == 0 and r.first_failure == "test 0 did not finish: the solution ended (exit code 0)", r
+    r = run_tests(stalls, [test], entry_point="f", timeout_s=1.5)
+    assert r.passed == 0 and r.first_failure == "test 0 did not finish: timeout after 1.5s", r

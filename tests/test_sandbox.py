@@ -23,7 +23,7 @@ import pytest
 
 from minirl.rewards import sandbox
 from minirl.sandbox import SandboxUnavailable, default_max_processes, extract_code, isolation, run_python
-from minirl.rewards.sandbox import supervisor
+from minirl.rewards.sandbox import confine, supervisor
 
 REPO = Path(__file__).resolve().parents[1]
 needs_isolation = pytest.mark.skipif(isolation() == "none", reason=f"no sandbox here: {isolation()}")
@@ -66,7 +66,7 @@ def test_isolation_works_where_it_should():
         run_python("pass")
     except SandboxUnavailable as e:
         pytest.fail(str(e))  # says why it failed
-    assert isolation() == "unshare(mount,net,pid,ipc,uts)+fresh uid"
+    assert isolation().startswith("unshare(mount,net,pid,ipc,uts)+fresh uid")
 
 
 # ---- extract_code ----
@@ -538,3 +538,149 @@ def test_user_namespace_mode_cannot_reach_the_callers_keyrings():
         pytest.skip("unprivileged user namespaces are not available on this kernel")
     assert got["isolation"] == "unshare(user,mount,net,pid,ipc,uts)"
     _assert_keys_unreachable(got)
+
+
+# ---- what the program sees: an allowlist; what its memory is: all of it (issue 51) ----
+
+_FIND = """
+import json, os, socket, sys
+marker = sys.stdin.readline().strip()
+found, seen = [], 0
+for top, dirs, files in os.walk("/"):
+    if top == "/":
+        dirs[:] = [d for d in dirs if d != "proc"]
+    seen += len(files)
+    found += [os.path.join(top, n) for n in dirs + files if marker in n]
+reads = {}
+for path in sys.stdin.readline().split():
+    try:
+        reads[path] = open(path).read()[:40]
+    except OSError as e:
+        reads[path] = e.errno
+connects = {}
+for path in sys.stdin.readline().split():
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.connect(path)
+        connects[path] = "connected"
+    except OSError as e:
+        connects[path] = e.errno
+print(json.dumps(dict(found=found, seen=seen, reads=reads, connects=connects, root=sorted(os.listdir("/")),
+                      nonempty=sorted(n for n in os.listdir("/") if os.path.isdir("/" + n) and os.listdir("/" + n)))))
+"""
+
+
+@needs_isolation
+def test_the_program_sees_only_the_system_and_python_not_the_project_nor_its_sockets(tmp_path):
+    """A project's data file holding the tests' asserts, the caller's own files and a listening unix socket (0777,
+    in the project and in the host's /tmp): found by no walk, read by no path, reached by no connect."""
+    marker = "minirl-hidden-" + secrets.token_hex(4)
+    project = REPO / f".{marker}"
+    project.mkdir(mode=0o777)
+    listeners = []
+    try:
+        project.chmod(0o777)
+        data = project / f"{marker}-train.jsonl"
+        data.write_text('{"tests": ["assert add(1, 2) == 3"]}\n')
+        data.chmod(0o644)
+        sockets = [project / f"{marker}.sock", Path("/tmp") / f"{marker}.sock"]
+        for path in sockets:
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(str(path))
+            os.chmod(path, 0o777)
+            s.listen()
+            listeners.append(s)
+        reads = [data, REPO / "README.md", Path(__file__), Path("/etc/hostname"), Path("/etc/passwd"),
+                 Path("/proc/1/environ")]
+        stdin = f"{marker}\n{' '.join(map(str, reads))}\n{' '.join(map(str, sockets))}\n"
+        r = run_python(_FIND, stdin=stdin, timeout_s=60)
+        assert r.ok, r
+        got = json.loads(r.stdout)
+        assert got["found"] == [] and got["seen"] > 100, got["found"]  # the walk ran, through /usr at least
+        assert all(isinstance(v, int) for v in got["reads"].values()), got["reads"]  # errno each: none read
+        assert set(got["connects"].values()) == {errno.ENOENT}, got["connects"]
+        python_tops = {d.split("/")[1] for d in supervisor.python_dirs()}
+        assert set(got["nonempty"]) <= {*supervisor.SHOWN, "proc", "dev", "tmp", "etc", *python_tops}, got["nonempty"]
+    finally:
+        for s in listeners:
+            s.close()
+        for path in (Path("/tmp") / f"{marker}.sock",):
+            path.unlink(missing_ok=True)
+        shutil.rmtree(project)
+
+
+_ESCAPES = """
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(f, *args):
+    r = f(*args)
+    return ctypes.get_errno() if r == -1 else "allowed"
+out = {}
+try:
+    os.memfd_create("x"); out["memfd"] = "allowed"
+except OSError as e:
+    out["memfd"] = e.errno
+out["unshare user"] = call(libc.unshare, 0x10000000)
+out["shmget"] = call(libc.shmget, 0, 1 << 20, 0o1600)
+pid = os.fork()  # clone without CLONE_NEWUSER: allowed
+if pid == 0:
+    os._exit(0)
+out["fork"] = os.waitpid(pid, 0)[1]
+print(json.dumps(out))
+"""
+
+
+@needs_isolation
+def test_memory_the_limits_would_not_count_cannot_be_made():
+    """memfd files, SysV shared memory and a nested user namespace (which could mount a tmpfs of its own) are
+    refused by the system-call filter, cgroup or not."""
+    r = run_python(_ESCAPES)
+    assert r.ok, r
+    assert json.loads(r.stdout) == {"memfd": errno.EPERM, "unshare user": errno.EPERM, "shmget": errno.EPERM,
+                                    "fork": 0}
+
+
+def test_the_filter_is_what_the_docs_say():
+    prog = confine.escape_filter("x86_64")
+    assert prog[-1] == (0x06, 0, 0, 0x7FFF0000) and len(prog) < 64
+    for i, (code, jt, jf, _) in enumerate(prog):  # every jump lands inside the program
+        if code & 0x07 == 0x05:
+            assert i + 1 + max(jt, jf) < len(prog)
+    with pytest.raises(OSError, match="no system call filter for sparc"):
+        confine.escape_filter("sparc")
+
+
+_HOG = """
+import os
+ready_r, ready_w = os.pipe()
+hold_r, hold_w = os.pipe()  # no one writes: the children hold their memory until the namespace ends
+for i in range({children}):
+    if os.fork() == 0:
+        block = bytearray(20 << 20)
+        for j in range(0, len(block), 4096): block[j] = 1
+        os.write(ready_w, b"x")
+        os.read(hold_r, 1)
+        os._exit(0)
+for i in range({children}):
+    os.read(ready_r, 1)
+with open("/tmp/fill", "wb") as f:
+    for k in range(48):
+        f.write(b"t" * (1 << 20))
+print("children and tmp hold", flush=True)
+block = bytearray({size} << 20)
+for j in range(0, len(block), 4096): block[j] = 1
+print("main holds too", flush=True)
+"""
+
+
+@needs_isolation
+@pytest.mark.skipif("memory cgroup" not in isolation(), reason=f"no memory cgroup here: {isolation()}")
+def test_all_of_a_programs_memory_counts_against_one_limit():
+    """Four children of 20 MiB, 48 MiB in its /tmp, then 40 MiB in the main process: each under the 64 MiB
+    address-space limit, 168 MiB together, past the cgroup's 64 + 64 + 32 MiB; the kernel kills the largest (the
+    main process) and the run says "memory limit". Half of that in two children fits."""
+    r = run_python(_HOG.format(size=40, children=4), memory_mb=64, max_processes=8, timeout_s=30)
+    assert (r.ok, r.returncode, r.reason) == (False, -9, "memory limit"), r
+    assert r.stdout == "children and tmp hold\n", r
+    r = run_python(_HOG.format(size=20, children=1), memory_mb=64, max_processes=8, timeout_s=30)
+    assert r.stdout == "children and tmp hold\nmain holds too\n", r

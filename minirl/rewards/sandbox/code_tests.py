@@ -230,14 +230,17 @@ class _Judge:
                 return self.failed
             self.tester.send({"names": names})
             self.named = True
-        rid = secrets.token_hex(8)
+        rid, fault = secrets.token_hex(8), ""
         self.tester.send({"id": rid, "run": i})
         while (message := self._next(self.tester, lambda m: m.get("id") == rid or "call" in m)) is not None:
             if message.get("id") == rid:
-                return None if message.get("ok") is True else _line(message.get("error"))
+                return _line(fault) if fault else None if message.get("ok") is True else _line(message.get("error"))
             reply = self._ask(self.solution, {k: message.get(k) for k in ("call", "args", "kwargs")})
             if reply is None:
                 return self._gone(i, self.solution)
+            # judged here, where the test's code cannot reach: a call with no plain answer fails the test, whatever
+            # the test then does with the proxy's NoAnswer (catch it, expect it)
+            fault = fault or _no_answer(reply, message.get("call"), _where(self.tests[i]))
             self.tester.send(reply)
         return self._gone(i, self.tester)
 
@@ -278,6 +281,19 @@ class _Judge:
 
     def _programs(self) -> list[Sandboxed]:
         return [p for p in (self.solution, self.tester) if p is not None]
+
+
+def _no_answer(reply: dict, name: Any, where: str) -> str:
+    """Why `reply` is no answer a test may judge (a plain value, or a raised exception); empty when it is one."""
+    if isinstance(reply.get("raised"), list):
+        return ""
+    try:
+        if "value" not in reply:
+            raise NotPlainData(reply.get("not_plain") or reply.get("failed") or "no value in the reply")
+        decode(reply["value"])
+        return ""
+    except NotPlainData as e:
+        return f"{where}: the answer of {_line(name, 80)}() is not plain data: {e}"
 
 
 def _parse(line: bytes) -> dict | None:

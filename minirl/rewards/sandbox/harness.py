@@ -4,7 +4,8 @@ Standard library only: this file's source, followed by one call (`program`), is 
 A channel is JSON lines: requests on the program's fd 3, replies on its fd 4.
 - The solution's process holds the solution and nothing else. `{"id", "names": true}` is answered with
   `{"id", "names": [its top-level callables]}`; `{"id", "call": name, "args", "kwargs"}` with `{"id", "value"}`,
-  `{"id", "raised": [the exception's class names, most derived first], "message"}` or `{"id", "not_plain": why}`;
+  `{"id", "raised": [the exception's class names, most derived first], "message"}` or `{"id", "not_plain": why}`
+  (which fails the test, in the judge: the tests' process cannot catch it);
   when the solution did not load, every request with `{"id", "failed": why}`.
 - The tests' process holds the test code, with a `Proxy` in place of each function of the solution (their names
   come first: `{"names": [...]}`). `{"id", "run": i}` runs test i; each proxy call in it is `{"call", "args",
@@ -142,6 +143,13 @@ class SolutionError(BaseException):
     or SystemExit); a test's `except Exception` does not catch it."""
 
 
+class NoAnswer(BaseException):
+    """Raised by a proxy whose call got no answer a test may judge (a value that is not plain data, no reply, a
+    solution that did not load). Not an Exception, so no `except ValueError` / `except Exception` takes it for
+    the error a test expects; and whatever the test does with it, the judge outside has already failed the
+    test (`code_tests._Judge`): this process cannot undo that."""
+
+
 class Proxy:
     """A function of the solution, in the tests' process: a call goes to the solution's process, its arguments
     and its result as plain data; an exception it raised comes back as its nearest built-in Exception class."""
@@ -152,11 +160,14 @@ class Proxy:
     def __call__(self, *args, **kwargs):
         _send({"call": self.__name__, "args": encode(list(args)), "kwargs": encode(kwargs)})
         reply = next(self._requests, None) or {}
-        if "value" in reply:
-            return decode(reply["value"])
-        if "raised" in reply:
+        if isinstance(reply.get("raised"), list):
             raise _exception(reply["raised"], str(reply.get("message", "")))
-        raise NotPlainData(f"the answer of {self.__name__}() is not plain data: {reply.get('not_plain', 'no reply')}")
+        try:
+            if "value" in reply:
+                return decode(reply["value"])
+        except NotPlainData:
+            pass
+        raise NoAnswer(f"the answer of {self.__name__}() is not plain data: {reply.get('not_plain', 'no reply')}")
 
 
 def _exception(names: list, message: str) -> BaseException:

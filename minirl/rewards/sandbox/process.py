@@ -48,7 +48,8 @@ class SandboxUnavailable(RuntimeError):
 
 def isolation() -> str:
     """The isolation `run_python` uses here: "unshare(mount,net,pid,ipc,uts)+fresh uid" (as root),
-    "unshare(user,mount,net,pid,ipc,uts)" (otherwise), or "none"."""
+    "unshare(user,mount,net,pid,ipc,uts)" (otherwise), or "none"; "+memory cgroup v2" (or v1) where one cgroup
+    holds all of a program's memory."""
     return _probe()[0]
 
 
@@ -75,12 +76,11 @@ def start(code: str, *, stdin: str = "", timeout_s: float = 5, memory_mb: float 
     """Start `code` in the sandbox (arguments as `run_python`); with `channel`, it reads JSON lines from fd 3 and
     writes them to fd 4. Call `finish()` on what comes back, whatever happens."""
     limits = _limits(code, stdin, timeout_s, memory_mb, max_output_bytes, max_processes)
-    label, mode, why_not = _probe()
+    _, mode, why_not = _probe()
     if mode == "none" and not allow_unsandboxed:
         raise SandboxUnavailable(f"no sandbox on this machine ({why_not}); {ENABLE_SANDBOX}; or pass "
                                  "allow_unsandboxed=True to run with resource limits only")
-    return _start(code, stdin, mode, limits, timeout_s, max_output_bytes, UNSANDBOXED if mode == "none" else label,
-                  channel)
+    return _start(code, stdin, mode, limits, timeout_s, max_output_bytes, _LABELS.get(mode, UNSANDBOXED), channel)
 
 
 def _limits(code: Any, stdin: Any, timeout_s: Any, memory_mb: Any, max_output_bytes: Any,
@@ -103,13 +103,16 @@ def _limits(code: Any, stdin: Any, timeout_s: Any, memory_mb: Any, max_output_by
     return dict(cpu_s=math.ceil(timeout_s), memory_bytes=memory_bytes, max_processes=processes)
 
 
+_LABELS = {"root": "unshare(mount,net,pid,ipc,uts)+fresh uid", "user": "unshare(user,mount,net,pid,ipc,uts)"}
+
+
 @functools.cache
 def _probe() -> tuple[str, str, str]:
     """(label, mode, why not) of the isolation that works here, found once by running a trivial program."""
     mode = "root" if os.geteuid() == 0 else "user"
-    label = "unshare(mount,net,pid,ipc,uts)+fresh uid" if mode == "root" else "unshare(user,mount,net,pid,ipc,uts)"
+    label = _LABELS[mode]
     result = _start("pass", "", mode, dict(cpu_s=10, memory_bytes=512 * MIB, max_processes=4), 30, 64_000, label).wait()
-    return (label, mode, "") if result.ok else ("none", "none", f"{label}: {result.reason}")
+    return (result.isolation, mode, "") if result.ok else ("none", "none", f"{label}: {result.reason}")
 
 
 @dataclass(eq=False)
@@ -185,8 +188,9 @@ class Sandboxed:
             os.close(fd)
         self.reading.clear()
         self._close_requests()
-        out, err, status = self._got["out"], self._got["err"], self._got["status"].decode()
-        kind, _, value = status.partition("\n")[0].partition(" ")
+        out, err, lines = self._got["out"], self._got["err"], self._got["status"].decode().split("\n")
+        kind, _, value = next((s for s in lines if s.startswith(("exit ", "signal ", "error "))), "").partition(" ")
+        group = next((s.split(" ")[1] for s in lines if s.startswith("memory-group ")), "")
         returncode = None
         if self.killed:
             reason = f"timeout after {self.timeout_s:g}s" if self.killed == "timeout" else self.killed
@@ -194,13 +198,14 @@ class Sandboxed:
             reason = f"sandbox setup failed: {value}"
         elif kind in ("exit", "signal"):
             returncode = int(value) if kind == "exit" else -int(value)
-            reason = _reason(returncode, err)
+            reason = "memory limit" if returncode == -9 and "memory-limit" in lines else _reason(returncode, err)
         else:
             reason = f"the sandbox ended without a status (supervisor exit {self.proc.returncode})"
         out = out[:self.cap]
         return SandboxResult(ok=not reason, returncode=returncode, stdout=out.decode(errors="replace"),
                              stderr=err[:self.cap - len(out)].decode(errors="replace"), reason=reason,
-                             seconds=time.monotonic() - self.started, isolation=self.label)
+                             seconds=time.monotonic() - self.started,
+                             isolation=self.label + (f"+memory cgroup {group}" if group else ""))
 
     def _service(self, fd: int, role: str) -> None:
         if role == "requests":

@@ -11,9 +11,17 @@ import os
 import signal
 import sys
 
+if __package__:  # imported: by the tests
+    from .confine import MemoryGroup, deny_escapes
+else:  # run as a script under -I, which leaves the script's folder off sys.path
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from confine import MemoryGroup, deny_escapes
+
 TMP_MB = 64                                      # size of the private /tmp, and the largest file
+SLACK_MB = 32                                    # the cgroup's room for the init and the interpreter's start
 OPEN_FILES = 256
-HIDDEN = ("/root", "/home", "/run", "/var/tmp")  # replaced by empty read-only directories
+SHOWN = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")  # of /'s entries, the only ones shown (read-only)
+ETC_SHOWN = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime")  # of /etc: what the loader and time need
 DEVICES = ("null", "zero", "full", "random", "urandom")
 
 # ---- the supervisor: `python -I -S supervisor.py mode=... code_fd=... status_fd=... caller=... <limits>` ----
@@ -71,16 +79,24 @@ def python_dirs() -> set[str]:
 
 
 def _build_filesystem(mode: str, uid: int) -> None:
-    """Private mounts: every host mount read-only, HIDDEN emptied, a minimal /dev, a fresh writable tmpfs on
-    /tmp owned by `uid`; the Python installation is mounted back (read-only) where one of those covered it."""
+    """Private mounts, an allowlist: of /'s entries only SHOWN (system programs and libraries) stay, read-only;
+    every other folder is an empty read-only tmpfs and every other file an empty one (/dev/null); /etc keeps
+    ETC_SHOWN; the Python installation is mounted back (read-only) where it lay in a hidden place; /dev is
+    DEVICES only; /tmp a fresh writable tmpfs owned by `uid`. /proc is the init's own (`_init`)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    covered = {d: os.open(d, os.O_PATH) for d in python_dirs() if d.startswith(tuple(h + "/" for h in (*HIDDEN, "/tmp")))}
+    shown = tuple(f"/{name}/" for name in SHOWN)
+    covered = {d: os.open(d, os.O_PATH) for d in python_dirs() if not (d + "/").startswith(shown)}
+    etc = {f"/etc/{name}": os.open(f"/etc/{name}", os.O_PATH) for name in ETC_SHOWN if os.path.exists(f"/etc/{name}")}
     devices = {name: os.open(f"/dev/{name}", os.O_PATH) for name in DEVICES}
     _make_all_read_only(keep_locked_flags=mode == "user")
-    emptied = [h for h in HIDDEN if os.path.isdir(h) and not os.path.islink(h)] + ["/dev"]
+    entries = [f"/{name}" for name in sorted(os.listdir("/")) if name not in (*SHOWN, "proc", "tmp")]
+    emptied = [p for p in entries if os.path.isdir(p) and not os.path.islink(p)]
     for path in emptied:
         _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m")
-    _bind_back({d: fd for d, fd in covered.items() if not d.startswith("/tmp/")})
+    for path in entries:  # a file at the root (a symlink resolves into a hidden or a shown place)
+        if not os.path.islink(path) and not os.path.isdir(path):
+            _mount(f"/proc/self/fd/{devices['null']}", path, None, MS_BIND)
+    _bind_back({d: fd for d, fd in covered.items() if not d.startswith("/tmp/")} | etc)
     _bind_back({f"/dev/{name}": fd for name, fd in devices.items()})
     os.mkdir("/dev/shm")
     for i, name in enumerate(("stdin", "stdout", "stderr")):
@@ -140,9 +156,14 @@ def _supervise(config: dict) -> None:
     if mode == "none":
         import tempfile
         workdir = tempfile.mkdtemp(prefix="minirl-sandbox-")
+    group = None
     try:
         with open("/proc/self/oom_score_adj", "w") as f:  # inherited: the OOM killer takes the sandbox first
             f.write("1000")
+        if mode == "root":  # before anything the program's processes will be charged for
+            group = MemoryGroup.make(config["memory_bytes"] + (TMP_MB + SLACK_MB) * (1 << 20))
+            if group is not None:
+                os.write(status_fd, f"memory-group v{group.version}\n".encode())
         with os.fdopen(config["code_fd"], "rb") as f:
             code = f.read()
         uid = (1 << 30) + int.from_bytes(os.urandom(4), "little") % (1 << 30) if mode == "root" else os.getuid()
@@ -164,9 +185,13 @@ def _supervise(config: dict) -> None:
         if mode == "none":  # no init here: report, and kill what the program left in its session
             _report_exit(status_fd, wait_status)
             _kill_group(child)
+        if group is not None and group.oom_kills():  # after the init's line: the caller reads both
+            os.write(status_fd, b"memory-limit\n")
     except OSError as e:
         os.write(status_fd, f"error {e}\n".encode())
     finally:
+        if group is not None:
+            group.remove()
         if mode == "none":
             import shutil
             shutil.rmtree(workdir, ignore_errors=True)
@@ -204,7 +229,7 @@ def _run_program(config: dict, uid: int) -> None:
     for limit, value in ((resource.RLIMIT_CPU, (config["cpu_s"], config["cpu_s"] + 1)),
                          (resource.RLIMIT_AS, (config["memory_bytes"],) * 2), (resource.RLIMIT_NPROC, (nproc,) * 2),
                          (resource.RLIMIT_FSIZE, (TMP_MB * mib,) * 2), (resource.RLIMIT_NOFILE, (OPEN_FILES,) * 2),
-                         (resource.RLIMIT_CORE, (0, 0))):
+                         (resource.RLIMIT_CORE, (0, 0)), (resource.RLIMIT_MSGQUEUE, (0, 0))):
         resource.setrlimit(limit, value)
     os.nice(10)  # below the host's work, and below the supervisor that must kill it in time
     if config["mode"] == "root":
@@ -216,6 +241,7 @@ def _run_program(config: dict, uid: int) -> None:
         os.dup2(config["requests_fd"], REQUESTS_FD)
         os.dup2(config["replies_fd"], REPLIES_FD)
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    deny_escapes()
     env = {"HOME": os.getcwd(), "TMPDIR": os.getcwd(), "PATH": "/usr/local/bin:/usr/bin:/bin"}
     os.execve(sys.executable, [sys.executable, "-I", "-B", "-X", "utf8", "main.py"], env)
 
