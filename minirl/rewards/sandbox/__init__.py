@@ -24,26 +24,38 @@ uid 0 of the host, which the kernel exempts from the process limit. What is isol
   /proc/keys and /proc/key-users are hidden. Where the key system calls are all blocked (Docker's default seccomp
   profile blocks add_key, request_key and keyctl; the filter is inherited) joining fails but it cannot reach any
   keyring either, and runs; where only some are blocked, it does not run.
-- Memory pressure: the program, its init and supervisor have `oom_score_adj` 1000, so the kernel's OOM killer
-  takes them before the trainer.
+- Memory: as root, one memory cgroup per run (v2 where the caller's group lets its children have the memory
+  controller, else v1; `confine.py`) holds the program's processes, its init and supervisor: anonymous memory,
+  its /tmp (tmpfs), pipes and page tables together may not pass `memory_mb` + 64 MiB (the /tmp) + 32 MiB (the
+  init and the interpreter's start); past it the kernel kills the largest process ("memory limit"). `isolation()`
+  then ends in "+memory cgroup v1" (or v2). The program, its init and supervisor have `oom_score_adj` 1000, so
+  under host memory pressure the OOM killer takes them before the trainer.
+- System calls (seccomp, `confine.escape_filter`): memfd_create, memfd_secret and shmget are refused (memory no
+  rlimit counts), so are unshare/clone with CLONE_NEWUSER (a nested user namespace could mount a tmpfs of its
+  own); clone3 answers ENOSYS (the C library falls back to clone); another architecture's calls ENOSYS.
 - Limits (setrlimit; and nice 10): CPU seconds, address space (`memory_mb`, per process), processes and threads
   (`max_processes`, counted by the kernel per uid and user namespace: the fresh uid is what makes it hold as
   root; by default as many as keep their memory limits together under RAM_SHARE = 1/16 of RAM, 1 to 16), file
-  size, open files, no core files. Output (stdout and stderr together) is read with a cap, `max_output_bytes`,
-  and the run killed past it; `timeout_s` is wall-clock.
-- Filesystem: every host mount is read-only; /tmp is a fresh 64 MiB tmpfs, the program's cwd and HOME, gone
-  with the run; /root, /home, /run, /var/tmp are empty (the Python installation is mounted back, read-only, if
-  it lives there); /dev holds null, zero, full, random, urandom only. No mount change reaches the host.
+  size, open files, POSIX message queues (none), no core files. Output (stdout and stderr together) is read with
+  a cap, `max_output_bytes`, and the run killed past it; `timeout_s` is wall-clock.
+- Filesystem, an allowlist: of the entries of / only usr, bin, sbin, lib, lib32, lib64, libx32 stay (read-only:
+  the system's programs and libraries); every other folder is an empty read-only tmpfs (/home, /root, /srv,
+  /opt, /mnt, /var, /run, /sys, a project's folder...) and every other file at / an empty one; /etc holds only
+  ld.so.cache, ld.so.conf(.d) and localtime; the Python installation (and its venv) is mounted back, read-only,
+  where it lies in a hidden place; /tmp is a fresh 64 MiB tmpfs, the program's cwd and HOME, gone with the run;
+  /dev holds null, zero, full, random, urandom only; /proc is its PID namespace's. No mount change reaches the
+  host.
 
 What is NOT isolated:
-- The kernel is shared and its whole system-call surface is reachable (no seccomp filter); the program may
-  create nested user namespaces. A kernel bug is a way out.
-- The program can READ what an unprivileged user (as root) or the caller (otherwise) can read outside the
-  hidden directories: system files, /sys, the Python installation and its site-packages, project directories.
-- Memory is limited per process, so one program may use up to `max_processes * memory_mb`, and programs running
-  at once add up (a `run_tests` with a test program runs two; each reward worker runs its own); there is no
-  cgroup, and the tmpfs is charged to the caller. CPU is limited in seconds per process, not in share.
-- Host-wide figures stay visible (/proc/meminfo, /proc/cpuinfo, load, kernel version, /sys).
+- The kernel is shared; the filter above refuses a few calls, every other call is reachable. A kernel bug is a
+  way out.
+- The program can read the shown folders: the system's files under /usr, the Python installation and its
+  site-packages. A unix socket placed in one of those (mode 0777) would be reachable.
+- Without a writable memory cgroup (not root, or a read-only cgroup filesystem) memory is limited per process:
+  up to `max_processes * memory_mb` plus the 64 MiB /tmp and pipe buffers (at most 256 open files each); programs
+  running at once add up (a `run_tests` with a test program runs two; each reward worker its own). CPU is
+  limited in seconds per process, not in share.
+- Host-wide figures stay visible (/proc/meminfo, /proc/cpuinfo, load, kernel version).
 
 Where isolation is unavailable (root without CAP_SYS_ADMIN, or unprivileged user namespaces disabled, as under
 Docker's default profile or Ubuntu 24.04's AppArmor setting), `run_python` refuses with an error naming the fix,
