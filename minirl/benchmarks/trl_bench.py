@@ -172,12 +172,12 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
         raise ValueError(f"steps, save_every and eval_size must be at least 1 (got {steps}, {save_every}, {eval_size})")
     sides = sides or {"trl": lambda spec: run_trl(str(setup_trl_venv()), spec), "minirl": run_minirl}
     save_steps = sorted({0, steps, *range(save_every, steps, save_every)})
-    path = str(resolve_model(model))
     settings = {**(settings or {}), **({"lr": lr} if lr is not None else {})}
-    probe = trl_spec(path, 0, steps, save_steps, Path(out), task=task, **settings)
+    probe = trl_spec(model, 0, steps, save_steps, Path(out), task=task, **settings)
+    # a wrong override is one line before anything runs
+    minirl_config({**probe, "minirl": minirl_overrides or {}})
     config = {"model": model, "task": task, "steps": steps, "save_steps": save_steps, "eval_size": eval_size,
               "settings": probe["settings"], "minirl": minirl_overrides or {}, "eval": eval_overrides or {}}
-    minirl_config({**probe, "minirl": minirl_overrides or {}})  # a wrong override is one line before anything runs
     res: dict[str, Any] = {"config": config, "runs": {}}
     done = Path(out) / "trl.json"
     if done.exists():
@@ -195,6 +195,7 @@ def bench_trl(out: str | Path, seeds: Sequence[int] = (0, 1, 2), steps: int = 10
         for key, r in src.get("runs", {}).items():
             if r["side"] == "trl" and r["seed"] in seeds:
                 res["runs"].setdefault(key, {**r, "from": str(trl_from)})
+    path = str(resolve_model(model))  # after every check of the arguments: its first call dequantizes the model
     held = task_rows(0, task=task)[1][:eval_size]
     s = probe["settings"]
     for seed in seeds:

@@ -32,7 +32,8 @@ class Config(metaclass=_Coercing):
     model: str = "smollm2-135m-instruct"
     """Base model: the embedded default 'smollm2-135m-instruct', a Hugging Face id, or a local folder."""
     dtype: str = "auto"
-    """Trainer weights dtype: 'auto' (bfloat16 on GPU, float32 on CPU), 'float32' or 'bfloat16'."""
+    """Trainer weights dtype, which the vLLM engine inherits: 'auto' (bfloat16 on GPU, float16 on GPUs below compute
+    capability 8.0 such as T4 / V100, float32 on CPU), 'float32', 'bfloat16' or 'float16'."""
     load_in_4bit: bool = False
     """QLoRA: load the frozen base in 4-bit NF4 via bitsandbytes."""
     lora_rank: int = 16

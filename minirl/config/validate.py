@@ -159,7 +159,8 @@ def validate(cfg) -> None:
     need(cfg.packing in ("shared-prefix", "padded"), f"packing={cfg.packing!r}: use 'shared-prefix' or 'padded'")
     need(cfg.gradient_checkpointing == "auto" or isinstance(cfg.gradient_checkpointing, bool),
          f"gradient_checkpointing={cfg.gradient_checkpointing!r}: use 'auto', true or false")
-    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"), f"dtype={cfg.dtype!r}: use auto/float32/bfloat16")
+    need(cfg.dtype in ("auto", "float32", "bfloat16", "float16"),
+         f"dtype={cfg.dtype!r}: use auto/float32/bfloat16/float16")
     need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.rewards),
          f"reward_weights has {len(cfg.reward_weights or [])} entries for {len(cfg.rewards)} rewards; give one per reward")
     need(cfg.report_to in (None, "trackio", "tensorboard", "wandb"),

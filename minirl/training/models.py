@@ -29,7 +29,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from minirl.config import Config
+from minirl.config import Config, ConfigError
 from minirl.core.adapter import make_contiguous
 from minirl.training.folders import publish_folder
 from minirl.training.shapes.synthetic import synthetic as build
@@ -190,13 +190,43 @@ def cpu_dtype_warning(dtype: str, cpuinfo: str = "/proc/cpuinfo") -> str | None:
             "/proc/cpuinfo): it is emulated and many times slower than float32; use dtype: auto (float32 on CPU)")
 
 
-def train_dtype(cfg: Config):
-    """The trainer's weight dtype for `cfg.dtype`: 'auto' is bfloat16 on GPU, float32 on CPU -- also on CPUs with
-    native bf16 (AVX512-bf16 + AMX): a bf16 LoRA step of the embedded model gains nothing there, its matmuls are
-    too small (`python scripts/bf16_check.py`; BENCHMARKS.md, "Backends, memory, sync check")."""
+def cuda_bf16(device=None) -> bool:
+    """Whether the CUDA device (`device`: 'cuda:N', an index or None for the current one) runs bfloat16: compute
+    capability 8.0 (Ampere) or above. vLLM refuses bfloat16 below it (T4 7.5, V100 7.0)."""
+    return tuple(torch.cuda.get_device_capability(device)) >= (8, 0)
+
+
+def _on_cuda(device) -> bool:
+    return torch.cuda.is_available() and (device is None or str(device).startswith("cuda"))
+
+
+def train_dtype(cfg: Config, device=None):
+    """The trainer's weight dtype for `cfg.dtype` on `device` (None: the current CUDA device when CUDA is present);
+    the vLLM engine inherits it. 'auto' is bfloat16 on GPU (float16 below compute capability 8.0, where there is no
+    bfloat16), float32 on CPU -- also on CPUs with native bf16 (AVX512-bf16 + AMX): a bf16 LoRA step of the
+    embedded model gains nothing there, its matmuls are too small (`python scripts/bf16_check.py`; BENCHMARKS.md,
+    "Backends, memory, sync check"). In float16 the LoRA weights stay float32 (peft's `autocast_adapter_dtype`,
+    so AdamW updates fp32 weights) and the loss is computed on float32 logits (`batch.hidden_logprobs`); a step whose
+    loss or gradient is not finite is skipped (`Trainer.step`), so no GradScaler is used."""
     if cfg.dtype == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        if not torch.cuda.is_available():
+            return torch.float32
+        return torch.bfloat16 if not _on_cuda(device) or cuda_bf16(device) else torch.float16
+    if cfg.dtype == "bfloat16" and _on_cuda(device) and not cuda_bf16(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ConfigError(f"dtype='bfloat16' needs a GPU of compute capability 8.0 or above (this one is "
+                          f"{major}.{minor}; vLLM refuses bfloat16 on it): use dtype: float16 (or auto)")
     return getattr(torch, cfg.dtype)
+
+
+def cuda_dtype_note(cfg: Config, device=None) -> str | None:
+    """One line when dtype 'auto' picks float16 (a GPU below compute capability 8.0); None otherwise. Raises
+    ConfigError (one line) for an explicit 'bfloat16' on such a GPU (`train_dtype`)."""
+    if train_dtype(cfg, device) != torch.float16 or cfg.dtype != "auto":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return (f"minirl: dtype: auto is float16 for the trainer and the engine: {device or 'the GPU'} has compute "
+            f"capability {major}.{minor}, below 8.0 (no bfloat16)")
 
 
 def checkpointing_on(cfg: Config, device: str) -> bool:
@@ -216,9 +246,9 @@ def build_model(cfg: Config, device: str, checkpointing: bool = False):
             raise RuntimeError("load_in_4bit needs bitsandbytes (its 4-bit path runs on CPU too): pip install "
                                "'bitsandbytes>=0.50' (or `bash install.sh cpu` / `bash install.sh gpu`)")
         kw["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg),
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=train_dtype(cfg, device),
             bnb_4bit_use_double_quant=True)  # as vLLM's in-flight NF4 (generation.vllm.loads_bitsandbytes)
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg),
+    base = AutoModelForCausalLM.from_pretrained(resolve_model(cfg.model), dtype=train_dtype(cfg, device),
                                                 **{**cfg.model_kwargs, **kw})
     if not cfg.load_in_4bit:
         base = base.to(device)
