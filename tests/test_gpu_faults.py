@@ -109,8 +109,10 @@ def test_the_vllm_engine_starts_on_the_mapped_gpu_and_the_trainer_keeps_its_vari
     for device_ids='1' under CUDA_VISIBLE_DEVICES=2,3; afterwards this process has 2,3 again."""
     pytest.importorskip("vllm")
     from types import SimpleNamespace
+
     from vllm.platforms import current_platform
     from vllm.v1.engine import async_llm
+
     from minirl.generation.vllm import VLLMGenerator
     seen = []
 

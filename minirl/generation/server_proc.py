@@ -19,8 +19,8 @@ looks for package metadata named 'vllm'). Its flags:
 """
 from __future__ import annotations
 
-import ctypes
 import contextlib
+import ctypes
 import os
 import signal
 import socket

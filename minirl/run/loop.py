@@ -34,7 +34,6 @@ from minirl.sync.base import SyncStats
 from minirl.sync.check import SyncCheck
 from minirl.types import RunStatus, ScoredGroup
 
-
 MAIN_GUARD = ('minirl: your script starts a run at import time; put it under `if __name__ == "__main__":` '
               '(spawned processes re-import the main script)')
 
