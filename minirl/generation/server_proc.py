@@ -54,12 +54,12 @@ class ServerOptions:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
 
-def visible_devices(ids: str, environ=None) -> str:
+def visible_devices(ids: str) -> str:
     """The CUDA_VISIBLE_DEVICES of a child process for GPU ids as minirl numbers them ('1', '0,1', 'cuda:1'):
     indexes into the GPUs this process sees, so with CUDA_VISIBLE_DEVICES=2,3 set here id 1 is the entry '3'.
     Unset (or empty): the ids themselves."""
     idx = [int(i.strip().removeprefix("cuda:")) for i in ids.split(",")]
-    parent = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES", "")
+    parent = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     if not parent.strip():
         return ",".join(map(str, idx))
     seen = [e.strip() for e in parent.split(",")]
