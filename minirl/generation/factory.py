@@ -23,9 +23,11 @@ from minirl.training.plan import resolve_engine_share
 from minirl.types import Generator, PolicyTrainer
 
 QLORA_UNQUANTIZED = (
-    "minirl: qlora: {engine} cannot load the base in bitsandbytes 4-bit: the engine samples from the unquantized "
-    "base while the trainer trains LoRA on its NF4 base, so the behaviour policy is not the trained one (truncated "
-    "importance sampling corrects for it; the gap is measured in BENCHMARKS.md, 'QLoRA behaviour policy')")
+    "minirl: qlora: {engine} cannot load the base in bitsandbytes 4-bit: the engine samples from the 16-bit base "
+    "while the trainer trains LoRA on its NF4 base (measured on the embedded model: 0.48 nats per token apart, "
+    "BENCHMARKS.md 'QLoRA behaviour policy'); truncated importance sampling corrects for it, and the sync check "
+    "(verify_sync), which compares the engine's logprobs with the trainer's, is off for this run: the gap is over "
+    "its bound by design. backend: hf samples from the trainer's own 4-bit model (no gap)")
 
 
 def vllm_available() -> bool:
@@ -33,13 +35,15 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
+def pick_backend(backend: str, cuda: bool, four_bit: bool = False) -> tuple[str, str]:
     """(backend, why). 'auto' is vLLM on GPUs. On CPU it is transformers, on the ground that vLLM-CPU serving a
     LoRA adapter is slower than transformers `generate` (its CPU LoRA kernels copy the adapter weights for every
     token). The measurement behind it, side by side on the demo's step (8 prompts x 8 samples x 24 tokens, the
     embedded model, float32; vLLM with the adapter pushed as a run pushes it, transformers on the trainer's own
     model as the synchronous loop runs it): `minirl bench generation --out DIR`, `vllm_vs_hf` in
-    DIR/generation.json (`vllm_vs_hf.vllm_vs_hf`: vLLM's tokens/s over transformers'). backend='vllm' forces it."""
+    DIR/generation.json (`vllm_vs_hf.vllm_vs_hf`: vLLM's tokens/s over transformers'). backend='vllm' forces it.
+    QLoRA (`four_bit`) on a GPU is vLLM only where it loads the base in NF4 as the trainer does (`engine_gap`);
+    else transformers, whose generator samples from the trainer's own 4-bit model."""
     if backend != "auto":
         if backend == "vllm" and not vllm_available():
             raise RuntimeError("backend='vllm' but vllm is not installed: `bash install.sh cpu` (CPU) or "
@@ -49,7 +53,22 @@ def pick_backend(backend: str, cuda: bool) -> tuple[str, str]:
         return "hf", "vllm is not installed"
     if not cuda:
         return "hf", "on CPU, vLLM's LoRA path is slower than transformers (set backend='vllm' to use it)"
+    if four_bit and not loads_bitsandbytes():
+        return "hf", ("load_in_4bit: this vLLM cannot load the base in NF4, so it would sample from the 16-bit base; "
+                      "the transformers generator samples from the trainer's own 4-bit model (backend='vllm' "
+                      "forces vLLM)")
     return "vllm", "vllm is installed and a GPU is present"
+
+
+def engine_gap(cfg: Config, backend: str) -> str | None:
+    """The line a QLoRA run prints before loading when its vLLM engine (or servers) will sample from the 16-bit base
+    (`QLORA_UNQUANTIZED`; such a run's sync check is off), None when the engine holds what the trainer trains."""
+    if not cfg.load_in_4bit or backend not in ("vllm", "vllm-server"):
+        return None
+    if backend == "vllm" and loads_bitsandbytes():
+        return None
+    engine = "a vLLM server" if backend == "vllm-server" else "this vLLM (vLLM-CPU, or a release without bitsandbytes)"
+    return QLORA_UNQUANTIZED.format(engine=engine)
 
 
 def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchronous: bool,
@@ -64,13 +83,8 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
     if backend == "vllm":
         dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
         share = resolve_engine_share(cfg, trainer.device, gen_devices, sleep_mode) if on_gpu else 0.0
-        quant = None
-        if cfg.load_in_4bit:  # QLoRA: the engine samples from the same 4-bit base where this vLLM can load one
-            if loads_bitsandbytes():
-                quant = "bitsandbytes"
-            else:
-                print(QLORA_UNQUANTIZED.format(engine="this vLLM (vLLM-CPU, or a release without bitsandbytes)"),
-                      flush=True)
+        # QLoRA: the engine samples from the same 4-bit base where this vLLM can load one (else `engine_gap`)
+        quant = "bitsandbytes" if cfg.load_in_4bit and loads_bitsandbytes() else None
         gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
                             cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=share,
@@ -122,8 +136,6 @@ def _server_generator(cfg: Config, trainer: PolicyTrainer, gen_devices: str | No
         raise RuntimeError("backend='vllm-server' starts vLLM servers, but vllm is not installed here: `bash "
                            "install.sh cpu` (CPU) or `bash install.sh gpu` (GPU), or give server_urls")
     places = split_devices(gen_devices, cfg.num_servers, on_gpu)
-    if cfg.load_in_4bit:
-        print(QLORA_UNQUANTIZED.format(engine="a vLLM server started by minirl"), flush=True)
     launch = [ServerOptions(trainer.model_path, dtype=dtype, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens,
                             max_lora_rank=cfg.lora_rank, max_loras=cfg.max_async_steps + 2, seed=cfg.seed,
                             on_cpu=not on_gpu, cores=None if on_gpu else p, gpus=p if on_gpu else None,

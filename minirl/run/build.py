@@ -131,7 +131,8 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
     parts.plan = check_plan(c, place.cuda_devices, engine_sleeps=place.engine_sleeps)  # a GPU run that cannot fit stops here, before loading
     if not place.cuda_devices and (note := cpu_dtype_warning(c.dtype)):
         print(note, flush=True)
-    if place.cuda_devices and (note := cuda_dtype_note(c, place.train_device)):  # bfloat16 below 8.0: fails here
+    engine = place.backend in ("vllm", "vllm-server")
+    if place.cuda_devices and (note := cuda_dtype_note(c, place.train_device, engine)):  # bf16 below 8.0 fails
         print(note, flush=True)
     cpu.apply(place)
     parts.trainer = trainer = Trainer(c, device=place.train_device)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 from minirl.config import Config
 from minirl.core.metrics import LogTail, rollout_metrics, sample_rows, step_summary
 from minirl.data import rows as D
+from minirl.generation.factory import engine_gap
 from minirl.pipeline.rollout import Pipeline
 from minirl.rewards.advantages import step_advantages
 from minirl.rewards.scorer import failure_kinds
@@ -66,6 +67,9 @@ class Run(Background):
         cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         cfg, self._reward_refs, self._env = resolve_rewards(cfg, rewards, env)
         self.placement = place(cfg, cuda_device_count())  # a bad device string fails here, before anything loads
+        if gap := engine_gap(cfg, self.placement.backend):  # QLoRA on an engine that holds the 16-bit base
+            print(gap, flush=True)
+            cfg = cfg.replace(verify_sync=False)
         self.cfg = cfg.replace(max_async_steps=self.placement.max_async_steps)
         self._data, self._eval_data = data, eval_data
         self.resuming = resume

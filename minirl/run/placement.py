@@ -103,7 +103,7 @@ def _check_devices(cfg: Config, cuda_devices: int) -> None:
 def place(cfg: Config, cuda_devices: int) -> Placement:
     """The placement of a run with `cuda_devices` GPUs (0: CPU)."""
     _check_devices(cfg, cuda_devices)
-    backend, backend_why = pick_backend(cfg.backend, cuda_devices > 0)
+    backend, backend_why = pick_backend(cfg.backend, cuda_devices > 0, cfg.load_in_4bit)
     k, async_why = pick_async_steps(cfg, backend, cuda_devices)
     if not cuda_devices:
         gen, threads = cpu_split(cfg, k)
@@ -115,6 +115,10 @@ def place(cfg: Config, cuda_devices: int) -> Placement:
         gen = next(str(i) for i in range(cuda_devices) if f"cuda:{i}" != train)
     else:  # colocated with the trainer
         gen = train.removeprefix("cuda:")
+    if cfg.sync_transport == "collective" and backend == "vllm" and train.removeprefix("cuda:") in gen.split(","):
+        raise ConfigError(f"sync_transport='collective' with the engine on the trainer's GPU ({train}): NCCL cannot "
+                          "put two ranks on one GPU; use sync_transport='auto' (CUDA IPC there) or give the engine "
+                          "a GPU of its own (gen_devices)")
     sleeps = backend == "vllm" and k == 0 and gen == train.removeprefix("cuda:")
     return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps)
 

@@ -109,6 +109,15 @@ def _on_stream(stream):
     return torch.cuda.stream(stream)
 
 
+def ipc_handle_here(handle: list, device) -> tuple[int, list]:
+    """(device index, handle) to open a CUDA IPC `handle` in this process: the handle's first entry is the device
+    index in the *sender's* numbering (the trainer may see every GPU, the engine only its own: with the trainer on
+    cuda:1 the engine's GPU is its cuda:0), so it becomes `device`'s index here. IPC is picked only when both sides
+    are on one GPU (`tensor.pick_transport` compares the GPUs' UUIDs), so the engine's device is the sender's."""
+    index = torch.device(device).index or 0
+    return index, [index, *handle[1:]]
+
+
 class Channel:
     """One sender's flat buffer as the worker sees it (mapped, or received into), with its doorbell if any."""
 
@@ -127,10 +136,10 @@ class Channel:
                 self.header = raw[int(at):int(at) + 8].view(torch.int64)
                 raw = raw[:nbytes]
         elif self.kind == "cuda_ipc":
-            h = source["handle"]
-            torch.cuda.set_device(int(h[0]))  # the sender's device; the mapping is readable from ours
+            index, h = ipc_handle_here(source["handle"], device)
+            torch.cuda.set_device(index)
             storage = compat.open_cuda(h)
-            raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{int(h[0])}").set_(storage, 0, (nbytes,), (1,))
+            raw = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage, 0, (nbytes,), (1,))
         elif self.kind == "collective":
             self.store, self.group = open_group(source["rdv_dir"], 1, source["backend"], float(source["timeout_s"]))
             dev = device if source["backend"] == "nccl" else "cpu"

@@ -219,9 +219,13 @@ def train_dtype(cfg: Config, device=None):
     return getattr(torch, cfg.dtype)
 
 
-def cuda_dtype_note(cfg: Config, device=None) -> str | None:
-    """One line when dtype 'auto' picks float16 (a GPU below compute capability 8.0); None otherwise. Raises
-    ConfigError (one line) for an explicit 'bfloat16' on such a GPU (`train_dtype`)."""
+def cuda_dtype_note(cfg: Config, device=None, engine: bool = False) -> str | None:
+    """One line when dtype 'auto' picks float16 (a GPU below compute capability 8.0), or when an explicit 'float32'
+    puts a vLLM engine (`engine`) in float32 too; None otherwise. Raises ConfigError (one line) for an explicit
+    'bfloat16' on such a GPU (`train_dtype`)."""
+    if engine and train_dtype(cfg, device) == torch.float32:
+        return ("minirl: dtype: float32: the vLLM engine runs in float32 too, as the trainer (twice bfloat16's weight "
+                "memory, and attention without FlashAttention, which has no float32 kernels); dtype: auto is bfloat16")
     if train_dtype(cfg, device) != torch.float16 or cfg.dtype != "auto":
         return None
     major, minor = torch.cuda.get_device_capability(device)
