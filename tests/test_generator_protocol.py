@@ -3,13 +3,12 @@ peft by hand, nothing inherited from minirl's generators) runs `Run` for 2 steps
 adapter reaching it through the files transport. And a generator that serves a stale adapter fails the check."""
 import pytest
 import torch
+from conftest import TOY_ROWS
 
 from minirl import Run
 from minirl.sync.base import SyncVerificationError
 from minirl.sync.files import FileSync
 from minirl.types import AdapterUpdate, Completion, Generator, Group
-
-from conftest import TOY_ROWS
 
 
 class PlainGenerator:
@@ -95,8 +94,10 @@ def _run(toy_cfg, tmp_path, monkeypatch, gen_box, apply_updates=True, lr=None, c
 def test_a_generator_that_implements_only_the_protocol_runs_two_steps_with_the_sync_check(toy_cfg, tmp_path,
                                                                                           monkeypatch):
     gens = []
-    summary = _run(toy_cfg, tmp_path, monkeypatch, gens).run()
+    run = _run(toy_cfg, tmp_path, monkeypatch, gens)
+    summary = run.run()
     assert isinstance(gens[0], Generator) and PlainGenerator.__mro__ == (PlainGenerator, object)
+    assert not any("time/sleep_s" in rec or "time/wake_s" in rec for rec in run.history)  # an engine never asleep
     assert summary["steps"] == 2 and summary["transport"] == "files" and summary["plain_updates"] == 2
     assert gens[0].version == 2
 
@@ -114,6 +115,7 @@ def test_an_engine_sharing_the_trainers_gpu_sleeps_while_it_trains_and_is_checke
     sleep mode): each step the engine sleeps before training and wakes after it, before the adapter push and its
     check; generation never runs while it sleeps."""
     import dataclasses
+
     import minirl.run.loop as R
     from minirl.types import Sleeper
     events = []
@@ -153,3 +155,5 @@ def test_an_engine_sharing_the_trainers_gpu_sleeps_while_it_trains_and_is_checke
     for i in trained:
         assert events[i - 1] == "sleep" and events[i + 1:i + 3] == ["wake", "push"]
     assert events.count("sleep") == events.count("wake") == 2
+    for rec in run.history:  # each step says what sleeping and waking cost (issue 52 item 8)
+        assert rec["time/sleep_s"] >= 0 and rec["time/wake_s"] >= 0

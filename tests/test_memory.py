@@ -6,13 +6,12 @@ import sys
 
 import pytest
 import torch
+from test_trainer import _samples
 
 from minirl import Config
 from minirl.training.batch import completion_logprobs, make_batch
 from minirl.training.loss import policy_loss
 from minirl.training.trainer import Trainer
-
-from test_trainer import _samples
 
 
 def _saved_bytes_and_grads(tr, batch, recompute):
@@ -69,10 +68,11 @@ def test_phase_meter_sees_a_spike_that_is_freed_before_the_phase_ends():
 
 
 def test_every_step_logs_its_peak_memory(toy_cfg):
+    from conftest import TOY_ROWS
+
     from minirl import Run
     from minirl.core.metrics import METRICS
     from minirl.ui.panels import LINE_PANELS
-    from conftest import TOY_ROWS
     run = Run(toy_cfg.replace(steps=2, eval_size=0), data=TOY_ROWS[:16])
     run.run()
     assert "mem/rss_mb" in METRICS and "memory" in LINE_PANELS
@@ -89,11 +89,13 @@ def test_qlora_trains_syncs_to_the_generator_process_and_saves_an_adapter_the_pl
     own 4-bit base, the adapter goes over shared memory and every push is verified), the adapter stays finite and
     moves, and the saved adapter loads onto the unquantized base with the trained LoRA weights."""
     from pathlib import Path
+
+    from conftest import TOY_ROWS
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+
     from minirl import Run
-    from conftest import TOY_ROWS
     cfg = toy_cfg.replace(load_in_4bit=True, steps=3, max_async_steps=1, eval_size=2, lr=5e-2)
     run = Run(cfg, data=TOY_ROWS[:24], eval_data=TOY_ROWS[40:42])
     run.run()
@@ -175,7 +177,9 @@ def test_qlora_engine_loads_the_4bit_base_where_vllm_can_else_says_so(monkeypatc
     is recorded."""
     pytest.importorskip("vllm")
     import types
+
     import torch
+
     import minirl.generation.factory as factory
     from minirl.config import Config
     from minirl.generation.factory import make_generator

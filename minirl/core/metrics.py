@@ -61,6 +61,8 @@ METRICS: dict[str, str] = {
     "time/step_s": "wall seconds of this step",
     "time/gen_s": "generation seconds in this step",
     "time/train_s": "training seconds in this step",
+    "time/sleep_s": "seconds the vLLM engine took to fall asleep before this step's training (one GPU shared)",
+    "time/wake_s": "seconds the vLLM engine took to wake after this step's training, before the push",
     "train/forward_tokens": "tokens one forward pass over the batch computes: padding included (packing 'padded'), "
                             "each segment's prompt once ('shared-prefix'); train/tokens counts those trained on",
     "train/skipped_nonfinite": "optimizer updates skipped because the loss or gradients were not finite",

@@ -155,11 +155,15 @@ class Run(Background):
             self.scorer.watch(scored)  # a reward failing every call for steps in a row stops the run, with the fix
             t1 = time.perf_counter()
             self._between_steps = False
+            slept = {}
             if sleeper := self.parts.sleeper:  # one GPU shared with vLLM: the engine sleeps while the trainer works
                 sleeper.sleep()
+                slept["time/sleep_s"] = time.perf_counter() - t1
             tm = self.trainer.step(scored)
             if sleeper:
+                t_wake = time.perf_counter()
                 sleeper.wake()  # before the push: a woken engine gets the new adapter and its check
+                slept["time/wake_s"] = time.perf_counter() - t_wake
             t2 = time.perf_counter()
             sync = self._push(scored)
             t3 = time.perf_counter()
@@ -171,7 +175,8 @@ class Run(Background):
             rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
                    "reward/failure_kinds": failure_kinds(scored),
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
-                   **sync.metrics(), "time/step_s": dt, "prompt_ids": [g.group.prompt.index for g in scored]}
+                   **sync.metrics(), **slept, "time/step_s": dt,
+                   "prompt_ids": [g.group.prompt.index for g in scored]}
             self.history.append(log.log("step", **rec))
             if self.tracker is not None:
                 self.tracker.log(scalars(rec), step)
