@@ -4,7 +4,8 @@ the same code, shared memory for CUDA IPC, gloo for NCCL, float32 and a tiny mod
 It runs minirl from the source tree with whatever the machine has: the GPU image has torch, transformers, peft and
 accelerate and no vllm, bitsandbytes, datasets or gguf, and nothing can be installed there. A section that needs a
 missing package reports `skipped: <package> not installed`; one that fails is recorded and the others still run.
-Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout:
+Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout, and has its own time bound
+(`BOUNDS`; `--only SECTION[,SECTION]` runs some):
 
 - `env`: torch / CUDA / GPU, bf16 support, which optional packages are importable.
 - `placement`: the placement line of a default config on this machine (`minirl.run.placement.place`).
@@ -14,7 +15,8 @@ Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout:
   prediction, with and without gradient checkpointing (where Config has the field).
 - `ipc`: the `ipc` transport between two processes at rank 16 (`scripts/ipc_check.py`; p50): CUDA IPC handles on a
   GPU, a shared-memory file on CPU; the receiver's copy must equal the trainer's tensors after every update.
-- `collective`: a two-rank broadcast of the adapter's bytes, NCCL on GPU (needs two GPUs), gloo on CPU.
+- `collective`: minirl's own two-rank group (`sync.wire.open_group`) broadcasting an adapter's bytes, NCCL on GPU
+  (needs two GPUs), gloo on CPU; then the peer is killed and the next send must fail as `SyncTimeout`.
 - `vllm` (needs vllm): a colocated run on the engine and the real-engine tests (`pytest -m vllm tests/test_vllm.py`).
 - `qlora` (needs bitsandbytes): 3 steps of the synthetic model with a 4-bit base; with vllm also on the engine:
   whether it loaded the base in 4-bit and the behaviour policy's gap (`logprob_mismatch` per step).
@@ -29,6 +31,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -56,49 +59,80 @@ def ipc(dev: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def _rank(rank: int, backend: str, port: int, numel: int, q) -> None:
+def _peer(rdv: str, backend: str, numel: int, q) -> None:
+    """Rank 1 of `collective`: joins minirl's group, receives the bytes, reports them, then waits to be killed."""
     import torch
-    import torch.distributed as dist
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    dev = f"cuda:{rank}" if backend == "nccl" else "cpu"
-    g = torch.Generator().manual_seed(0)
-    want = torch.randn(numel, generator=g).to(torch.bfloat16).to(dev)
-    buf = want.clone() if rank == 0 else torch.zeros_like(want)
-    times = []
+
+    from minirl.sync.wire import broadcast, open_group
+    dev = "cuda:1" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(dev)
+    _, pg = open_group(rdv, 1, backend, 60.0)
+    want = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(dev)
+    buf = torch.zeros_like(want)
     for _ in range(10):
-        t = time.perf_counter()
-        dist.broadcast(buf, src=0)
-        if backend == "nccl":
-            torch.cuda.synchronize(dev)
-        times.append(time.perf_counter() - t)
-    if rank == 1:
-        q.put({"equal": bool(torch.equal(buf, want)), "p50_ms": round(1000 * sorted(times)[5], 2)})
-    dist.destroy_process_group()
+        broadcast(pg, buf, 60.0, "the check's receive")
+    if backend == "nccl":
+        torch.cuda.synchronize(dev)
+    q.put({"equal": bool(torch.equal(buf, want))})
+    q.get()  # never comes: the check kills this process
 
 
 def collective(dev: str) -> dict:
-    import socket
+    """minirl's own two-rank group (`sync.wire.open_group`, what the `collective` transport runs) between this
+    process and a spawned peer: 10 broadcasts of a rank-16 adapter's bytes (equal on arrival, p50), then the peer
+    is killed and the next sends must fail as `SyncTimeout` within their timeout (not hang, not kill this process:
+    torch's NCCL watchdog would, which is why `open_group` builds NCCL groups with blocking waits)."""
+    import shutil as sh
+
     import torch
     import torch.multiprocessing as mp
+
+    from minirl.sync.base import SyncTimeout
+    from minirl.sync.wire import broadcast, open_group, rendezvous_dir
     backend = "nccl" if dev == "cuda" else "gloo"
     if backend == "nccl" and torch.cuda.device_count() < 2:
         return {"skipped": "NCCL needs two GPUs (it refuses two ranks on one device); this machine has "
                            f"{torch.cuda.device_count()}"}
-    with socket.socket() as s:  # loopback only; the port is bound again at once by rank 0
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    rdv, numel = rendezvous_dir(), 4_884_480  # the embedded model's rank-16 adapter
+    dev0 = "cuda:0" if backend == "nccl" else "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(dev0)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    numel = 4_884_480  # the embedded model's rank-16 adapter
-    procs = [ctx.Process(target=_rank, args=(r, backend, port, numel, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=180)
-    for p in procs:
-        p.join(60)
-    if not res["equal"]:
-        raise AssertionError(f"{backend} broadcast: received bytes differ from the sent ones")
-    return {"backend": backend, "mbytes": round(numel * 2 / 1e6, 1), **res}
+    peer = ctx.Process(target=_peer, args=(rdv, backend, numel, q), daemon=True)
+    peer.start()
+    try:
+        _, pg = open_group(rdv, 0, backend, 60.0)
+        buf = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).to(dev0)
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            broadcast(pg, buf, 60.0, "the check's send")
+            if backend == "nccl":
+                torch.cuda.synchronize(dev0)
+            times.append(time.perf_counter() - t)
+        res = {"backend": backend, "mbytes": round(numel * 2 / 1e6, 1), "p50_ms": round(1000 * sorted(times)[5], 2),
+               **q.get(timeout=120)}
+        if not res["equal"]:
+            raise AssertionError(f"{backend} broadcast: received bytes differ from the sent ones")
+        peer.kill()
+        peer.join(30)
+        t = time.perf_counter()
+        try:
+            for _ in range(3):  # a send may still land in a socket buffer; a later one must fail
+                broadcast(pg, buf, 10.0, "the check's send to a killed peer")
+                if backend == "nccl":
+                    torch.cuda.synchronize(dev0)
+        except SyncTimeout as e:
+            res["killed_peer"] = f"SyncTimeout after {time.perf_counter() - t:.1f} s: {str(e)[:120]}"
+        else:
+            raise AssertionError("sends to a killed peer did not fail")
+        return res
+    finally:
+        if peer.is_alive():
+            peer.kill()
+        sh.rmtree(rdv, ignore_errors=True)
 
 
 def _missing(package: str) -> dict | None:
@@ -134,8 +168,10 @@ def _config(dev: str, model: Path, out: Path, **kw):
 def _run(cfg, rows, checkpointing: bool = False) -> dict:
     """Three steps of `cfg`: finite, verified, timed; peak CUDA memory against the plan's prediction."""
     import gc
-    import minirl
+
     import torch
+
+    import minirl
     from minirl.training.plan import plan
     cuda = torch.cuda.is_available() and cfg.dtype == "bfloat16"
     if cuda:
@@ -244,13 +280,34 @@ def embedded(dev: str) -> dict:
 
 
 SECTIONS = "env,placement,train,ipc,collective,vllm,qlora,embedded"
+# Each section's time bound (s): one that hangs is stopped there and recorded, and the others still run. Their sum
+# stays inside gpu_check.sh's 480 s (8 minutes); the H200 took 0 / 0.2 / 78 / 13 s for the first four (BENCHMARKS.md).
+BOUNDS = {"env": 15, "placement": 20, "train": 150, "ipc": 45, "collective": 45, "vllm": 130, "qlora": 55,
+          "embedded": 15}
+
+
+class SectionTimeout(Exception):
+    pass
+
+
+def _bounded(name: str, fn, dev: str) -> dict:
+    """`fn(dev)` stopped by SIGALRM after BOUNDS[name] seconds (raised in this, the main, thread)."""
+    def stop(*_):
+        raise SectionTimeout(f"section {name} ran past its bound of {BOUNDS[name]} s")
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(BOUNDS[name])
+    try:
+        return fn(dev)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cpu-twin", action="store_true", help="run the CPU twins (shared memory, gloo, float32)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
-    ap.add_argument("--only", default=SECTIONS)
+    ap.add_argument("--only", default=SECTIONS, help=f"comma-separated sections of {SECTIONS}")
     args = ap.parse_args()
     import torch
     dev = "cpu" if args.cpu_twin or not torch.cuda.is_available() else "cuda"
@@ -262,7 +319,7 @@ def main() -> int:
         try:
             if name not in SECTIONS.split(","):
                 raise ValueError(f"unknown section {name!r}: use {SECTIONS}")
-            res = {"ok": True, **globals()[name](dev)}
+            res = {"ok": True, **_bounded(name, globals()[name], dev)}
         except Exception as e:  # one section's failure is recorded; the others still run
             res = {"ok": False, "error": f"{type(e).__name__}: {e}"}
             failed.append(name)

@@ -2,6 +2,7 @@
 # The GPU check: minirl's GPU-only paths in one short run (< 8 minutes on one GPU), one JSON in $OUT or ./gpu_check_out.
 #   bash scripts/gpu_check.sh             # GPU machine: synthetic 1.5B in bf16, CUDA IPC, NCCL (2+ GPUs), vLLM/QLoRA if installed
 #   bash scripts/gpu_check.sh --cpu-twin  # the same code on CPU: tiny model, shared memory, gloo, float32
+#   bash scripts/gpu_check.sh --only train,ipc   # some sections; each has its own time bound (BOUNDS in gpu_check.py)
 # It installs nothing: minirl runs from this checkout (PYTHONPATH) with the machine's packages, and each section
 # that needs a missing one reports `skipped: <package> not installed`.
 set -uo pipefail

@@ -99,27 +99,32 @@ def test_sweep_keeps_the_files_of_a_live_run_whose_pid_is_not_in_this_proc():
 
 
 def test_nccl_socket_ifname_is_set_only_while_the_groups_communicator_is_made(tmp_path, monkeypatch):
-    """The NCCL group's loopback setting reaches NCCL when it builds the communicator, and the trainer process's
-    environment is as it was afterwards; a value the user set is kept. (NCCL itself is faked: no GPU here.)"""
+    """The NCCL group's loopback setting reaches NCCL when it builds the communicator, and blocking waits reach
+    torch's ProcessGroupNCCL when it is constructed (so a dead peer raises `SyncTimeout` instead of the watchdog
+    killing the process; issue 52 item 7); the trainer process's environment is as it was afterwards; a value the
+    user set is kept. (NCCL itself is faked: no GPU here.)"""
     import torch
     import torch.distributed as dist
+
     from minirl.sync.wire import open_group
-    seen = []
+    seen, built = [], []
 
     class FakeNCCL:
         class Options:
             pass
 
         def __init__(self, store, rank, size, opts):
-            pass
+            built.append(os.environ.get("TORCH_NCCL_BLOCKING_WAIT"))
 
         def eager_connect_single_device(self, device):
             seen.append(os.environ.get("NCCL_SOCKET_IFNAME"))
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("TORCH_NCCL_BLOCKING_WAIT", raising=False)
     open_group(str(tmp_path), 0, "nccl", 5.0)
     assert seen == ["lo"] and "NCCL_SOCKET_IFNAME" not in os.environ
+    assert built == ["1"] and "TORCH_NCCL_BLOCKING_WAIT" not in os.environ
     monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth1")
     (tmp_path / "again").mkdir()
     open_group(str(tmp_path / "again"), 0, "nccl", 5.0)

@@ -31,6 +31,7 @@ def test_gpu_check_cpu_twin_without_the_images_missing_packages(tmp_path):
     for run in (res["train"]["plain"], res["train"]["checkpointing"]):
         assert run["steps"] == 3 and run["adapter_finite"] and run["losses"]
     assert res["ipc"]["receiver_copy_equals_trainer"] and res["collective"]["equal"]
+    assert res["collective"]["killed_peer"].startswith("SyncTimeout after")  # minirl's open_group, its gloo twin
 
 
 def test_gpu_check_reports_a_failing_section(tmp_path):
@@ -39,3 +40,23 @@ def test_gpu_check_reports_a_failing_section(tmp_path):
                        env={**os.environ, "PYTHON": sys.executable})
     assert p.returncode == 1 and "FAILED nosuchsection" in p.stdout
     assert json.loads((tmp_path / "gpu_check.json").read_text())["env"]["ok"]
+
+
+def test_a_section_past_its_time_bound_is_stopped_and_the_others_run(tmp_path):
+    """Each section has its own time bound: one that hangs (injected: it waits forever) is recorded as failed at
+    its bound, and the next section still runs."""
+    code = f"""
+import importlib.util, sys, threading
+spec = importlib.util.spec_from_file_location("gpu_check", {str(ROOT / "scripts" / "gpu_check.py")!r})
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+m.BOUNDS["placement"] = 1
+m.placement = lambda dev: threading.Event().wait()
+sys.argv = ["gpu_check.py", "--cpu-twin", "--out", {str(tmp_path)!r}, "--only", "placement,env"]
+sys.exit(m.main())
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    res = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert p.returncode == 1 and "FAILED placement" in p.stdout, p.stdout + p.stderr
+    assert "ran past its bound of 1 s" in res["placement"]["error"] and res["env"]["ok"]

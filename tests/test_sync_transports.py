@@ -25,8 +25,7 @@ RANK = 8
 # ---- pure helpers (no engine) ----------------------------------------------------------------------------------
 
 def test_layout_pack_unpack_roundtrip():
-    from minirl.core.adapter import make_layout, Packer
-    from minirl.core.adapter import unpack
+    from minirl.core.adapter import Packer, make_layout, unpack
     ts = {"a.lora_A.weight": torch.randn(4, 6), "a.lora_B.weight": torch.randn(5, 4), "b": torch.randn(3)}
     lay = make_layout(ts, {"r": 4}, torch.bfloat16)
     assert lay["nbytes"] == 2 * (24 + 20 + 3)
@@ -41,8 +40,8 @@ def test_contiguous_adapter_packs_with_one_copy_and_prescaled_b():
     """`make_contiguous` + `Packer` (one flat copy, lora_B scaled in the buffer) gives the same bytes as the
     per-tensor path; a parameter rebound elsewhere afterwards sends the packer back to the per-tensor path."""
     from peft import LoraConfig, get_peft_model
-    from minirl.core.adapter import _span, adapter_params, b_scalings, make_contiguous, make_layout, Packer
-    from minirl.core.adapter import unpack
+
+    from minirl.core.adapter import Packer, _span, adapter_params, b_scalings, make_contiguous, make_layout, unpack
     base = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 4))
     pm = get_peft_model(base, LoraConfig(r=2, lora_alpha=6, target_modules=["0", "2"]))
     with torch.no_grad():
@@ -77,7 +76,8 @@ def test_chunked_pack_gives_the_same_bytes_and_reports_progress_in_order():
     """The ipc sender packs in chunks and publishes after each how much of the buffer is final: chunk bounds that
     cut tensors and scaled runs give the bytes of a whole pack, progress only grows and ends at the total."""
     from peft import LoraConfig, get_peft_model
-    from minirl.core.adapter import adapter_params, b_scalings, make_contiguous, make_layout, Packer
+
+    from minirl.core.adapter import Packer, adapter_params, b_scalings, make_contiguous, make_layout
     base = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
     pm = get_peft_model(base, LoraConfig(r=3, lora_alpha=5, target_modules=["0", "2"]))
     make_contiguous(pm)
@@ -99,7 +99,7 @@ def test_chunked_pack_gives_the_same_bytes_and_reports_progress_in_order():
 
 
 def test_swap_log_token_versions():
-    from minirl.generation.swaps import split_worker_request_id, SwapLog
+    from minirl.generation.swaps import SwapLog, split_worker_request_id
     assert split_worker_request_id("3_minirl-17-ab12cd34") == ("minirl-17", 3)
     assert split_worker_request_id("minirl-17-ab12cd34") == ("minirl-17", 0)
     log = SwapLog()
@@ -120,6 +120,7 @@ def test_gate_lets_a_waiting_install_in_before_the_next_step():
     """The worker's gate: an install never overlaps a step; one that waits goes before the next step; a step
     that does not end makes the install time out."""
     import threading
+
     from minirl.sync.channel import Gate
     gate, order = Gate(), []
     gate.enter()  # a step in progress
@@ -188,6 +189,7 @@ def _peer(rdv, q):
 
 def test_killed_peer_gives_a_clear_error_within_the_timeout():
     """Also: the group listens on 127.0.0.1 only, in both processes (no TCP store on any port)."""
+    from minirl.sync.base import SyncTimeout
     from minirl.sync.wire import broadcast, open_group, rendezvous_dir
     rdv = rendezvous_dir()
     assert os.stat(rdv).st_mode & 0o777 == 0o700
@@ -204,7 +206,7 @@ def test_killed_peer_gives_a_clear_error_within_the_timeout():
         p.kill()
         p.join(10)
         t0 = time.perf_counter()
-        with pytest.raises(RuntimeError, match="peer gone or no answer"):
+        with pytest.raises(SyncTimeout, match="peer gone or no answer"):  # what the sender raises, as a run sees it
             for _ in range(3):  # a send may still land in the socket buffer; the next one must fail
                 broadcast(pg, torch.ones(1 << 20, dtype=torch.uint8), 5, "test send")
         assert time.perf_counter() - t0 < 60  # a hang bound: gloo's own default wait is 30 minutes
@@ -229,8 +231,9 @@ def trainer(embedded_model):
     """A stand-in for minirl.training.trainer.Trainer: the peft model, a version, logprobs and save_adapter."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-    from minirl.training.batch import sequence_logprobs
+
     from minirl.core.adapter import make_contiguous
+    from minirl.training.batch import sequence_logprobs
     base = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
     pm = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=16, target_modules="all-linear",
                                          task_type="CAUSAL_LM")).eval()
@@ -279,6 +282,7 @@ def _max_diff(a, b):
                                                 ("collective", True), ("files", False)])
 def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflight, monkeypatch):
     import functools
+
     from minirl.sync import senders as transports
     from minirl.sync.files import FileSync
     from minirl.sync.tensor import TensorSync
@@ -325,8 +329,9 @@ def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weight
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
-    from minirl.sync.tensor import TensorSync
+
     from minirl.sync.senders import call_on_loop, rpc
+    from minirl.sync.tensor import TensorSync
     sync = TensorSync("ipc", inflight=True, timeout_s=30)
     try:
         for _ in range(3):
@@ -363,9 +368,8 @@ def test_rapid_inflight_syncs_during_generation_keep_exact_versions(gen, trainer
     logprob equals the one recomputed under that version). The first push installs the id by engine call, the
     other 50 ring the worker's doorbell (the swap lands between two engine steps; the report comes back outside
     the engine's output stream, so finishing requests must wait for it)."""
-    from minirl.types import SamplingParams
     from minirl.sync.tensor import TensorSync
-    from minirl.types import Prompt
+    from minirl.types import Prompt, SamplingParams
     sync = TensorSync("ipc", inflight=True, timeout_s=30)
     set_version(trainer, trainer.version + 1)
     sync.push(trainer, gen)
@@ -488,9 +492,8 @@ def test_abort_policy_resubmits_unfinished_sequences_under_the_new_adapter(gen, 
     """inflight='abort': a push aborts the running request; each unfinished sequence is resubmitted as prompt +
     its tokens so far under the new adapter. Tokens keep the version and logprob they were sampled with: those
     before the swap are the old adapter's, those after are the new adapter's over the whole prefix."""
-    from minirl.types import SamplingParams
     from minirl.sync.tensor import TensorSync
-    from minirl.types import Prompt
+    from minirl.types import Prompt, SamplingParams
     sync = TensorSync("ipc", inflight=False, timeout_s=30)
     set_version(trainer, trainer.version + 1)
     sync.push(trainer, gen)
@@ -549,11 +552,11 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
     serves exactly the trainer's adapter (a worker that read ahead of the progress header would copy stale
     bytes); a pack that fails midway, or a trainer that never packs, gives a clear error within the timeout,
     and the next push serves the right adapter again."""
-    from minirl.sync import senders as transports
     from minirl.core.adapter import Packer
+    from minirl.sync import senders as transports
     from minirl.sync.base import SyncError
-    from minirl.sync.tensor import TensorSync
     from minirl.sync.senders import call_on_loop, install
+    from minirl.sync.tensor import TensorSync
     slow = Packer.pack_chunks
 
     def crawling(self, chunk):
@@ -596,9 +599,9 @@ def test_ipc_worker_copies_only_what_the_trainer_has_packed(gen, trainer, probe,
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe, tmp_path):
     """The worker cannot meet the trainer (nobody listens): a clear error within the timeout, engine unharmed."""
+    from minirl.core.adapter import adapter_params, make_layout, peft_config_dict
     from minirl.sync.base import SyncError
     from minirl.sync.senders import call_on_loop, rpc
-    from minirl.core.adapter import adapter_params, make_layout, peft_config_dict
     lay = make_layout(adapter_params(trainer.model), peft_config_dict(trainer.model))
     src = {"kind": "collective", "rdv_dir": str(tmp_path), "backend": "gloo", "timeout_s": 2}
     t0 = time.perf_counter()
@@ -614,9 +617,9 @@ def test_engine_side_absent_peer_errors_and_engine_survives(gen, trainer, probe,
 def test_trainer_side_collective_times_out_when_the_worker_does_not_receive(gen, trainer, ring):
     """The trainer broadcasts (whole, or in chunks after ringing the doorbell) but the worker never takes part:
     bounded, clear error."""
-    from minirl.sync.senders import CollectiveSender
-    from minirl.sync.base import SyncError
     from minirl.core.adapter import adapter_params, peft_config_dict
+    from minirl.sync.base import SyncError
+    from minirl.sync.senders import CollectiveSender
     s = CollectiveSender(gen, adapter_params(trainer.model), peft_config_dict(trainer.model), timeout_s=3,
                          chunk_bytes=1 << 20)
     try:
@@ -637,10 +640,9 @@ def test_collective_push_abandoned_midway_frees_the_engine_at_once(gen, trainer,
     and the worker, which waits for the other chunks inside the engine's gate, is released at once (the trainer
     drops its end of the group) instead of at its 120 s timeout: the engine generates and the next push serves the
     trainer's adapter within seconds."""
-    from minirl.types import SamplingParams
     from minirl.core.adapter import Packer
     from minirl.sync.tensor import TensorSync
-    from minirl.types import Prompt
+    from minirl.types import Prompt, SamplingParams
     slow = Packer.pack_chunks
     sync = TensorSync("collective", inflight=True, timeout_s=120)
     try:
@@ -680,9 +682,10 @@ def _wait_gone(pid: int) -> None:
 def test_killed_engine_worker_gives_a_clear_error(gen, trainer):
     """Last test of the module (it kills the engine's worker): a push then fails fast with SyncError."""
     import signal
+
     from minirl.sync.base import SyncError
-    from minirl.sync.tensor import TensorSync
     from minirl.sync.senders import call_on_loop, rpc
+    from minirl.sync.tensor import TensorSync
     sync = TensorSync("ipc", inflight=True, timeout_s=10)
     set_version(trainer, trainer.version + 1)
     sync.push(trainer, gen)

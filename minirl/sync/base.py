@@ -17,8 +17,8 @@ class SyncTimeout(SyncError, TimeoutError):
     """An adapter sync did not complete within its timeout (peer gone or stuck)."""
 
 
-class CollectiveError(SyncError):
-    """A broadcast of the collective sync failed: the peer is gone or did not answer in time."""
+class CollectiveError(SyncTimeout):
+    """A broadcast of the collective sync failed: the peer is gone or did not answer in time (a `SyncTimeout`)."""
 
 
 class SyncVerificationError(SyncError):

@@ -74,27 +74,32 @@ def rendezvous_dir() -> str:
     return lifecycle.private_dir("rdv")
 
 
+# What an NCCL group of minirl's is built with (a value the user set is left as it is): its bootstrap on the loopback
+# interface, and blocking waits, so that a send to a dead or stuck peer raises in `finish` within its timeout (then
+# `SyncTimeout`) instead of torch's NCCL watchdog tearing the whole process down (its default error handling).
+NCCL_BUILD_ENV = {"NCCL_SOCKET_IFNAME": "lo", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+
 @contextmanager
-def _nccl_on_loopback():
-    """NCCL_SOCKET_IFNAME=lo while this group's NCCL communicator is built (eagerly, inside the block), then removed:
-    NCCL reads the setting only from the environment, and only when a communicator is made, so it is set for that
-    moment instead of for the rest of the process's life. A value the user set is left as it is. (NCCL keeps the
-    interface it chose for later communicators of the process; nothing else sees the variable.)"""
-    if "NCCL_SOCKET_IFNAME" in os.environ:
-        yield
-        return
-    os.environ["NCCL_SOCKET_IFNAME"] = "lo"
+def _nccl_env():
+    """NCCL_BUILD_ENV set while this group's NCCL communicator is built (eagerly, inside the block), then removed:
+    NCCL and torch's ProcessGroupNCCL read these only from the environment, and only when a communicator or group
+    is made, so they are set for that moment instead of for the rest of the process's life. (NCCL keeps the
+    interface it chose for later communicators of the process; nothing else sees the variables.)"""
+    added = [k for k in NCCL_BUILD_ENV if k not in os.environ]
+    os.environ.update({k: NCCL_BUILD_ENV[k] for k in added})
     try:
         yield
     finally:
-        os.environ.pop("NCCL_SOCKET_IFNAME", None)
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
     """A two-process torch.distributed group (rank 0 = trainer, rank 1 = engine worker) that does not touch the
     default group (vLLM has its own). The peers meet through a file store in `rdv_dir` (`rendezvous_dir`); gloo's
     connections are bound to 127.0.0.1 (NCCL's bootstrap to the loopback interface unless NCCL_SOCKET_IFNAME is
-    set). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
+    set; `NCCL_BUILD_ENV`). Raises `TimeoutError` when the peer does not join within `timeout_s`."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.FileStore(os.path.join(rdv_dir, "store"), 2)
     store.set_timeout(timeout)
@@ -103,7 +108,7 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
         if backend == "gloo":
             pg = compat.gloo_group(store, rank, 2, timeout)
         elif backend == "nccl":
-            with _nccl_on_loopback():
+            with _nccl_env():
                 pg = compat.nccl_group(store, rank, 2, timeout)
                 store.set("joined", "1") if rank == 0 else store.get("joined")  # meet here, then connect
                 pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
