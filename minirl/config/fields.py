@@ -201,14 +201,15 @@ class Config(metaclass=_Coercing):
 
     # --- loss ----------------------------------------------------------------------------------------------
     loss_type: str | None = None
-    """A preset by TRL's name for the five fields below (loss_agg, scale_rewards, clip_low, clip_high,
-    importance_level): each of them left unset (None) takes the preset's value; one you set (Python, YAML or a flag)
-    is yours and stays when loss_type changes. 'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo': constant,
-    none, 0.2 / 0.2, token. 'dapo': token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as 'dapo'
-    (TRL's two differ only in counting tokens per device or over the whole step; minirl's weights always span the
-    step). 'gspo': seq-mean, group, 3e-4 / 4e-4, sequence. None: 'dapo'. No preset touches kl_coef (0 = off, as
-    TRL's beta), tis_cap, behav_clip or opsm_delta. `cfg.recipe` holds the five as resolved; a run's config.yaml
-    writes an unset one as null with the value it resolved to. Table: docs/recipes.md."""
+    """A preset by TRL's name for the six fields below (loss_agg, scale_rewards, clip_low, clip_high,
+    importance_level, objective): each of them left unset (None) takes the preset's value; one you set (Python, YAML
+    or a flag) is yours and stays when loss_type changes. 'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo':
+    constant, none, 0.2 / 0.2, token. 'dapo': token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as
+    'dapo' (TRL's two differ only in counting tokens per device or over the whole step; minirl's weights always span
+    the step). 'gspo': seq-mean, group, 3e-4 / 4e-4, sequence. 'cispo': dapo's settings with objective 'cispo'. All
+    but 'cispo' have objective 'ppo-clip'. None: 'dapo'. No preset touches kl_coef (0 = off, as TRL's beta),
+    tis_cap, behav_clip, opsm_delta or the fields after kl_coef. `cfg.recipe` holds the six as resolved; a run's
+    config.yaml writes an unset one as null with the value it resolved to. Table: docs/recipes.md."""
     loss_agg: str | None = None
     """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO). None: loss_type's."""
     scale_rewards: str | None = None
@@ -223,6 +224,12 @@ class Config(metaclass=_Coercing):
     already a per-sequence test (mean |log ratio| to the sampling policy) masking whole sequences. With GSPO's
     clip range behav_clip masks a sequence whose mean log-prob moved more than ~4e-4 since it was sampled (an
     engine whose numerics differ from the trainer's shows it in clip_frac/behav). None: loss_type's."""
+    objective: str | None = None
+    """The policy-gradient term: 'ppo-clip' (PPO's clipped surrogate against the proximal policy) or 'cispo'
+    (MiniMax-M1's CISPO: the ratio to the proximal policy, clipped to [cispo_min, cispo_max] and detached, weights
+    every token's -A * logp, so a clipped token keeps its gradient). Either sits inside the decoupled objective:
+    tis_cap, behav_clip, opsm_delta, is_mask_low / is_mask_high and importance_level apply to both. None:
+    loss_type's."""
     clip_low: float | None = None
     """Lower ratio clip: ratio >= 1 - clip_low. None: loss_type's (0.2 but for 'gspo')."""
     clip_high: float | None = None
@@ -238,6 +245,34 @@ class Config(metaclass=_Coercing):
     it does nothing (up to engine/trainer numerics)."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL to the reference (the base model, adapter disabled). 0 = off."""
+    cispo_min: float = 0.0
+    """objective 'cispo': the lower bound of its IS weight (1 - eps_low in the paper). 0 = none, as MiniMax-M1 and
+    TRL (which has no lower bound)."""
+    cispo_max: float = 5.0
+    """objective 'cispo': the upper bound of its IS weight min(ratio, cispo_max), a bound on the ratio itself
+    (1 + eps_high in the paper). 5.0 as TRL recommends for loss_type='cispo' (its epsilon_high, ScaleRL's eps_max,
+    is this absolute cap)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus entropy_coef times the trainer policy's mean token entropy (under loss_agg's
+    weights, on the tokens top_entropy_quantile keeps). 0 = off, and then no entropy gradient is computed (the
+    logged entropy costs no graph)."""
+    top_entropy_quantile: float = 1.0
+    """TRL's rho ("Beyond the 80/20 rule"): only the tokens whose entropy is at or above the (1 - rho) quantile of
+    the step's completion tokens carry the policy-gradient term (and the entropy bonus); the others count in the
+    denominator with no loss. 1.0 = every token; 0.0 = the highest-entropy token(s) only. The quantile is over the
+    whole step (TRL: each micro-batch, gathered over devices), from the entropies at the start of the step."""
+    is_mask_low: float | None = None
+    """Masked importance sampling (TRL's vllm_importance_sampling_mode token_mask / sequence_mask): a token whose
+    IS weight pi_trainer / pi_behaviour (the one tis_cap truncates; at importance_level 'sequence' its sequence's)
+    is below this gets no policy-gradient term (weight 0, not truncated). None = no lower bound. Logged as
+    is_weight/masked_frac."""
+    is_mask_high: float | None = None
+    """Masked importance sampling: a token (sequence) whose IS weight is above this is masked like is_mask_low's.
+    Above tis_cap and below this, a weight is truncated to tis_cap. None = no upper bound."""
+    loss_fn: str | None = None
+    """Your own loss: 'module:function', called once per micro-batch with a `minirl.training.loss.LossInputs` and
+    returning a `LossOut` or a scalar tensor (docs/recipes.md, "Your own loss"). None: the built-in
+    `minirl.training.loss:decoupled_loss`, which the presets use."""
 
     # --- async pipeline ------------------------------------------------------------------------------------
     max_async_steps: int | str = "auto"
