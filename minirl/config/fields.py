@@ -225,11 +225,9 @@ class Config(metaclass=_Coercing):
     clip range behav_clip masks a sequence whose mean log-prob moved more than ~4e-4 since it was sampled (an
     engine whose numerics differ from the trainer's shows it in clip_frac/behav). None: loss_type's."""
     objective: str | None = None
-    """The policy-gradient term: 'ppo-clip' (PPO's clipped surrogate against the proximal policy) or 'cispo'
-    (MiniMax-M1's CISPO: the ratio to the proximal policy, clipped to [cispo_min, cispo_max] and detached, weights
-    every token's -A * logp, so a clipped token keeps its gradient). Either sits inside the decoupled objective:
-    tis_cap, behav_clip, opsm_delta, is_mask_low / is_mask_high and importance_level apply to both. None:
-    loss_type's."""
+    """'ppo-clip' (PPO's clipped surrogate) or 'cispo' (MiniMax-M1: the ratio to the proximal policy, clipped to
+    [cispo_min, cispo_max] and detached, weights each token's -A * logp: a clipped token keeps its gradient). Both
+    take tis_cap, behav_clip, opsm_delta, the IS band and importance_level. None: loss_type's."""
     clip_low: float | None = None
     """Lower ratio clip: ratio >= 1 - clip_low. None: loss_type's (0.2 but for 'gspo')."""
     clip_high: float | None = None
@@ -246,29 +244,22 @@ class Config(metaclass=_Coercing):
     kl_coef: float = 0.0
     """Coefficient of the k3 KL to the reference (the base model, adapter disabled). 0 = off."""
     cispo_min: float = 0.0
-    """objective 'cispo': the lower bound of its IS weight (1 - eps_low in the paper). 0 = none, as MiniMax-M1 and
-    TRL (which has no lower bound)."""
+    """objective 'cispo': its weight's lower bound (1 - eps_low in the paper); 0 = none, as in TRL."""
     cispo_max: float = 5.0
-    """objective 'cispo': the upper bound of its IS weight min(ratio, cispo_max), a bound on the ratio itself
-    (1 + eps_high in the paper). 5.0 as TRL recommends for loss_type='cispo' (its epsilon_high, ScaleRL's eps_max,
-    is this absolute cap)."""
+    """objective 'cispo': its weight's cap on the ratio itself (1 + eps_high in the paper); 5.0 is TRL's advice
+    for its epsilon_high with loss_type='cispo' (also an absolute cap, ScaleRL's eps_max)."""
     entropy_coef: float = 0.0
-    """Entropy bonus: the loss minus entropy_coef times the trainer policy's mean token entropy (under loss_agg's
-    weights, on the tokens top_entropy_quantile keeps). 0 = off, and then no entropy gradient is computed (the
-    logged entropy costs no graph)."""
+    """Entropy bonus: the loss minus entropy_coef times the mean token entropy (loss_agg's weights, on the tokens
+    top_entropy_quantile keeps). 0 = off: no entropy gradient is computed."""
     top_entropy_quantile: float = 1.0
-    """TRL's rho ("Beyond the 80/20 rule"): only the tokens whose entropy is at or above the (1 - rho) quantile of
-    the step's completion tokens carry the policy-gradient term (and the entropy bonus); the others count in the
-    denominator with no loss. 1.0 = every token; 0.0 = the highest-entropy token(s) only. The quantile is over the
-    whole step (TRL: each micro-batch, gathered over devices), from the entropies at the start of the step."""
+    """TRL's rho: only tokens whose entropy is at or above the (1 - rho) quantile of the step's tokens (at the step's
+    start; TRL: per micro-batch) keep the policy term and entropy bonus; the rest still count in the denominator.
+    1.0 = every token; 0.0 = the highest-entropy token only."""
     is_mask_low: float | None = None
-    """Masked importance sampling (TRL's vllm_importance_sampling_mode token_mask / sequence_mask): a token whose
-    IS weight pi_trainer / pi_behaviour (the one tis_cap truncates; at importance_level 'sequence' its sequence's)
-    is below this gets no policy-gradient term (weight 0, not truncated). None = no lower bound. Logged as
-    is_weight/masked_frac."""
+    """Masked IS (TRL's token_mask / sequence_mask): a token whose IS weight pi_trainer / pi_behaviour (tis_cap's;
+    per sequence at importance_level 'sequence') is below this gets IS weight 0, not truncated. None = no bound."""
     is_mask_high: float | None = None
-    """Masked importance sampling: a token (sequence) whose IS weight is above this is masked like is_mask_low's.
-    Above tis_cap and below this, a weight is truncated to tis_cap. None = no upper bound."""
+    """Masked IS: a weight above this is masked (is_weight/masked_frac); between tis_cap and it, truncated."""
     loss_fn: str | None = None
     """Your own loss: 'module:function', called once per micro-batch with a `minirl.training.loss.LossInputs` and
     returning a `LossOut` or a scalar tensor (docs/recipes.md, "Your own loss"). None: the built-in
