@@ -201,14 +201,15 @@ class Config(metaclass=_Coercing):
 
     # --- loss ----------------------------------------------------------------------------------------------
     loss_type: str | None = None
-    """A preset by TRL's name for the five fields below (loss_agg, scale_rewards, clip_low, clip_high,
-    importance_level): each of them left unset (None) takes the preset's value; one you set (Python, YAML or a flag)
-    is yours and stays when loss_type changes. 'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo': constant,
-    none, 0.2 / 0.2, token. 'dapo': token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as 'dapo'
-    (TRL's two differ only in counting tokens per device or over the whole step; minirl's weights always span the
-    step). 'gspo': seq-mean, group, 3e-4 / 4e-4, sequence. None: 'dapo'. No preset touches kl_coef (0 = off, as
-    TRL's beta), tis_cap, behav_clip or opsm_delta. `cfg.recipe` holds the five as resolved; a run's config.yaml
-    writes an unset one as null with the value it resolved to. Table: docs/recipes.md."""
+    """A preset by TRL's name for the six fields below (loss_agg, scale_rewards, clip_low, clip_high,
+    importance_level, objective): each of them left unset (None) takes the preset's value; one you set (Python, YAML
+    or a flag) is yours and stays when loss_type changes. 'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo':
+    constant, none, 0.2 / 0.2, token. 'dapo': token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as
+    'dapo' (TRL's two differ only in counting tokens per device or over the whole step; minirl's weights always span
+    the step). 'gspo': seq-mean, group, 3e-4 / 4e-4, sequence. 'cispo': dapo's settings with objective 'cispo'. All
+    but 'cispo' have objective 'ppo-clip'. None: 'dapo'. No preset touches kl_coef (0 = off, as TRL's beta),
+    tis_cap, behav_clip, opsm_delta or the fields after kl_coef. `cfg.recipe` holds the six as resolved; a run's
+    config.yaml writes an unset one as null with the value it resolved to. Table: docs/recipes.md."""
     loss_agg: str | None = None
     """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO). None: loss_type's."""
     scale_rewards: str | None = None
@@ -223,6 +224,10 @@ class Config(metaclass=_Coercing):
     already a per-sequence test (mean |log ratio| to the sampling policy) masking whole sequences. With GSPO's
     clip range behav_clip masks a sequence whose mean log-prob moved more than ~4e-4 since it was sampled (an
     engine whose numerics differ from the trainer's shows it in clip_frac/behav). None: loss_type's."""
+    objective: str | None = None
+    """'ppo-clip' (PPO's clipped surrogate) or 'cispo' (MiniMax-M1: the ratio to the proximal policy, clipped to
+    [cispo_min, cispo_max] and detached, weights each token's -A * logp: a clipped token keeps its gradient). Both
+    take tis_cap, behav_clip, opsm_delta, the IS band and importance_level. None: loss_type's."""
     clip_low: float | None = None
     """Lower ratio clip: ratio >= 1 - clip_low. None: loss_type's (0.2 but for 'gspo')."""
     clip_high: float | None = None
@@ -238,6 +243,27 @@ class Config(metaclass=_Coercing):
     it does nothing (up to engine/trainer numerics)."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL to the reference (the base model, adapter disabled). 0 = off."""
+    cispo_min: float = 0.0
+    """objective 'cispo': its weight's lower bound (1 - eps_low in the paper); 0 = none, as in TRL."""
+    cispo_max: float = 5.0
+    """objective 'cispo': its weight's cap on the ratio itself (1 + eps_high in the paper); 5.0 is TRL's advice
+    for its epsilon_high with loss_type='cispo' (also an absolute cap, ScaleRL's eps_max)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: the loss minus entropy_coef times the mean token entropy (loss_agg's weights, on the tokens
+    top_entropy_quantile keeps). 0 = off: no entropy gradient is computed."""
+    top_entropy_quantile: float = 1.0
+    """TRL's rho: only tokens whose entropy is at or above the (1 - rho) quantile of the step's tokens (at the step's
+    start; TRL: per micro-batch) keep the policy term and entropy bonus; the rest still count in the denominator.
+    1.0 = every token; 0.0 = the highest-entropy token only."""
+    is_mask_low: float | None = None
+    """Masked IS (TRL's token_mask / sequence_mask): a token whose IS weight pi_trainer / pi_behaviour (tis_cap's;
+    per sequence at importance_level 'sequence') is below this gets IS weight 0, not truncated. None = no bound."""
+    is_mask_high: float | None = None
+    """Masked IS: a weight above this is masked (is_weight/masked_frac); between tis_cap and it, truncated."""
+    loss_fn: str | None = None
+    """Your own loss: 'module:function', called once per micro-batch with a `minirl.training.loss.LossInputs` and
+    returning a `LossOut` or a scalar tensor (docs/recipes.md, "Your own loss"). None: the built-in
+    `minirl.training.loss:decoupled_loss`, which the presets use."""
 
     # --- async pipeline ------------------------------------------------------------------------------------
     max_async_steps: int | str = "auto"

@@ -9,20 +9,29 @@ from typing import Any, Mapping
 AGGREGATIONS = ("token-mean", "seq-mean", "constant")
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
+OBJECTIVES = ("ppo-clip", "cispo")  # the policy-gradient term (`minirl.training.loss`)
 
 # `loss_type` presets: the Config fields each name sets (a field the user set wins). TRL's names; where two mean
 # the same here, they map to the same settings: TRL's 'bnpo' and 'dapo' differ only in whether tokens are counted
-# per device micro-batch or over the whole step, and minirl's weights are always over the whole step.
+# per device micro-batch or over the whole step, and minirl's weights are always over the whole step. 'cispo' is
+# TRL's: token-mean over the step, group scaling; its clip range is behav_clip's only (CISPO's own IS-weight bounds
+# are cispo_min / cispo_max).
 PRESETS: dict[str, dict[str, Any]] = {
-    "grpo": dict(loss_agg="seq-mean", scale_rewards="group", clip_low=0.2, clip_high=0.2, importance_level="token"),
-    "dr_grpo": dict(loss_agg="constant", scale_rewards="none", clip_low=0.2, clip_high=0.2, importance_level="token"),
-    "dapo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28, importance_level="token"),
-    "bnpo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28, importance_level="token"),
+    "grpo": dict(loss_agg="seq-mean", scale_rewards="group", clip_low=0.2, clip_high=0.2, importance_level="token",
+                 objective="ppo-clip"),
+    "dr_grpo": dict(loss_agg="constant", scale_rewards="none", clip_low=0.2, clip_high=0.2, importance_level="token",
+                    objective="ppo-clip"),
+    "dapo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28, importance_level="token",
+                 objective="ppo-clip"),
+    "bnpo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28, importance_level="token",
+                 objective="ppo-clip"),
     "gspo": dict(loss_agg="seq-mean", scale_rewards="group", clip_low=3e-4, clip_high=4e-4,
-                 importance_level="sequence"),
+                 importance_level="sequence", objective="ppo-clip"),
+    "cispo": dict(loss_agg="token-mean", scale_rewards="group", clip_low=0.2, clip_high=0.28,
+                  importance_level="token", objective="cispo"),
 }
 DEFAULT_PRESET = "dapo"  # what the fields left unset follow when loss_type is None
-LOSS_FIELDS = ("loss_agg", "scale_rewards", "clip_low", "clip_high", "importance_level")
+LOSS_FIELDS = ("loss_agg", "scale_rewards", "clip_low", "clip_high", "importance_level", "objective")
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,7 @@ class Recipe:
     clip_low: float
     clip_high: float
     importance_level: str
+    objective: str
     preset: str
     """The preset the unset fields came from: `loss_type`, or DEFAULT_PRESET when it is None."""
 

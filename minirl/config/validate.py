@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 
 from minirl.config.errors import ConfigError
-from minirl.config.presets import AGGREGATIONS, IMPORTANCE_LEVELS, PRESETS, SCALE_REWARDS
+from minirl.config.presets import AGGREGATIONS, IMPORTANCE_LEVELS, OBJECTIVES, PRESETS, SCALE_REWARDS
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,12 @@ RANGES: dict[str, Range] = {
     "tis_cap": Range(1, why="a cap on pi_trainer / pi_behaviour; None = no correction"),
     "opsm_delta": Range(0, why="a mean |log ratio|; None = off"),
     "kl_coef": Range(0, why="0 = off"),
+    "cispo_min": Range(0, why="a lower bound on the IS weight; 0 = none"),
+    "cispo_max": Range(0, lo_open=True, why="an upper bound on the IS weight, e.g. 5.0"),
+    "entropy_coef": Range(0, why="0 = off; the loss subtracts entropy_coef * entropy"),
+    "top_entropy_quantile": Range(0, 1, why="the share of tokens kept by entropy; 1.0 = all"),
+    "is_mask_low": Range(0, why="a lower bound on pi_trainer / pi_behaviour; None = none"),
+    "is_mask_high": Range(0, lo_open=True, why="an upper bound on pi_trainer / pi_behaviour; None = none"),
     "max_resample_rounds": Range(1, why="refill rounds per step (dynamic_sampling)"),
     "max_async_steps": Range(0, why="or 'auto'"),
     "max_staleness": Range(0, why="or None = keep all"),
@@ -90,6 +96,8 @@ RANGES: dict[str, Range] = {
     "keep_checkpoints": Range(1),
     "log_samples": Range(0),
 }
+
+LOSS_FN = re.compile(r"[A-Za-z_][\w]*(?:\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")  # 'package.module:function'
 
 # gen_devices / train_devices: 'auto', 'cuda', or a comma list of GPU ids ('1', 'cuda:1') or cores ('0', '0-3').
 DEVICES = re.compile(r"auto|cuda|(?:(?:cuda:)?\d+(?:-\d+)?)(?:,(?:cuda:)?\d+(?:-\d+)?)*")
@@ -128,6 +136,14 @@ def validate(cfg) -> None:
          f"scale_rewards={cfg.scale_rewards!r}: use 'group', 'batch' or 'none'")
     need(cfg.importance_level in (None, *IMPORTANCE_LEVELS),
          f"importance_level={cfg.importance_level!r}: use 'token' or 'sequence' (GSPO)")
+    need(cfg.objective in (None, *OBJECTIVES), f"objective={cfg.objective!r}: use 'ppo-clip' or 'cispo'")
+    need(cfg.cispo_min < cfg.cispo_max, f"cispo_min={cfg.cispo_min} is not below cispo_max={cfg.cispo_max}: "
+         "give a lower bound below the upper one (0 = no lower bound)")
+    need(cfg.is_mask_low is None or cfg.is_mask_high is None or cfg.is_mask_low < cfg.is_mask_high,
+         f"is_mask_low={cfg.is_mask_low} is not below is_mask_high={cfg.is_mask_high}: the band of IS weights "
+         "kept is [is_mask_low, is_mask_high]")
+    need(cfg.loss_fn is None or LOSS_FN.fullmatch(cfg.loss_fn) is not None,
+         f"loss_fn={cfg.loss_fn!r}: give 'module:function' (e.g. 'my_losses:clipped'), or none for the built-in loss")
     need(cfg.backend in ("auto", "vllm", "vllm-server", "hf"),
          f"backend={cfg.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
     for i, url in enumerate(cfg.server_urls):

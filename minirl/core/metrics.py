@@ -27,13 +27,16 @@ METRICS: dict[str, str] = {
     "length/max": "longest completion",
     "length/truncated_frac": "fraction of completions cut by max_tokens",
     "loss": "policy loss (aggregated)",
-    "clip_frac": "fraction of tokens where the clipped branch was active",
+    "clip_frac": "fraction of tokens where the clip was active (ppo-clip: the clipped branch; cispo: the IS "
+                 "weight at cispo_min or cispo_max)",
     "clip_frac/behav": "fraction of tokens outside the trust region around the sampling policy (behav_clip)",
     "kl_behav": "approx KL(behaviour || trainer), k3 estimator, per token",
     "kl_ref": "approx KL to the reference (adapter disabled), per token",
     "entropy": "mean token entropy of the trainer policy on completions",
     "is_weight/mean": "mean truncated importance weight",
     "is_weight/truncated_frac": "fraction of tokens whose IS weight hit the cap",
+    "is_weight/masked_frac": "fraction of tokens whose IS weight left [is_mask_low, is_mask_high]: no policy "
+                             "gradient (masked importance sampling)",
     "logprob_mismatch": "mean |trainer logprob - behaviour logprob| per token",
     "staleness/mean": "mean (trainer version - token version) over trained tokens",
     "staleness/max": "max staleness of a trained token",

@@ -111,11 +111,11 @@ def make_batch(samples: Sequence[Sample], pad_id: int, agg: str, max_tokens: int
     return Batch(ids, attn, tgt, behav, ver, adv, token_weights(tgt, agg, max_tokens), temp)
 
 
-def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool = False,
+def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool | str = False,
                         recompute: bool = True, proc: Processing = Processing()):
     """Per-token logprobs (B, L) of the completion tokens under `model` (a peft or plain causal LM), with
-    temperature applied — each row's own (`batch.temp_B`), or `temperature` for all — plus the summed entropy of
-    those positions when asked (no grad). With grad enabled each chunk's logits are recomputed in backward
+    temperature applied — each row's own (`batch.temp_B`), or `temperature` for all — plus the entropy of those
+    positions as `with_entropy` asks (`ENTROPY`). With grad enabled each chunk's logits are recomputed in backward
     (`_chunk_logp` under activation checkpointing) rather than kept: autograd holds (N, vocab) float32 logits for
     every completion token of the micro-batch until backward otherwise (`recompute=False`: one lm_head matmul
     per chunk less). `proc`: the sampler's min_p / repetition penalty, applied as it applied them."""
@@ -131,15 +131,23 @@ def completion_logprobs(model, batch: Batch, temperature: float | None = None, w
     return hidden_logprobs(h_N_H, targets_N, temp_N, head, batch, with_entropy, recompute, proc)
 
 
-def hidden_logprobs(h_N_H, targets_N, temp_N, head, rows: Batch, with_entropy: bool = False, recompute: bool = True,
-                    proc: Processing = Processing()):
+ENTROPY = {False: "none: 0.0", True: "their summed entropy, a float (no grad)",
+           "tokens": "each target's entropy, (B, L) like the logprobs (no grad)",
+           "grad": "each target's entropy, (B, L), with gradient (the entropy bonus)"}
+
+
+def hidden_logprobs(h_N_H, targets_N, temp_N, head, rows: Batch, with_entropy: bool | str = False,
+                    recompute: bool = True, proc: Processing = Processing()):
     """Logprobs of `targets_N` from the final hidden states that predict them, by lm_head chunks, scattered into
-    the (B, L) layout of `rows.tgt_mask_B_L` (row-major order), plus their summed entropy (the shared tail of the
-    padded and the packed path). With a repetition penalty each target's history is its row's ids before it."""
+    the (B, L) layout of `rows.tgt_mask_B_L` (row-major order), plus their entropy as `with_entropy` asks
+    (`ENTROPY`; the shared tail of the padded and the packed path). With a repetition penalty each target's history
+    is its row's ids before it."""
+    if with_entropy not in ENTROPY:
+        raise ValueError(f"with_entropy={with_entropy!r}: one of {list(ENTROPY)}")
     recompute = recompute and torch.is_grad_enabled() and h_N_H.requires_grad
     tgt_mask_B_L = rows.tgt_mask_B_L
     hist = histories(rows.input_ids_B_L, rows.attn_B_L, tgt_mask_B_L) if proc.penalised else None
-    logps, ent = [], 0.0
+    logps, ents, ent = [], [], 0.0
     for s in range(0, h_N_H.shape[0], LOGIT_CHUNK):
         sl = slice(s, s + LOGIT_CHUNK)
         hist_c = None if hist is None else (hist[0][sl].to(h_N_H.device), hist[1][sl].to(h_N_H.device))
@@ -149,28 +157,43 @@ def hidden_logprobs(h_N_H, targets_N, temp_N, head, rows: Batch, with_entropy: b
         else:
             lp, e = _chunk_logp(*args, with_entropy, proc, hist_c)
         logps.append(lp)
-        ent += e
+        if isinstance(e, torch.Tensor):
+            ents.append(e)
+        else:
+            ent += e
     logp_N = torch.cat(logps) if logps else h_N_H.new_zeros(0)
-    out = torch.zeros(tgt_mask_B_L.shape, dtype=logp_N.dtype, device=logp_N.device)
-    out = out.masked_scatter(tgt_mask_B_L.to(out.device), logp_N)
+    out = _scatter(logp_N, tgt_mask_B_L)
+    if with_entropy in ("tokens", "grad"):
+        return out, _scatter(torch.cat(ents) if ents else h_N_H.new_zeros(0), tgt_mask_B_L)
     return out, ent
 
 
-def _chunk_logp(h_N_H, targets_N, temp_N, head, with_entropy: bool, proc: Processing = Processing(), hist=None):
+def _scatter(x_N: torch.Tensor, tgt_mask_B_L: torch.Tensor) -> torch.Tensor:
+    """Per-target values into the (B, L) layout of `tgt_mask_B_L` (row-major), zero elsewhere."""
+    out = torch.zeros(tgt_mask_B_L.shape, dtype=x_N.dtype, device=x_N.device)
+    return out.masked_scatter(tgt_mask_B_L.to(out.device), x_N)
+
+
+def _chunk_logp(h_N_H, targets_N, temp_N, head, with_entropy: bool | str, proc: Processing = Processing(),
+                hist=None):
     """Logprobs of `targets_N` from hidden states `h_N_H` (float32 logits, processed as the sampler did: penalty
-    from `hist`, temperature, min_p) and their summed entropy (a float, no grad; 0.0 unless asked)."""
+    from `hist`, temperature, min_p) and their entropy as `with_entropy` asks (`ENTROPY`)."""
     logits = head(h_N_H).float()
     seen = None if hist is None else seen_tokens(hist[0], hist[1], logits.shape[-1])
     logits = processed_logits(logits, temp_N, proc, seen)
     lse = torch.logsumexp(logits, -1)
     logp = logits.gather(-1, targets_N[:, None]).squeeze(-1) - lse
     ent = 0.0
-    if with_entropy:  # after logp: a recompute in backward stops once logp's saved tensors are back
+    if with_entropy == "grad":  # H = lse - sum_v p_v z_v; a min_p cut (z = -inf, p = 0) adds nothing, nor NaN grads
+        z = logits if proc.min_p <= 0 else torch.where(torch.isfinite(logits), logits, 0.0)
+        ent = lse - (torch.exp(logits - lse[:, None]) * z).sum(-1)
+    elif with_entropy:  # after logp: a recompute in backward stops once logp's saved tensors are back
         with torch.no_grad():
             plogp = torch.softmax(logits, -1) * logits
             if proc.min_p > 0:  # the cut tokens: 0 * -inf
                 plogp = torch.where(torch.isfinite(logits), plogp, 0.0)
-            ent = float((lse - plogp.sum(-1)).sum())
+            ent_N = lse - plogp.sum(-1)
+            ent = ent_N if with_entropy == "tokens" else float(ent_N.sum())
     return logp, ent
 
 

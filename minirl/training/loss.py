@@ -22,6 +22,21 @@ Where this departs from the GRPO paper (Shao et al., 2024):
   uniform weights (all of `AGGREGATIONS`) it equals the gradient of GSPO's sequence objective. GSPO's `old` is the
   sampling policy; here the clip is against the proximal policy and the gap to the sampling policy is the IS weight
   and `behav_clip`, both at sequence level too.
+- `objective="cispo"` (MiniMax-M1, Chen et al. 2025, as in TRL / tinker / ScaleRL) replaces PPO's clipped
+  surrogate by sg(clip(r, cispo_min, cispo_max)) * A * log pi per token, r the ratio to the proximal policy: a token
+  past the clip keeps its gradient, only its weight is bounded. TRL bounds the ratio above only (its epsilon_high is
+  the absolute cap, 5.0 recommended); cispo_min = 0 is that. It stays inside the decoupled objective: the capped IS
+  weight to the behaviour policy multiplies it, behav_clip and OPSM mask as above, and at sequence level r is the
+  sequence ratio (the weight of every token of the sequence). The loss value is -w * A * log pi, not a ratio (as in
+  TRL), so the logged `loss` is on another scale than PPO's.
+- Masked IS (`is_mask_low` / `is_mask_high`, TRL's token_mask / sequence_mask): a token whose IS weight to the
+  behaviour policy leaves the band gets IS weight 0; TRL's sequence modes test the product of the token ratios,
+  here the sequence level tests the length-normalised ratio the loss uses. Like TRL, the band and
+  `top_entropy_B_T` (top_entropy_quantile) zero the policy-gradient term only (the KL term stays); behav_clip and
+  OPSM, minirl's own, drop the whole token.
+- The entropy bonus (`entropy_coef`) subtracts coef * sum(w * H) with the aggregation weights w (restricted to the
+  tokens top_entropy_quantile keeps), so it is the mean token entropy under loss_agg, summed exactly over
+  micro-batches. TRL uses a token mean for every loss type.
 - Aggregation is a choice of per-token weights computed over the *whole* batch, so micro-batches with gradient
   accumulation give exactly the full-batch gradient: "token-mean" (DAPO: every token counts the same),
   "seq-mean" (the paper: mean over each sequence, then over sequences), "constant" (Dr. GRPO: sum / (B * L_max)).
@@ -33,7 +48,7 @@ from typing import Any
 
 import torch
 
-from minirl.config.presets import AGGREGATIONS, IMPORTANCE_LEVELS
+from minirl.config.presets import AGGREGATIONS, IMPORTANCE_LEVELS, OBJECTIVES
 
 
 def token_weights(mask_B_T: torch.Tensor, agg: str, max_tokens: int | None = None) -> torch.Tensor:
@@ -56,15 +71,17 @@ def token_weights(mask_B_T: torch.Tensor, agg: str, max_tokens: int | None = Non
 
 @dataclass
 class LossOut:
+    """A loss_fn's result for one micro-batch. Only `loss` is needed; the counts feed the step's metrics."""
     loss: torch.Tensor          # scalar, already aggregated with the given weights (sum over this micro-batch)
-    n_tokens: int
-    clipped: float              # number of tokens where the clipped branch was active
-    behav_clipped: float        # number of tokens outside the trust region around the behaviour policy
-    is_truncated: float         # number of tokens whose IS weight hit the cap
-    is_weight_sum: float
-    kl_behav_sum: float         # sum of k3 KL(behaviour || trainer) estimates
-    kl_ref_sum: float
-    mismatch_sum: float         # sum of |logp_trainer - logp_behaviour|
+    n_tokens: int = 0
+    clipped: float = 0.0        # number of tokens where the clip was active (ppo-clip's branch, cispo's bound)
+    behav_clipped: float = 0.0  # number of tokens outside the trust region around the behaviour policy
+    is_truncated: float = 0.0   # number of tokens whose IS weight hit the cap
+    is_masked: float = 0.0      # number of tokens whose IS weight left [is_mask_low, is_mask_high]
+    is_weight_sum: float = 0.0
+    kl_behav_sum: float = 0.0   # sum of k3 KL(behaviour || trainer) estimates
+    kl_ref_sum: float = 0.0
+    mismatch_sum: float = 0.0   # sum of |logp_trainer - logp_behaviour|
 
 
 @dataclass(frozen=True)
@@ -77,13 +94,44 @@ class LossSettings:
     opsm_delta: float | None = None
     behav_clip: bool = True
     importance_level: str = "token"
+    objective: str = "ppo-clip"
+    cispo_min: float = 0.0
+    cispo_max: float = 5.0
+    entropy_coef: float = 0.0
+    is_mask_low: float | None = None
+    is_mask_high: float | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> "LossSettings":
-        """A `Config`'s settings: the clip range and importance level as its `recipe` resolves them."""
+        """A `Config`'s settings: the clip range, importance level and objective as its `recipe` resolves them."""
         r = cfg.recipe
         return cls(clip_low=r.clip_low, clip_high=r.clip_high, tis_cap=cfg.tis_cap, kl_coef=cfg.kl_coef,
-                   opsm_delta=cfg.opsm_delta, behav_clip=cfg.behav_clip, importance_level=r.importance_level)
+                   opsm_delta=cfg.opsm_delta, behav_clip=cfg.behav_clip, importance_level=r.importance_level,
+                   objective=r.objective, cispo_min=cfg.cispo_min, cispo_max=cfg.cispo_max,
+                   entropy_coef=cfg.entropy_coef, is_mask_low=cfg.is_mask_low, is_mask_high=cfg.is_mask_high)
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What a loss_fn gets for one micro-batch: (B, T) tensors aligned to the token they score, T the rows' length.
+
+    logp_B_T: the trainer's logprobs, with gradient. old_logp_B_T: the proximal policy's (the trainer at the start
+    of the step; no grad). behav_logp_B_T: the policy that sampled (the engine's logprobs). adv_B: one advantage per
+    row. weight_B_T: the aggregation weights over the whole step (`token_weights`; 0 off the loss targets), so the
+    sum over micro-batches of sum(per-token loss * weight) is the step's loss. mask_B_T: the loss targets (sampled
+    completion tokens). ref_logp_B_T: the reference policy's (only when kl_coef > 0). entropy_B_T: the trainer's
+    token entropy, with gradient when entropy_coef > 0 (None when neither entropy_coef nor top_entropy_quantile
+    asks for it). top_entropy_B_T: the tokens top_entropy_quantile keeps (None: all)."""
+    logp_B_T: torch.Tensor
+    old_logp_B_T: torch.Tensor
+    behav_logp_B_T: torch.Tensor
+    adv_B: torch.Tensor
+    weight_B_T: torch.Tensor
+    mask_B_T: torch.Tensor
+    settings: LossSettings = LossSettings()
+    ref_logp_B_T: torch.Tensor | None = None
+    entropy_B_T: torch.Tensor | None = None
+    top_entropy_B_T: torch.Tensor | None = None
 
 
 def policy_loss(
@@ -95,22 +143,32 @@ def policy_loss(
     mask_B_T: torch.Tensor,
     settings: LossSettings = LossSettings(),
     ref_logp_B_T: torch.Tensor | None = None,
+    entropy_B_T: torch.Tensor | None = None,
+    top_entropy_B_T: torch.Tensor | None = None,
 ) -> LossOut:
-    """Decoupled clipped surrogate with truncated IS, optional k3 KL to a reference and optional OPSM.
+    """`decoupled_loss` on tensors (the arguments are `LossInputs`' fields)."""
+    return decoupled_loss(LossInputs(logp_B_T, old_logp_B_T, behav_logp_B_T, adv_B, weight_B_T, mask_B_T, settings,
+                                     ref_logp_B_T, entropy_B_T, top_entropy_B_T))
 
-    logp: trainer logprobs (with grad); old_logp: proximal policy (no grad); behav_logp: sampling policy;
-    weight_B_T: per-token aggregation weights from `token_weights` (zero on prompt and padding tokens).
+
+def decoupled_loss(inp: LossInputs) -> LossOut:
+    """The built-in loss_fn: the decoupled objective ('ppo-clip' or 'cispo') with truncated or masked IS, optional
+    k3 KL to a reference, OPSM, behav_clip, the top-entropy mask and the entropy bonus (module docstring).
+
     OPSM (off-policy sequence masking): a sequence with negative advantage whose mean |log ratio| to the
     behaviour policy exceeds `opsm_delta` is masked out.
     `behav_clip`: tokens whose pi_trainer / pi_behaviour is already above 1 + clip_high with a positive advantage,
     or below 1 - clip_low with a negative one, are masked out (PPO's clip against the sampling policy).
-    `importance_level="sequence"` (GSPO): each of those three ratios is its sequence's geometric mean (module
+    `importance_level="sequence"` (GSPO): each of those ratios is its sequence's geometric mean (module
     docstring), so a sequence is clipped, capped or masked whole; OPSM is per sequence at either level.
     """
-    clip_low, clip_high, tis_cap = settings.clip_low, settings.clip_high, settings.tis_cap
-    mask = mask_B_T.bool()
+    s = inp.settings
+    logp_B_T, old_logp_B_T, behav_logp_B_T = inp.logp_B_T, inp.old_logp_B_T, inp.behav_logp_B_T
+    clip_low, clip_high, tis_cap = s.clip_low, s.clip_high, s.tis_cap
+    mask = inp.mask_B_T.bool()
+    adv_B = inp.adv_B
     adv = adv_B[:, None].to(logp_B_T.dtype)
-    if settings.importance_level == "sequence":
+    if s.importance_level == "sequence":
         n_B1 = mask.sum(1, keepdim=True).clamp(min=1)
 
         def seq_mean(x_B_T: torch.Tensor) -> torch.Tensor:  # each row's mean over its tokens, on every token
@@ -119,44 +177,64 @@ def policy_loss(
         ratio = torch.exp(log_s + logp_B_T - logp_B_T.detach())  # value s_i, gradient s_i * grad log pi(y_t)
         log_is = seq_mean(old_logp_B_T - behav_logp_B_T).detach()
         log_rb = seq_mean(logp_B_T.detach() - behav_logp_B_T)
-    elif settings.importance_level == "token":
+    elif s.importance_level == "token":
         ratio = torch.exp(logp_B_T - old_logp_B_T)
         log_is = (old_logp_B_T - behav_logp_B_T).detach()
         log_rb = logp_B_T.detach() - behav_logp_B_T
     else:
-        raise ValueError(f"unknown importance_level {settings.importance_level!r}: choose one of {IMPORTANCE_LEVELS}")
-    clipped_ratio = ratio.clamp(1 - clip_low, 1 + clip_high)
-    surr = torch.minimum(ratio * adv, clipped_ratio * adv)
-    is_w = torch.exp(log_is)
-    if tis_cap is not None:
-        is_w = is_w.clamp(max=tis_cap)
+        raise ValueError(f"unknown importance_level {s.importance_level!r}: choose one of {IMPORTANCE_LEVELS}")
+    if s.objective == "ppo-clip":
+        surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)
+        clipped_B_T = surr != ratio * adv
+    elif s.objective == "cispo":
+        r = ratio.detach()
+        coef = r.clamp(s.cispo_min, s.cispo_max)
+        surr = coef * adv * logp_B_T  # the weight is a constant: every token's gradient is coef * A * grad log pi
+        clipped_B_T = coef != r
+    else:
+        raise ValueError(f"unknown objective {s.objective!r}: choose one of {OBJECTIVES}")
+    is_raw = torch.exp(log_is)
+    is_w = is_raw if tis_cap is None else is_raw.clamp(max=tis_cap)
+    band_B_T = torch.zeros_like(mask)
+    if s.is_mask_low is not None:
+        band_B_T = band_B_T | (is_raw < s.is_mask_low)
+    if s.is_mask_high is not None:
+        band_B_T = band_B_T | (is_raw > s.is_mask_high)
+    is_w = is_w.masked_fill(band_B_T, 0.0)  # masked, not truncated
     per_tok = -is_w * surr
-    w = weight_B_T.to(logp_B_T.dtype)
+    if inp.top_entropy_B_T is not None:
+        per_tok = per_tok * inp.top_entropy_B_T
+    w = inp.weight_B_T.to(logp_B_T.dtype)
     out_B_T = torch.zeros_like(mask)
-    if settings.behav_clip:
+    if s.behav_clip:
         r_b = torch.exp(log_rb)
         out_B_T = ((adv > 0) & (r_b > 1 + clip_high)) | ((adv < 0) & (r_b < 1 - clip_low))
-        w = w * ~out_B_T
-    if settings.opsm_delta is not None:
+    drop_B_T = out_B_T
+    if s.opsm_delta is not None:
         n = mask.sum(1).clamp(min=1)
         seq_gap = ((old_logp_B_T - behav_logp_B_T).detach().abs() * mask).sum(1) / n  # token gaps, either level
-        keep = ~((adv_B < 0) & (seq_gap > settings.opsm_delta))
-        w = w * keep[:, None]
+        drop_B_T = out_B_T | ((adv_B < 0) & (seq_gap > s.opsm_delta))[:, None]
     kl_ref = torch.zeros((), dtype=logp_B_T.dtype)
-    if ref_logp_B_T is not None:
-        d = ref_logp_B_T - logp_B_T
+    if inp.ref_logp_B_T is not None:
+        d = inp.ref_logp_B_T - logp_B_T
         k3 = torch.exp(d) - d - 1
-        per_tok = per_tok + settings.kl_coef * k3
+        per_tok = per_tok + s.kl_coef * k3
         kl_ref = (k3.detach() * mask).sum()
-    loss = (per_tok * w * mask).sum()
+    loss = (per_tok * w * ~drop_B_T * mask).sum()
+    if s.entropy_coef:
+        if inp.entropy_B_T is None:
+            raise ValueError("entropy_coef > 0 needs the token entropies (LossInputs.entropy_B_T)")
+        w_ent = w if inp.top_entropy_B_T is None else w * inp.top_entropy_B_T
+        loss = loss - s.entropy_coef * (inp.entropy_B_T * w_ent * mask).sum()
     with torch.no_grad():
         d_b = behav_logp_B_T - logp_B_T
         return LossOut(
             loss=loss,
             n_tokens=int(mask.sum()),
-            clipped=float(((surr != ratio * adv) & mask).sum()),
+            clipped=float((clipped_B_T & mask).sum()),
             behav_clipped=float((out_B_T & mask).sum()),
-            is_truncated=float(((torch.exp(log_is) > tis_cap) & mask).sum()) if tis_cap is not None else 0.0,
+            is_truncated=float(((is_raw > tis_cap) & ~band_B_T & mask).sum()) if tis_cap is not None else 0.0,
+            is_masked=float((band_B_T & mask).sum()),
             is_weight_sum=float((is_w * mask).sum()),
             kl_behav_sum=float(((torch.exp(d_b) - d_b - 1) * mask).sum()),
             kl_ref_sum=float(kl_ref),

@@ -148,9 +148,9 @@ def _build(segs, samples: Sequence[Sample], batch: Batch) -> PackedMicroBatch:
 
 
 def packed_completion_logprobs(model, mb: PackedMicroBatch, temperature: float | None = None,
-                               with_entropy: bool = False, proc: Processing = Processing()):
+                               with_entropy: bool | str = False, proc: Processing = Processing()):
     """`completion_logprobs` for a packed micro-batch: the same (rows, L) logprobs of `mb.rows`' completion tokens
-    (and summed entropy), from one forward over the packed row."""
+    (and their entropy, as `batch.ENTROPY` says), from one forward over the packed row."""
     inner, head = _decoder_and_head(model)
     dtype = inner.get_input_embeddings().weight.dtype  # the attention's compute dtype (4-bit bases included)
     hidden = inner(input_ids=mb.input_ids_1_T, position_ids=mb.position_ids_1_T,

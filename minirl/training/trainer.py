@@ -24,7 +24,8 @@ from minirl.training.batch import (
     samples_from_groups,
     sequence_logprobs,
 )
-from minirl.training.loss import LossSettings, policy_loss
+from minirl.training.loss import LossInputs, LossSettings
+from minirl.training.loss_fn import resolve_loss_fn, run_loss, top_entropy_masks
 from minirl.training.models import build_model, checkpointing_on, load_tokenizer, resolve_model
 from minirl.training.packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completion_logprobs
 from minirl.training.plan import resolve_token_budget
@@ -52,6 +53,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, device: str | None = None):
         self.cfg = cfg
+        self.loss_fn = resolve_loss_fn(cfg.loss_fn)  # a bad 'module:function': one line, before the model loads
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cpu" and cfg.cpu_compact_memory:
             fix_malloc_threshold()  # resident memory then follows the live tensors (the memory plan counts those)
@@ -84,6 +86,7 @@ class Trainer:
 
     def reconfigure(self, cfg: Config) -> None:
         """Take a new config mid-run (`Run.set`): the loss settings from the next step, and its learning rate."""
+        self.loss_fn = resolve_loss_fn(cfg.loss_fn)
         self.cfg = cfg
         self.token_budget = resolve_token_budget(cfg, self.device)
         for g in self.opt.param_groups:
@@ -120,30 +123,37 @@ class Trainer:
             micro = [mb.to(self.device) for mb in batch.micro_batches(self.token_budget)]
         olds: list[torch.Tensor] = []
         self.model.train()
-        tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0, mism=0.0,
-                   ent=0.0, n=0)
+        ents0, tops = self._top_entropy(micro) if c.top_entropy_quantile < 1 else ([None] * len(micro),) * 2
+        tot = dict(loss=0.0, clipped=0.0, behav_clipped=0.0, is_trunc=0.0, is_mask=0.0, is_w=0.0, kl_b=0.0, kl_r=0.0,
+                   mism=0.0, ent=0.0, n=0)
         skipped = 0
         for epoch in range(c.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             epoch_loss = 0.0
             for i, mb in enumerate(micro):
-                logp, ent = self._logprobs(mb, with_entropy=epoch == 0)
+                rows = mb if isinstance(mb, Batch) else mb.rows
+                ent_B_L = ents0[i]  # top_entropy_quantile's (no grad), or None
+                if c.entropy_coef > 0:  # the bonus needs each token's entropy with its gradient
+                    logp, ent_B_L = self._logprobs(mb, with_entropy="grad")
+                    ent = float((ent_B_L.detach() * rows.tgt_mask_B_L).sum())
+                else:
+                    logp, ent = self._logprobs(mb, with_entropy=epoch == 0)
                 if epoch == 0:
                     olds.append(logp.detach())
                 ref = None
                 if c.kl_coef > 0:
                     with torch.no_grad(), self.model.disable_adapter():
                         ref, _ = self._logprobs(mb)
-                rows = mb if isinstance(mb, Batch) else mb.rows
-                out = policy_loss(logp, olds[i], rows.behav_logp_B_L, rows.adv_B, rows.weight_B_L, rows.tgt_mask_B_L,
-                                  loss_settings, ref)
+                out = run_loss(self.loss_fn, LossInputs(
+                    logp, olds[i], rows.behav_logp_B_L, rows.adv_B, rows.weight_B_L, rows.tgt_mask_B_L, loss_settings,
+                    ref, ent_B_L, tops[i]))
                 out.loss.backward()
                 epoch_loss += out.loss.item()
                 if epoch == 0:
                     for k, v in (("clipped", out.clipped), ("behav_clipped", out.behav_clipped),
-                                 ("is_trunc", out.is_truncated), ("is_w", out.is_weight_sum),
-                                 ("kl_b", out.kl_behav_sum), ("kl_r", out.kl_ref_sum), ("mism", out.mismatch_sum),
-                                 ("ent", ent), ("n", out.n_tokens)):
+                                 ("is_trunc", out.is_truncated), ("is_mask", out.is_masked),
+                                 ("is_w", out.is_weight_sum), ("kl_b", out.kl_behav_sum), ("kl_r", out.kl_ref_sum),
+                                 ("mism", out.mismatch_sum), ("ent", ent), ("n", out.n_tokens)):
                         tot[k] += v
                     tot["loss"] += out.loss.item()
                 elif epoch == c.ppo_epochs - 1:
@@ -164,7 +174,8 @@ class Trainer:
             "loss": tot["loss"], "clip_frac": tot["clipped"] / n, "clip_frac/behav": tot["behav_clipped"] / n,
             "kl_behav": tot["kl_b"] / n,
             "kl_ref": tot["kl_r"] / n, "entropy": tot["ent"] / n, "is_weight/mean": tot["is_w"] / n,
-            "is_weight/truncated_frac": tot["is_trunc"] / n, "logprob_mismatch": tot["mism"] / n,
+            "is_weight/truncated_frac": tot["is_trunc"] / n, "is_weight/masked_frac": tot["is_mask"] / n,
+            "logprob_mismatch": tot["mism"] / n,
             "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0],
             "train/tokens": batch.n_tokens, "train/micro_batches": len(micro),
             "train/forward_tokens": sum(mb.n_real_tokens if isinstance(mb, PackedMicroBatch) else
@@ -174,7 +185,17 @@ class Trainer:
         })
         return m
 
-    def _logprobs(self, mb: "Batch | PackedMicroBatch", with_entropy: bool = False):
+    def _top_entropy(self, micro: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each micro-batch's token entropies at the start of the step and top_entropy_quantile's mask from them,
+        over all of the step's tokens: one forward without gradient before the update (only when it is < 1)."""
+        ents, masks = [], []
+        with torch.no_grad():
+            for mb in micro:
+                ents.append(self._logprobs(mb, with_entropy="tokens")[1])
+                masks.append((mb if isinstance(mb, Batch) else mb.rows).tgt_mask_B_L)
+        return ents, top_entropy_masks(ents, masks, self.cfg.top_entropy_quantile)
+
+    def _logprobs(self, mb: "Batch | PackedMicroBatch", with_entropy: bool | str = False):
         """The completion tokens' logprobs under the distribution they were sampled from: temperature (each
         group's own), min_p and repetition_penalty re-applied as the generator applied them (`sampling.py`)."""
         proc = Processing(self.cfg.min_p, self.cfg.repetition_penalty)
