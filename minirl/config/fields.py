@@ -213,8 +213,22 @@ class Config(metaclass=_Coercing):
     """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO). None: loss_type's."""
     scale_rewards: str | None = None
     """How group-centred advantages are scaled: 'group' (divided by the group's reward std, GRPO), 'batch' (by the
-    std of every reward in the step's batch, TRL's 'batch') or 'none' (Dr. GRPO). None: loss_type's. Replaces
-    scale_adv_by_std, still accepted: true = 'group', false = 'none'."""
+    std of every reward in the step's batch, TRL's 'batch') or 'none' (Dr. GRPO). None: loss_type's, except 'none'
+    with advantage_estimator 'rloo' and 'batch' with 'reinforce++' or reward_normalization 'per-reward' (what TRL's
+    RLOOTrainer, REINFORCE++ and TRL's normalize_then_sum do). Replaces scale_adv_by_std, still accepted: true =
+    'group', false = 'none'."""
+    advantage_estimator: str = "group"
+    """The baseline each sample's reward is compared with: 'group' (the group's mean: GRPO, Dr. GRPO, DAPO), 'rloo'
+    (the mean of the group's other samples, r_i - mean_{j!=i} r_j: RLOO as TRL's RLOOTrainer and SkyRL) or
+    'reinforce++' (REINFORCE++-baseline as verl and OpenRLHF: the group's mean subtracted, then divided by the std of
+    those centred values over the whole step; scale_rewards unset or 'batch'). scale_rewards then divides 'group' and
+    'rloo' advantages as it says. Samples whose reward failed stay out of every baseline and std, with advantage 0;
+    groups without spread stay all zeros. Table: docs/recipes.md."""
+    reward_normalization: str = "sum"
+    """How several rewards make the value the estimator sees: 'sum' (their weighted sum) or 'per-reward' (GDPO, TRL's
+    multi_objective_aggregation='normalize_then_sum': each weighted reward centred on its group mean and divided by
+    its group std, then weighted and summed, so a reward with a wide range no longer drowns the others). With one
+    reward, 'per-reward' feeds the estimator group-standardised rewards. Dynamic sampling judges a group's spread on that value."""
     importance_level: str | None = None
     """'token': each token's own ratio. 'sequence' (GSPO): the sequence's length-normalised ratio
     exp(mean_t(logp - old_logp)) replaces the token ratio in the PPO clip, in the capped IS weight (tis_cap, on the
@@ -330,8 +344,10 @@ class Config(metaclass=_Coercing):
 
     @property
     def recipe(self) -> Recipe:
-        """The loss settings this config resolves to: the loss fields as set, the rest from `loss_type`'s preset."""
-        return resolve(self.loss_type, {k: getattr(self, k) for k in LOSS_FIELDS})
+        """The loss settings this config resolves to: the loss fields as set, the rest from `loss_type`'s preset (an
+        unset scale_rewards may follow the advantage settings instead: `presets.scale_by_advantages`)."""
+        return resolve(self.loss_type, {k: getattr(self, k) for k in LOSS_FIELDS}, self.advantage_estimator,
+                       self.reward_normalization)
 
     @property
     def scale_adv_by_std(self) -> bool:

@@ -78,7 +78,9 @@ def to_yaml(cfg, path: str | Path | None = None) -> str:
     lines = []
     for name, value in cfg.to_dict().items():
         line = yaml.safe_dump({name: value}, sort_keys=False, width=10**6).rstrip("\n")
-        if name in LOSS_FIELDS and value is None:
+        if name == "scale_rewards" and value is None and recipe.scale_rewards_by:
+            line += f"  # {recipe.scale_rewards} from {recipe.scale_rewards_by}"
+        elif name in LOSS_FIELDS and value is None:
             line += f"  # {getattr(recipe, name)} from loss_type {recipe.preset}" + (
                 " (the default)" if cfg.loss_type is None else "")
         lines.append(line)
