@@ -228,7 +228,8 @@ class Config(metaclass=_Coercing):
     """How several rewards make the value the estimator sees: 'sum' (their weighted sum) or 'per-reward' (GDPO, TRL's
     multi_objective_aggregation='normalize_then_sum': each weighted reward centred on its group mean and divided by
     its group std, then weighted and summed, so a reward with a wide range no longer drowns the others). With one
-    reward, 'per-reward' feeds the estimator group-standardised rewards. Dynamic sampling judges a group's spread on that value."""
+    reward, 'per-reward' feeds the estimator group-standardised rewards. Dynamic sampling judges a group's spread on
+    that value."""
     importance_level: str | None = None
     """'token': each token's own ratio. 'sequence' (GSPO): the sequence's length-normalised ratio
     exp(mean_t(logp - old_logp)) replaces the token ratio in the PPO clip, in the capped IS weight (tis_cap, on the

@@ -42,7 +42,8 @@ class Recipe:
     ('advantage_estimator rloo', ...; `scale_by_advantages`)."""
 
 
-def scale_by_advantages(advantage_estimator: str = "group", reward_normalization: str = "sum") -> tuple[str, str] | None:
+def scale_by_advantages(advantage_estimator: str = "group",
+                        reward_normalization: str = "sum") -> tuple[str, str] | None:
     """What an unset scale_rewards is under these advantage settings, and which setting says so; None: the preset's.
     As their users expect: 'none' for RLOO (TRL's RLOOTrainer and SkyRL scale by no std), 'batch' for REINFORCE++
     (it is batch-normalised) and for per-reward normalisation (TRL's normalize_then_sum normalises over the batch)."""

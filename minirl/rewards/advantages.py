@@ -20,13 +20,15 @@ Where this departs from the papers: every std is the population std of the valid
 not each token, and skips the re-centring (the step's mean of group-centred values is 0 already). TRL's
 normalize_then_sum is 'per-reward' with scale_rewards 'batch', which the config picks when scale_rewards is unset.
 RLOO here may also be divided by a std (scale_rewards 'group' / 'batch'; TRL and SkyRL do not; TRL's
-normalize_advantages=True, a whitening over the batch, is 'reinforce++' here: the n/(n-1) cancels in the division).
+normalize_advantages=True, a whitening over the batch, is 'reinforce++' here when every group has the same number
+of valid samples: the n/(n-1) cancels in the division).
 
 A failed reward (`None` total) is left out of its group's baseline and of every std, and gets advantage 0; with
-'per-reward' too (a sample whose weighted reward failed has no total). A group whose estimator input has no spread
-(`informative` false: fewer than two valid values, or all equal) gets all zeros with every estimator and scale.
-Dynamic sampling (the pipeline) replaces such groups, judged by the same input (`AdvantageSettings.informative`),
-and the trainer leaves zero-advantage samples out of the loss unless the KL term or `train_zero_adv` wants them.
+'per-reward' too (a sample whose weighted reward failed has no total; TRL would keep its other rewards). A group
+whose estimator input has no spread (`informative` false: fewer than two valid values, or all equal) gets all zeros
+with every estimator and scale. Dynamic sampling (the pipeline) replaces such groups, judged by the same input
+(`AdvantageSettings.informative`), and the trainer leaves zero-advantage samples out of the loss unless the KL term
+or `train_zero_adv` wants them.
 """
 from __future__ import annotations
 
