@@ -140,6 +140,7 @@ class ScoredGroup:
     advantages: tuple[float, ...] = ()
     failures: tuple[RewardFailure, ...] = ()
     reward_versions: dict[str, str] = field(default_factory=dict)  # reward name -> source hash
+    reward_weights: dict[str, float] = field(default_factory=dict)  # reward name -> weight (0: logged only)
 
     @property
     def included(self) -> tuple[bool, ...]:
@@ -150,7 +151,7 @@ class ScoredGroup:
         """Every advantage 0 (after `step_advantages`): the group teaches nothing."""
         if len(self.advantages) != len(self.rewards):
             raise ValueError("this group's advantages are not computed yet: "
-                             "minirl.rewards.advantages.step_advantages(groups, scale_rewards) first")
+                             "minirl.rewards.advantages.step_advantages(groups, settings) first")
         return all(a == 0.0 for a in self.advantages)
 
 

@@ -41,12 +41,13 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
-    from minirl.data import rows as D
+
     from minirl.config import Config
+    from minirl.data import rows as D
     from minirl.generation.hf import HFGenerator
     from minirl.generation.vllm import VLLMGenerator
     from minirl.rewards import Scorer
-    from minirl.rewards.advantages import step_advantages
+    from minirl.rewards.advantages import AdvantageSettings, step_advantages
     from minirl.sync.tensor import TensorSync
     from minirl.sync.wire import engine_kwargs
     from minirl.training.trainer import Trainer
@@ -74,7 +75,7 @@ def main() -> None:
         for step in range(args.steps):
             groups = local.generate(D.take(stream, cfg.prompts_per_step), cfg.group_size,
                                     SamplingParams(temperature=1.0, max_tokens=cfg.max_tokens, seed=step))
-            trainer.step(step_advantages([scorer.score_group(g) for g in groups], cfg.recipe.scale_rewards))
+            trainer.step(step_advantages([scorer.score_group(g) for g in groups], AdvantageSettings.from_config(cfg)))
             sync.push(trainer, gen)
             for k, p in probes.items():
                 n_hist[k].append(trainer.logprobs(*p, 1.0))

@@ -533,7 +533,7 @@ def calls_to(tree: ast.AST, name: str) -> int:
 
 def advantage_makers(tree: ast.AST) -> list[str]:
     """What in a module makes advantages: a call to the advantage math, or `advantages=` given to a copy."""
-    out = [f"calls {f}" for f in ("group_advantages", "batch_scale") if calls_to(tree, f)]
+    out = [f"calls {f}" for f in ("group_advantages", "rloo_advantages", "batch_scale") if calls_to(tree, f)]
     out += ["sets advantages= on a copy" for n in ast.walk(tree) if isinstance(n, ast.Call)
             and getattr(n.func, "id", getattr(n.func, "attr", None)) == "replace"
             and any(k.arg == "advantages" for k in n.keywords)]

@@ -8,26 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from minirl.config.io import check_names, coerce, from_dict, from_yaml, to_yaml, translate_aliases
+from minirl.config.io import Coercing, from_dict, from_yaml, to_yaml, translate_aliases
 from minirl.config.presets import LOSS_FIELDS, Recipe, resolve
 from minirl.config.validate import validate
 
 
-class _Coercing(type):
-    """`Config(...)` takes the old names of renamed fields (`io.ALIASES`) and coerces each given value to its
-    field's type (`io.coerce`: '1e-4' is a number, a single string a one-item list) before the dataclass's own
-    __init__; the instance is never written after it."""
-
-    def __call__(cls, *args: Any, **kw: Any) -> Any:
-        names = [f.name for f in dataclasses.fields(cls)]
-        if len(args) > len(names) or set(names[:len(args)]) & set(kw):
-            raise TypeError(f"{cls.__name__}() takes at most {len(names)} values, each given once")
-        check_names(cls, kw)  # Config(stepz=3): one ConfigError with "did you mean 'steps'?"
-        return super().__call__(**coerce(cls, translate_aliases({**dict(zip(names, args)), **kw})))
-
-
 @dataclass(frozen=True)
-class Config(metaclass=_Coercing):
+class Config(metaclass=Coercing):
     # --- model -------------------------------------------------------------------------------------------
     model: str = "smollm2-135m-instruct"
     """Base model: the embedded default 'smollm2-135m-instruct', a Hugging Face id, or a local folder."""
@@ -214,8 +201,23 @@ class Config(metaclass=_Coercing):
     """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO). None: loss_type's."""
     scale_rewards: str | None = None
     """How group-centred advantages are scaled: 'group' (divided by the group's reward std, GRPO), 'batch' (by the
-    std of every reward in the step's batch, TRL's 'batch') or 'none' (Dr. GRPO). None: loss_type's. Replaces
-    scale_adv_by_std, still accepted: true = 'group', false = 'none'."""
+    std of every reward in the step's batch, TRL's 'batch') or 'none' (Dr. GRPO). None: loss_type's, except 'none'
+    with advantage_estimator 'rloo' and 'batch' with 'reinforce++' or reward_normalization 'per-reward' (what TRL's
+    RLOOTrainer, REINFORCE++ and TRL's normalize_then_sum do). Replaces scale_adv_by_std, still accepted: true =
+    'group', false = 'none'."""
+    advantage_estimator: str = "group"
+    """The baseline each sample's reward is compared with: 'group' (the group's mean: GRPO, Dr. GRPO, DAPO), 'rloo'
+    (the mean of the group's other samples, r_i - mean_{j!=i} r_j: RLOO as TRL's RLOOTrainer and SkyRL) or
+    'reinforce++' (REINFORCE++-baseline as verl and OpenRLHF: the group's mean subtracted, then divided by the std of
+    those centred values over the whole step; scale_rewards unset or 'batch'). scale_rewards then divides 'group' and
+    'rloo' advantages as it says. Samples whose reward failed stay out of every baseline and std, with advantage 0;
+    groups without spread stay all zeros. Table: docs/recipes.md."""
+    reward_normalization: str = "sum"
+    """How several rewards make the value the estimator sees: 'sum' (their weighted sum) or 'per-reward' (GDPO, TRL's
+    multi_objective_aggregation='normalize_then_sum': each weighted reward centred on its group mean and divided by
+    its group std, then weighted and summed, so a reward with a wide range no longer drowns the others). With one
+    reward, 'per-reward' feeds the estimator group-standardised rewards. Dynamic sampling judges a group's spread on
+    that value."""
     importance_level: str | None = None
     """'token': each token's own ratio. 'sequence' (GSPO): the sequence's length-normalised ratio
     exp(mean_t(logp - old_logp)) replaces the token ratio in the PPO clip, in the capped IS weight (tis_cap, on the
@@ -356,8 +358,10 @@ class Config(metaclass=_Coercing):
 
     @property
     def recipe(self) -> Recipe:
-        """The loss settings this config resolves to: the loss fields as set, the rest from `loss_type`'s preset."""
-        return resolve(self.loss_type, {k: getattr(self, k) for k in LOSS_FIELDS})
+        """The loss settings this config resolves to: the loss fields as set, the rest from `loss_type`'s preset (an
+        unset scale_rewards may follow the advantage settings instead: `presets.scale_by_advantages`)."""
+        return resolve(self.loss_type, {k: getattr(self, k) for k in LOSS_FIELDS}, self.advantage_estimator,
+                       self.reward_normalization)
 
     @property
     def scale_adv_by_std(self) -> bool:
@@ -389,10 +393,3 @@ class Config(metaclass=_Coercing):
         """A copy with `kw` changed (old field names accepted). The loss fields left to the preset stay so: they
         follow a new loss_type."""
         return dataclasses.replace(self, **translate_aliases(kw))
-
-
-# The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized for 2 CPU cores
-# (its time: BENCHMARKS.md). `minirl bench learning` runs this same config.
-# token_budget=512: on CPU smaller micro-batches cost no time and much less memory (BENCHMARKS.md, "Memory").
-DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
-            checkpoint_every=2, token_budget=512, out_dir="runs/demo")

@@ -78,7 +78,9 @@ def to_yaml(cfg, path: str | Path | None = None) -> str:
     lines = []
     for name, value in cfg.to_dict().items():
         line = yaml.safe_dump({name: value}, sort_keys=False, width=10**6).rstrip("\n")
-        if name in LOSS_FIELDS and value is None:
+        if name == "scale_rewards" and value is None and recipe.scale_rewards_by:
+            line += f"  # {recipe.scale_rewards} from {recipe.scale_rewards_by}"
+        elif name in LOSS_FIELDS and value is None:
             line += f"  # {getattr(recipe, name)} from loss_type {recipe.preset}" + (
                 " (the default)" if cfg.loss_type is None else "")
         lines.append(line)
@@ -196,3 +198,16 @@ def _coerce(name: str, v: Any, hint: Any) -> Any:
             raise ConfigError(f"{name}: expected a mapping such as {{attn_implementation: sdpa}}, got {v!r}")
         return dict(d)
     return v
+
+
+class Coercing(type):
+    """`Config(...)` takes the old names of renamed fields (`io.ALIASES`) and coerces each given value to its
+    field's type (`io.coerce`: '1e-4' is a number, a single string a one-item list) before the dataclass's own
+    __init__; the instance is never written after it."""
+
+    def __call__(cls, *args: Any, **kw: Any) -> Any:
+        names = [f.name for f in dataclasses.fields(cls)]
+        if len(args) > len(names) or set(names[:len(args)]) & set(kw):
+            raise TypeError(f"{cls.__name__}() takes at most {len(names)} values, each given once")
+        check_names(cls, kw)  # Config(stepz=3): one ConfigError with "did you mean 'steps'?"
+        return super().__call__(**coerce(cls, translate_aliases({**dict(zip(names, args)), **kw})))

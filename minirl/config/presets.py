@@ -10,6 +10,8 @@ AGGREGATIONS = ("token-mean", "seq-mean", "constant")
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 OBJECTIVES = ("ppo-clip", "cispo")  # the policy-gradient term (`minirl.training.loss`)
+ADVANTAGE_ESTIMATORS = ("group", "rloo", "reinforce++")
+REWARD_NORMALIZATIONS = ("sum", "per-reward")
 
 # `loss_type` presets: the Config fields each name sets (a field the user set wins). TRL's names; where two mean
 # the same here, they map to the same settings: TRL's 'bnpo' and 'dapo' differ only in whether tokens are counted
@@ -45,11 +47,41 @@ class Recipe:
     objective: str
     preset: str
     """The preset the unset fields came from: `loss_type`, or DEFAULT_PRESET when it is None."""
+    scale_rewards_by: str | None = None
+    """When an unset scale_rewards follows the advantage settings rather than the preset: which one
+    ('advantage_estimator rloo', ...; `scale_by_advantages`)."""
 
 
-def resolve(loss_type: str | None, given: Mapping[str, Any]) -> Recipe:
-    """The `Recipe` of a config whose `loss_type` is `loss_type` and whose LOSS_FIELDS are `given` (None = unset).
-    A pure function: the config stores only what the user set, and every reader resolves the rest through it."""
+def scale_by_advantages(advantage_estimator: str = "group",
+                        reward_normalization: str = "sum") -> tuple[str, str] | None:
+    """What an unset scale_rewards is under these advantage settings, and which setting says so; None: the preset's.
+    As their users expect: 'none' for RLOO (TRL's RLOOTrainer and SkyRL scale by no std), 'batch' for REINFORCE++
+    (it is batch-normalised) and for per-reward normalisation (TRL's normalize_then_sum normalises over the batch)."""
+    if advantage_estimator == "rloo":
+        return "none", "advantage_estimator rloo"
+    if advantage_estimator == "reinforce++":
+        return "batch", "advantage_estimator reinforce++"
+    if reward_normalization == "per-reward":
+        return "batch", "reward_normalization per-reward"
+    return None
+
+
+def resolve(loss_type: str | None, given: Mapping[str, Any], advantage_estimator: str = "group",
+            reward_normalization: str = "sum") -> Recipe:
+    """The `Recipe` of a config whose `loss_type` is `loss_type` and whose LOSS_FIELDS are `given` (None = unset);
+    an unset scale_rewards follows the advantage settings where `scale_by_advantages` says so. A pure function: the
+    config stores only what the user set, and every reader resolves the rest through it."""
     preset = loss_type or DEFAULT_PRESET
-    values = PRESETS[preset]
-    return Recipe(**{k: values[k] if given.get(k) is None else given[k] for k in LOSS_FIELDS}, preset=preset)
+    values = {**PRESETS[preset]}
+    by = scale_by_advantages(advantage_estimator, reward_normalization) if given.get("scale_rewards") is None else None
+    if by is not None:
+        values["scale_rewards"] = by[0]
+    return Recipe(**{k: values[k] if given.get(k) is None else given[k] for k in LOSS_FIELDS}, preset=preset,
+                  scale_rewards_by=by[1] if by else None)
+
+
+# The demo (`minirl demo`): GRPO on the built-in arithmetic task with the embedded model, sized for 2 CPU cores
+# (its time: BENCHMARKS.md). `minirl bench learning` runs this same config.
+# token_budget=512: on CPU smaller micro-batches cost no time and much less memory (BENCHMARKS.md, "Memory").
+DEMO = dict(steps=30, prompts_per_step=8, group_size=8, max_tokens=24, temperature=1.0, lr=5e-4, eval_size=64,
+            checkpoint_every=2, token_budget=512, out_dir="runs/demo")

@@ -8,7 +8,15 @@ import re
 from dataclasses import dataclass
 
 from minirl.config.errors import ConfigError
-from minirl.config.presets import AGGREGATIONS, IMPORTANCE_LEVELS, OBJECTIVES, PRESETS, SCALE_REWARDS
+from minirl.config.presets import (
+    ADVANTAGE_ESTIMATORS,
+    AGGREGATIONS,
+    IMPORTANCE_LEVELS,
+    OBJECTIVES,
+    PRESETS,
+    REWARD_NORMALIZATIONS,
+    SCALE_REWARDS,
+)
 
 
 @dataclass(frozen=True)
@@ -134,6 +142,13 @@ def validate(cfg) -> None:
          f"loss_agg={cfg.loss_agg!r}: use 'token-mean', 'seq-mean' or 'constant'")
     need(cfg.scale_rewards in (None, *SCALE_REWARDS),
          f"scale_rewards={cfg.scale_rewards!r}: use 'group', 'batch' or 'none'")
+    need(cfg.advantage_estimator in ADVANTAGE_ESTIMATORS,
+         f"advantage_estimator={cfg.advantage_estimator!r}: use 'group', 'rloo' or 'reinforce++'")
+    need(cfg.reward_normalization in REWARD_NORMALIZATIONS,
+         f"reward_normalization={cfg.reward_normalization!r}: use 'sum' or 'per-reward'")
+    need(cfg.advantage_estimator != "reinforce++" or cfg.scale_rewards in (None, "batch"),
+         f"advantage_estimator='reinforce++' divides by the step's std of its centred values itself: leave "
+         f"scale_rewards unset (or 'batch'), not {cfg.scale_rewards!r}")
     need(cfg.importance_level in (None, *IMPORTANCE_LEVELS),
          f"importance_level={cfg.importance_level!r}: use 'token' or 'sequence' (GSPO)")
     need(cfg.objective in (None, *OBJECTIVES), f"objective={cfg.objective!r}: use 'ppo-clip' or 'cispo'")

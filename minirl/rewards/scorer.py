@@ -125,7 +125,7 @@ class Scorer:
             vals = [(per[n][i], weights[n]) for n, _ in rewards if weights[n] != 0]
             totals.append(None if any(v is None for v, _ in vals) else sum(v * w for v, w in vals))
         return ScoredGroup(group, tuple(totals), {n: tuple(v) for n, v in per.items()}, (), tuple(failures),
-                           dict(self.versions))
+                           dict(self.versions), {n: weights[n] for n in per})
 
 
 def _columns(columns: dict, completion, takes: set[str] | None = None) -> dict:

@@ -21,7 +21,7 @@ from minirl.core.metrics import LogTail, rollout_metrics, sample_rows, step_summ
 from minirl.data import rows as D
 from minirl.generation.factory import engine_gap
 from minirl.pipeline.rollout import Pipeline
-from minirl.rewards.advantages import step_advantages
+from minirl.rewards.advantages import AdvantageSettings, step_advantages
 from minirl.rewards.scorer import failure_kinds
 from minirl.run.background import Background, attempt
 from minirl.run.build import RunParts, build_parts, resolve_rewards, sampling_params
@@ -149,9 +149,9 @@ class Run(Background):
             acc0 = self._evaluate(0)
         self.summary["eval_accuracy_before"] = acc0
         self._pos0 = self.stream.position
-        t_prev = time.perf_counter()
+        t_prev, settings = time.perf_counter(), AdvantageSettings.from_config(c)
         for step, scored, gen in self._batches():
-            scored = step_advantages(scored, c.recipe.scale_rewards)  # the step's advantages: made here, once
+            scored = step_advantages(scored, settings)  # the step's advantages: made here, once
             self.scorer.watch(scored)  # a reward failing every call for steps in a row stops the run, with the fix
             t1 = time.perf_counter()
             self._between_steps = False
@@ -243,7 +243,7 @@ class Run(Background):
         refill = partial(D.refill_prompts, self.train_prompts, c.seed) if c.dynamic_sampling else None
         self.pipeline = Pipeline(self.rollouts, self.scorer, batches.__getitem__, partial(sampling_params, c),
                                  c.group_size, c.prompts_per_step, c.steps, c.max_async_steps, self.start_step,
-                                 refill, c.max_resample_rounds)
+                                 refill, c.max_resample_rounds, AdvantageSettings.from_config(c).informative)
         return self.pipeline.batches(lambda: self.trainer.version, c.max_staleness, self._go)
 
     def _close_pipeline(self) -> None:

@@ -108,7 +108,7 @@ class Trainer:
         t0 = time.perf_counter()
         if any(len(g.advantages) != len(g.rewards) for g in groups):
             raise ValueError("Trainer.step needs the step's advantages: pass the groups through "
-                             "minirl.rewards.advantages.step_advantages(groups, cfg.recipe.scale_rewards) first")
+                             "minirl.rewards.advantages.step_advantages(groups, AdvantageSettings.from_config(cfg))")
         samples = self.samples(groups)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
