@@ -20,7 +20,10 @@ wrong in a call becomes its `RewardOutcome.error`, one line, and the pool goes o
   reward can write to its worker's socket): "return value cannot come back from the worker (...)"; its worker is
   replaced. JSON has no shared references and builds only builtin objects, so a reply of n bytes makes at most n
   objects, and its type is checked before anything else: nothing a worker sends runs code or stalls the trainer.
-`value` is a float or None: checking it (finite, within the clip) is the Scorer's job.
+`value` is a float or None: checking it (finite, within the clip) is the Scorer's job. A batched call (a TRL-style
+reward on a group, `RewardCall.batch` > 0) is one call with one timeout: its outcome has `values` and `errors`,
+one entry per completion (an entry that is not a number fails alone), or `error` when the whole call failed (the
+faults above, or a return that is not a list of `batch` entries).
 
 Functions travel by cloudpickle (installed with vLLM; it has to become a declared dependency): notebook, `__main__`,
 closure and lambda rewards by value; functions of importable modules by reference, imported in the worker from the
