@@ -157,9 +157,7 @@ def test_a_plain_dataset_gets_strings_and_every_keyword_as_trl_gives_them(trl_mo
 
     group = Group(Prompt(0, (1,), "q?", {"answer": 7}),
                   (_completion("a", 1, 2), _completion("bb", 2, 5), _completion("ccc", 4, 1)))
-    scorer = Scorer([("seen", seen), ("narrow", narrow), ("trl_quickstart:reward_len",
-                                                         minirl.rewards.resolve_reward("trl_quickstart:reward_len")[1])],
-                    [1.0, 0.0, 1.0], 10.0, workers=workers)
+    scorer = Scorer.from_config([seen, narrow, "trl_quickstart:reward_len"], [1.0, 0.0, 1.0], 10.0, workers=workers)
     try:
         sg = scorer.score_group(group)
     finally:
@@ -167,7 +165,7 @@ def test_a_plain_dataset_gets_strings_and_every_keyword_as_trl_gives_them(trl_mo
     assert sg.failures == ()
     assert sg.per_reward["seen"] == (501.0, 502.0, 504.0)  # global_step 5 = max version; len(completion_ids)
     assert sg.per_reward["narrow"] == (7.0, 7.0, 7.0)
-    assert sg.per_reward["trl_quickstart:reward_len"] == (-19.0, -18.0, -17.0)
+    assert sg.per_reward["reward_len"] == (-19.0, -18.0, -17.0)
     assert sg.rewards == (482.0, 484.0, 487.0)  # narrow has weight 0
 
 
@@ -239,7 +237,7 @@ def test_a_signature_of_neither_form_is_one_line_showing_both():
     line = ("reward 'lone' takes (text), neither form of a reward: per sample f(prompt, completion, **columns) -> "
             "float | None, or batched as in TRL f(prompts, completions, **kwargs) -> list[float | None]; give it "
             "one of these signatures")
-    for call in (lambda: Scorer([("lone", lone)], [1.0], 5.0), lambda: minirl.check(lone, [("a", 1.0)]),
+    for call in (lambda: Scorer.from_config([lone], None, 5.0), lambda: minirl.check(lone, [("a", 1.0)]),
                  lambda: check_columns(lone, "lone", ["answer"])):
         with pytest.raises(ValueError) as e:
             call()

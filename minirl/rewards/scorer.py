@@ -4,10 +4,11 @@ A reward is a plain function `(prompt, completion, **columns) -> float | None` (
 "skip this sample". A batched reward (TRL's `(prompts, completions, **kwargs) -> list[float | None]`) is called
 once per group, its lists in TRL's form (`_batch_call`); its `None` means "does not apply to this sample": left out
 of that sample's weighted sum, as TRL's nansum does (a sample where every weighted reward says None is skipped,
-where TRL would give it 0). Rewards combine by weight (weight 0 = logged only). A reward call that raises (SystemExit and
-KeyboardInterrupt included), ends or crashes its process, times out, prints a flood, or returns something that is
-not a finite number within `reward_clip` is a *failure*: recorded with its reason, its sample excluded from the
-group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0.
+where TRL would give it 0). Rewards combine by weight (weight 0 = logged only). A reward call that raises
+(SystemExit and KeyboardInterrupt included), ends or crashes its process, times out, prints a flood, or returns
+something that is not a finite number within `reward_clip` is a *failure*: recorded with its reason, its sample
+excluded from the group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0. A batched
+call that fails as a whole fails each of its samples; an entry that is not a usable number fails its sample only.
 
 With `workers > 0` the calls run in reward worker processes (`workers.py`): a group's calls in parallel, each with
 its own timeout, a hung or crashed worker killed and replaced (`score_groups`: several groups' calls at once). `workers=0` runs them in this process, one after
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from minirl.rewards.registry import BATCH_NAMES, accepted_keywords, resolve_reward, reward_form, source_hash
+from minirl.rewards.registry import BATCH_NAMES, accepted_keywords, is_batched, resolve_reward, reward_form, source_hash
 from minirl.rewards.sandbox.process import ENABLE_SANDBOX
 from minirl.rewards.worker_main import number
 from minirl.rewards.workers import RewardCall, RewardWorkers
@@ -44,7 +45,7 @@ class Scorer:
     def __post_init__(self) -> None:
         self.versions = {n: source_hash(f) for n, f in self.rewards}
         self._takes = {n: accepted_keywords(f) for n, f in self.rewards}  # None: every keyword
-        self._batched = {n for n, f in self.rewards if reward_form(f, n) == "batched"}
+        self._batched = {n for n, f in self.rewards if is_batched(f)}
 
     @classmethod
     def from_config(cls, refs: Sequence[str | Callable], weights: Sequence[float] | None, timeout_s: float,
@@ -53,6 +54,8 @@ class Scorer:
         if not refs:
             raise ValueError("no reward functions: set `rewards` to at least one reward")
         resolved = [resolve_reward(r) for r in refs]
+        for name, fn in resolved:
+            reward_form(fn, name)  # neither form: one line, before anything starts
         return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s,
                    workers, reward_clip, memory_mb)
 

@@ -312,6 +312,8 @@ def rescore(source: Any, rewards: Sequence[str | Callable] | str | Callable, *, 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]
     resolved = [resolve_reward(r) for r in rewards]
+    for name, fn in resolved:
+        reward_form(fn, name)
     versions = {n: source_hash(f) for n, f in resolved}
     scorer = Scorer(resolved, [1.0] * len(resolved), timeout_s)
     events = load_events(source)
