@@ -13,6 +13,7 @@ import minirl
 from minirl import Config, Run
 from minirl.core.metrics import read_log
 from minirl.rewards import Scorer, check_columns, reward
+from minirl.rewards.scorer import failure_kinds
 from minirl.types import Completion, Group, Prompt
 
 # Unsloth's Qwen2.5 (3B) GRPO notebook: its system prompt, answer extraction and reward functions, unchanged.
@@ -209,13 +210,15 @@ def test_wrong_length_non_numbers_and_raises_are_recorded_failures(workers):
     finally:
         scorer.close()
     why = {(f.reward, f.sample): f.reason for f in sg.failures}
-    assert why[("short", 2)] == ("returned 1 values for 3 completions; a batched reward gives one value (or None) "
-                                 "per completion, in order")
+    assert why[("short", 2)] == ("wrong length: returned 1 values for 3 completions; a batched reward gives one "
+                                 "value (or None) per completion, in order")
     assert ("odd", 0) not in why and why[("odd", 1)] == "returned str '0.5', expected a float or None (entry 1)"
     assert why[("odd", 2)] == "returned non-finite nan"
     assert why[("scalar", 0)].startswith("returned float 1.0, expected a list of 3 floats or None")
     assert why[("raises", 1)] == "ZeroDivisionError: division by zero"
     assert len(sg.failures) == 3 + 2 + 3 + 3 and sg.rewards == (None, None, None)
+    assert failure_kinds([sg]) == {"wrong length": 3, "expected a float": 1, "non-finite": 1, "expected a list": 3,
+                                   "ZeroDivisionError": 3}
     assert sg.per_reward["odd"] == (1.0, None, None) and again.failures == sg.failures
 
 

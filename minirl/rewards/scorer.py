@@ -198,7 +198,7 @@ def failure_kinds(groups: Sequence[ScoredGroup]) -> dict[str, int]:
     """How many reward failures of each kind ("timeout", "SystemExit", "worker died", ...) these groups hold."""
     def kind(reason: str) -> str:
         for k in ("timeout", "worker died", "output flood", "non-finite", "beyond reward_clip", "expected a float",
-                  "float() cannot take", "cannot come back"):
+                  "expected a list", "float() cannot take", "cannot come back"):
             if k in reason:
                 return k
         return reason.split(":")[0].split("(")[0].strip() or "error"

@@ -93,8 +93,8 @@ def batch_values(value: Any, n: int) -> tuple[list | None, list | str]:
         return None, (f"returned {shown(value)}, expected a list of {n} floats or None "
                       "(a batched reward gives one value per completion)")
     if len(value) != n:
-        return None, (f"returned {len(value)} values for {n} completions; a batched reward gives one value "
-                      "(or None) per completion, in order")
+        return None, (f"wrong length: returned {len(value)} values for {n} completions; a batched reward gives one "
+                      "value (or None) per completion, in order")
     pairs = [number(v) for v in value]
     return [v for v, _ in pairs], [None if why is None else f"{why} (entry {i})" for i, (_, why) in enumerate(pairs)]
 
