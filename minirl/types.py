@@ -44,11 +44,14 @@ class AdapterUpdate:
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt: its token ids after the chat template, its text, and the other dataset columns."""
+    """One prompt: its token ids after the chat template, its text, and the other dataset columns. `messages`: the
+    chat messages the template was given when the dataset's prompt was a list of messages (a conversational
+    dataset: batched rewards then get prompts and completions as messages, as in TRL); None for a text prompt."""
     index: int
     token_ids: tuple[int, ...]
     text: str
     columns: dict[str, Any] = field(default_factory=dict)
+    messages: tuple[dict, ...] | None = None
 
 
 @dataclass(frozen=True)

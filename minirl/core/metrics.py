@@ -145,13 +145,15 @@ def episode_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
 
 
 def sample_rows(groups: Sequence[ScoredGroup], n: int) -> list[dict]:
-    """The first completion of the first `n` groups, with its scores (a "samples" event, for the sample panel)."""
+    """The first completion of the first `n` groups, with its scores (a "samples" event, for the sample panel); a
+    conversational prompt's messages too (`rescore` gives them to batched rewards)."""
     rows = []
     for g in groups[:n]:
-        c = g.group.completions[0]
+        c, msgs = g.group.completions[0], g.group.prompt.messages
         rows.append({"prompt": g.group.prompt.text, "columns": g.group.prompt.columns, "completion": c.text,
                      "reward": g.rewards[0], "per_reward": {k: v[0] for k, v in g.per_reward.items()},
-                     "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures]})
+                     "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures],
+                     **({"messages": [dict(m) for m in msgs]} if msgs is not None else {})})
     return rows
 
 

@@ -227,7 +227,8 @@ def to_prompts(rows: Sequence[dict], tokenizer, prompt_column: str = "prompt", s
             raise ValueError(f"prompt {index} has {len(ids)} tokens, more than the limit {limit}; "
                              "shorten it or raise max_prompt_tokens")
         cols = {k: v for k, v in row.items() if k != prompt_column}
-        out.append(Prompt(index, tuple(ids), str(content if isinstance(content, str) else msgs[-1]["content"]), cols))
+        out.append(Prompt(index, tuple(ids), str(content if isinstance(content, str) else msgs[-1]["content"]), cols,
+                          tuple(msgs) if isinstance(content, list) else None))
     return out
 
 

@@ -1,5 +1,7 @@
 """The reward registry: a reward is a plain function `(prompt, completion, **columns) -> float | None`, registered by
-name with `@minirl.reward`, or given as a callable or a 'module:function' path.
+name with `@minirl.reward`, or given as a callable or a 'module:function' path. A *batched* reward is TRL's form,
+`(prompts, completions, **kwargs) -> list[float | None]`, called once per group (`reward_form`, `is_batched`; what it
+receives: docs/coming-from-trl.md).
 
 Besides the dataset's columns every reward may take `completion_tokens` (the completion's sampled tokens) and
 `finish_reason` ('stop', or 'length' when cut by max_tokens); a reward receives only the keywords its signature
@@ -26,12 +28,60 @@ class RewardFn(Protocol):
 REGISTRY: dict[str, Callable] = {}
 
 
-def reward(fn: Callable | None = None, *, name: str | None = None):
-    """Register a reward function under its name (`@minirl.reward` or `@minirl.reward(name="x")`)."""
+def reward(fn: Callable | None = None, *, name: str | None = None, batched: bool = False):
+    """Register a reward function under its name (`@minirl.reward` or `@minirl.reward(name="x")`). `batched=True`
+    marks a batched (TRL-style) reward whose parameters are not named `completions`: it is called
+    `f(prompts, completions, **kwargs)` once per group and returns one value per completion."""
     def wrap(f: Callable) -> Callable:
+        if batched:
+            f.minirl_batched = True
         REGISTRY[name or f.__name__] = f
         return f
     return wrap(fn) if fn is not None else wrap
+
+
+BATCH_KEYWORDS = ("completion_ids", "trainer_state")  # what a batched reward receives besides the columns (TRL's)
+BATCH_NAMES = ("prompts", "completions")  # a batched reward's own parameters, never filled from a column
+
+
+def _params(fn: Callable) -> list[inspect.Parameter] | None:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None
+
+
+def is_batched(fn: Callable) -> bool:
+    """A batched (TRL-style) reward: marked `@minirl.reward(batched=True)`, or with a parameter named
+    `completions` (TRL's `f(prompts, completions, **kwargs)`, Unsloth's `f(completions, **kwargs)`)."""
+    if getattr(fn, "minirl_batched", False):
+        return True
+    params = _params(fn)
+    return params is not None and any(p.name == "completions" for p in params)
+
+
+def reward_form(fn: Callable, name: str) -> str:
+    """'batched' or 'sample' (`(prompt, completion, **columns)`: two positional parameters, or *args); a signature
+    that fits neither is one line showing both forms."""
+    if is_batched(fn):
+        return "batched"
+    params = _params(fn)
+    if params is None or any(p.kind is p.VAR_POSITIONAL for p in params) or \
+            sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 2:
+        return "sample"
+    raise ValueError(f"reward {name!r} takes {inspect.signature(fn)}, neither form of a reward: per sample "
+                     "f(prompt, completion, **columns) -> float | None, or batched as in TRL "
+                     "f(prompts, completions, **kwargs) -> list[float | None]; give it one of these signatures")
+
+
+def _own_params(fn: Callable, params: list[inspect.Parameter]) -> list[inspect.Parameter]:
+    """The parameters after a reward's own (prompt, completion), or a batched one's (prompts, completions): those
+    the columns and the completion keywords fill."""
+    if not is_batched(fn):
+        return params[2:]
+    if any(p.name == "completions" for p in params):
+        return [p for p in params if p.name not in BATCH_NAMES]
+    return params[2:]
 
 
 @contextmanager
@@ -79,15 +129,17 @@ class BoundReward:
 
     def __init__(self, fn: Callable, params: dict[str, Any], name: str):
         sig = inspect.signature(fn)
-        takes = [p.name for p in list(sig.parameters.values())[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        takes = [p.name for p in _own_params(fn, list(sig.parameters.values()))
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         unknown = [k for k in params if k not in takes]
         if unknown:
             raise ValueError(f"reward {name!r}: no parameter(s) {unknown}; it takes {takes}")
         self.fn, self.params, self.__name__ = fn, dict(params), name
+        self.minirl_batched = is_batched(fn)
         self.__signature__ = sig.replace(parameters=[p for p in sig.parameters.values() if p.name not in params])
 
-    def __call__(self, prompt: str, completion: str, **columns: Any) -> Any:
-        return self.fn(prompt, completion, **{**columns, **self.params})
+    def __call__(self, *args: Any, **columns: Any) -> Any:
+        return self.fn(*args, **{**columns, **self.params})
 
 
 def bind_reward(ref: str | Callable, **params: Any) -> BoundReward:
@@ -142,14 +194,12 @@ def source_hash(fn: Callable) -> str:
 
 
 def accepted_keywords(fn: Callable) -> set[str] | None:
-    """The keywords a reward takes after (prompt, completion); None: any (it has **kwargs, or no signature)."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
+    """The keywords a reward takes after (prompt, completion), or a batched one's besides (prompts, completions);
+    None: any (it has **kwargs, or no signature)."""
+    params = _params(fn)
+    if params is None or any(p.kind is p.VAR_KEYWORD for p in params):
         return None
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return None
-    return {p.name for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {p.name for p in _own_params(fn, params) if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def check_data_columns(columns: Sequence[str]) -> list[str]:
@@ -163,13 +213,16 @@ def check_data_columns(columns: Sequence[str]) -> list[str]:
 
 
 def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
-    """Fail before training when a reward needs a keyword the data does not have."""
-    sig = inspect.signature(fn)
-    if any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-        needed = [p.name for p in list(sig.parameters.values())[2:]
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    """Fail before training when a reward needs a keyword the data does not have (a batched reward also gets
+    BATCH_KEYWORDS)."""
+    reward_form(fn, name)
+    params = _params(fn) or []
+    own = _own_params(fn, params)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        needed = [p.name for p in own if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     else:
-        needed = [p.name for p in list(sig.parameters.values())[2:] if p.default is p.empty]
+        needed = [p.name for p in own if p.default is p.empty]
+    columns = [*columns, *BATCH_KEYWORDS] if is_batched(fn) else columns
     missing = [n for n in needed if n not in columns]
     if missing:
         raise ValueError(f"reward {name!r} needs column(s) {missing} that the data lacks "

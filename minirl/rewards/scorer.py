@@ -1,10 +1,14 @@
 """The scorer: reward functions on each group, their weighted totals (advantages: `advantages.py`, once per step).
 
 A reward is a plain function `(prompt, completion, **columns) -> float | None` (sync or async). `None` means
-"skip this sample". Rewards combine by weight (weight 0 = logged only). A reward call that raises (SystemExit and
-KeyboardInterrupt included), ends or crashes its process, times out, prints a flood, or returns something that is
-not a finite number within `reward_clip` is a *failure*: recorded with its reason, its sample excluded from the
-group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0.
+"skip this sample". A batched reward (TRL's `(prompts, completions, **kwargs) -> list[float | None]`) is called
+once per group, its lists in TRL's form (`_batch_call`); its `None` means "does not apply to this sample": left out
+of that sample's weighted sum, as TRL's nansum does (a sample where every weighted reward says None is skipped,
+where TRL would give it 0). Rewards combine by weight (weight 0 = logged only). A reward call that raises
+(SystemExit and KeyboardInterrupt included), ends or crashes its process, times out, prints a flood, or returns
+something that is not a finite number within `reward_clip` is a *failure*: recorded with its reason, its sample
+excluded from the group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0. A batched
+call that fails as a whole fails each of its samples; an entry that is not a usable number fails its sample only.
 
 With `workers > 0` the calls run in reward worker processes (`workers.py`): a group's calls in parallel, each with
 its own timeout, a hung or crashed worker killed and replaced (`score_groups`: several groups' calls at once). `workers=0` runs them in this process, one after
@@ -15,9 +19,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
-from minirl.rewards.registry import accepted_keywords, resolve_reward, source_hash
+from minirl.rewards.registry import BATCH_NAMES, accepted_keywords, is_batched, resolve_reward, reward_form, source_hash
 from minirl.rewards.sandbox.process import ENABLE_SANDBOX
 from minirl.rewards.worker_main import number
 from minirl.rewards.workers import RewardCall, RewardWorkers
@@ -40,6 +45,7 @@ class Scorer:
     def __post_init__(self) -> None:
         self.versions = {n: source_hash(f) for n, f in self.rewards}
         self._takes = {n: accepted_keywords(f) for n, f in self.rewards}  # None: every keyword
+        self._batched = {n for n, f in self.rewards if is_batched(f)}
 
     @classmethod
     def from_config(cls, refs: Sequence[str | Callable], weights: Sequence[float] | None, timeout_s: float,
@@ -48,6 +54,8 @@ class Scorer:
         if not refs:
             raise ValueError("no reward functions: set `rewards` to at least one reward")
         resolved = [resolve_reward(r) for r in refs]
+        for name, fn in resolved:
+            reward_form(fn, name)  # neither form: one line, before anything starts
         return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s,
                    workers, reward_clip, memory_mb)
 
@@ -102,28 +110,43 @@ class Scorer:
         """`score_group` for several groups, their calls sent to the workers together (a slow reward -- a remote
         judge, tests to run -- waits once per batch of calls, not once per group)."""
         rewards = [(n, f) for n, f in self.rewards if names is None or n in names]
-        keys = [(k, name, i) for k, g in enumerate(groups) for name, _ in rewards for i in range(len(g.completions))]
+        keys = [(k, name, i) for k, g in enumerate(groups) for name, _ in rewards if name not in self._batched
+                for i in range(len(g.completions))]
+        batch_keys = [(k, name) for k, g in enumerate(groups) for name, _ in rewards
+                      if name in self._batched and g.completions]
         outcomes = self.pool.call_many([RewardCall(name, groups[k].prompt.text, groups[k].completions[i].text,
                                                    _columns(dict(groups[k].prompt.columns), groups[k].completions[i],
                                                             self._takes[name]))
-                                        for k, name, i in keys])
+                                        for k, name, i in keys]
+                                       + [_batch_call(name, groups[k], self._takes[name]) for k, name in batch_keys])
         per: list[dict[str, list[float | None]]] = [{n: [None] * len(g.completions) for n, _ in rewards}
                                                      for g in groups]
         failures: list[list[RewardFailure]] = [[] for _ in groups]
         for (k, name, i), out in zip(keys, outcomes):
-            v, why = (None, out.error) if out.error is not None else self.check_value(out.value)
-            if why is not None:
-                failures[k].append(RewardFailure(name, i, why))
-            per[k][name][i] = v
+            self._record(per[k][name], failures[k], name, i, out.value, out.error)
+        for (k, name), out in zip(batch_keys, outcomes[len(keys):]):
+            for i in range(len(groups[k].completions)):
+                self._record(per[k][name], failures[k], name, i, *((None, out.error) if out.values is None else
+                                                                   (out.values[i], out.errors[i])))
         return [self._finish(g, rewards, p, f) for g, p, f in zip(groups, per, failures)]
+
+    def _record(self, values: list, failures: list[RewardFailure], name: str, i: int, value: Any,
+                error: str | None) -> None:
+        v, why = (None, error) if error is not None else self.check_value(value)
+        if why is not None:
+            failures.append(RewardFailure(name, i, why))
+        values[i] = v
 
     def _finish(self, group: Group, rewards, per: dict, failures: list[RewardFailure]) -> ScoredGroup:
         """A group's weighted totals from its per-reward values (a sample with a failed weighted reward: None)."""
         weights = dict(zip((n for n, _ in self.rewards), self.weights))
+        failed = {(f.reward, f.sample) for f in failures}
         totals: list[float | None] = []
         for i in range(len(group.completions)):
-            vals = [(per[n][i], weights[n]) for n, _ in rewards if weights[n] != 0]
-            totals.append(None if any(v is None for v, _ in vals) else sum(v * w for v, w in vals))
+            vals = [(per[n][i], weights[n]) for n, _ in rewards if weights[n] != 0
+                    if not (per[n][i] is None and n in self._batched and (n, i) not in failed)]  # TRL's nansum
+            skipped = not vals and any(weights[n] != 0 for n, _ in rewards)
+            totals.append(None if skipped or any(v is None for v, _ in vals) else sum(v * w for v, w in vals))
         return ScoredGroup(group, tuple(totals), {n: tuple(v) for n, v in per.items()}, (), tuple(failures),
                            dict(self.versions), {n: weights[n] for n in per})
 
@@ -137,6 +160,26 @@ def _columns(columns: dict, completion, takes: set[str] | None = None) -> dict:
     if completion.episode is not None:
         kw.update(completion.episode.columns())
     return kw if takes is None else {k: v for k, v in kw.items() if k in takes}
+
+
+def _batch_call(name: str, group: Group, takes: set[str] | None) -> RewardCall:
+    """A batched reward's call on a group, as TRL makes it: the prompt repeated per completion, the completions,
+    each dataset column (and `completion_tokens`, `finish_reason`, an episode's keywords) as a list of one entry per
+    completion, `completion_ids` and `trainer_state` (its `global_step`: the newest policy version that sampled
+    the group, TRL's global_step when generation is on-policy). A conversational prompt (the dataset gave
+    messages: `Prompt.messages`) comes as its messages and each completion as [{"role": "assistant", ...}]."""
+    msgs = group.prompt.messages
+    n = len(group.completions)
+    prompts = [list(map(dict, msgs)) if msgs is not None else group.prompt.text for _ in range(n)]
+    completions = [[{"role": "assistant", "content": c.text}] if msgs is not None else c.text
+                   for c in group.completions]
+    each = [_columns(dict(group.prompt.columns), c) for c in group.completions]
+    kw = {k: [e[k] for e in each] for k in each[0] if k not in BATCH_NAMES} if each else {}
+    kw["completion_ids"] = [list(c.token_ids) for c in group.completions]
+    step = max((v for c in group.completions for v in c.sampled_versions), default=0)
+    kw["trainer_state"] = SimpleNamespace(global_step=step)
+    return RewardCall(name, prompts, completions, kw if takes is None else {k: v for k, v in kw.items() if k in takes},
+                      batch=n)
 
 
 class RewardsFailing(RuntimeError):
@@ -155,7 +198,7 @@ def failure_kinds(groups: Sequence[ScoredGroup]) -> dict[str, int]:
     """How many reward failures of each kind ("timeout", "SystemExit", "worker died", ...) these groups hold."""
     def kind(reason: str) -> str:
         for k in ("timeout", "worker died", "output flood", "non-finite", "beyond reward_clip", "expected a float",
-                  "float() cannot take", "cannot come back"):
+                  "expected a list", "float() cannot take", "cannot come back"):
             if k in reason:
                 return k
         return reason.split(":")[0].split("(")[0].strip() or "error"

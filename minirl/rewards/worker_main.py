@@ -70,6 +70,50 @@ def run_call(fn: Callable, prompt: str, completion: str, columns: dict) -> tuple
         return None, reason(e)
 
 
+def run_batched(fn: Callable, prompts: list, completions: list, kwargs: dict,
+                n: int) -> tuple[list | None, list | str]:
+    """Call a batched (TRL-style) reward on a group's `n` completions, where the call runs and so under its
+    timeout: `(values, reasons)`, one entry each per completion (a value a float or None, a reason None or why
+    that entry failed), or `(None, reason)` when the whole call failed (it raised, or gave no list of `n`)."""
+    try:
+        value = call_batched(fn, prompts, completions, kwargs)
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+        return batch_values(value, n)
+    except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a reward's failures too
+        return None, reason(e)
+
+
+def batch_values(value: Any, n: int) -> tuple[list | None, list | str]:
+    """What a batched reward returned, as `run_batched` gives it: a list (a tuple, a 1-d numpy array) of `n`
+    numbers or None, each entry taken by `number`; anything else one reason for the whole call."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1:
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)):
+        return None, (f"returned {shown(value)}, expected a list of {n} floats or None "
+                      "(a batched reward gives one value per completion)")
+    if len(value) != n:
+        return None, (f"wrong length: returned {len(value)} values for {n} completions; a batched reward gives one "
+                      "value (or None) per completion, in order")
+    pairs = [number(v) for v in value]
+    return [v for v, _ in pairs], [None if why is None else f"{why} (entry {i})" for i, (_, why) in enumerate(pairs)]
+
+
+def call_batched(fn: Callable, prompts: list, completions: list, kwargs: dict) -> Any:
+    """A batched reward called as TRL calls it, by keyword (`prompts=`, `completions=`, the rest), when it names a
+    `completions` parameter (`prompts` only where it takes it: `def f(completions, **kw)` gets it in `kw`);
+    otherwise (`@minirl.reward(batched=True)` on other names) positionally, `fn(prompts, completions, **kwargs)`."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "completions" not in params:
+        return fn(prompts, completions, **kwargs)
+    if "prompts" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        kwargs = {"prompts": prompts, **kwargs}
+    return fn(completions=completions, **kwargs)
+
+
 def number(v: Any) -> tuple[float | None, str | None]:
     """(float(v), None); (None, None) for None (a skip); (None, why) for a value that is not an int, float or numpy
     number, or that float() cannot take. A value's own methods can run here (a subclass's __float__, __class__ in
@@ -110,8 +154,9 @@ def _is_numpy_number(v: Any) -> bool:
     return type(v).__module__ == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
 
 
-def reply(value: float | None, error: str | None) -> bytes:
-    """A worker's reply to the trainer: JSON `[value, error]` (NaN and infinities as JSON's extensions)."""
+def reply(value: float | list | None, error: str | list | None) -> bytes:
+    """A worker's reply to the trainer: JSON `[value, error]` (NaN and infinities as JSON's extensions); for a
+    batched call `[values, reasons]`, two lists of one entry per completion."""
     return json.dumps([value, error]).encode()
 
 
@@ -153,8 +198,11 @@ def serve(fd: int, parent_pid: int) -> None:
         sys.path.remove(cwd)
     send_frame(sock, reply(None, None))
     while (msg := recv_frame(sock)) is not None:
-        name, prompt, completion, columns = pickle.loads(msg)
-        value, error = run_call(fns[name], prompt, completion, columns)
+        name, prompt, completion, columns, batch = pickle.loads(msg)
+        if batch:
+            value, error = run_batched(fns[name], prompt, completion, columns, batch)
+        else:
+            value, error = run_call(fns[name], prompt, completion, columns)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

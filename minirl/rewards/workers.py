@@ -20,7 +20,10 @@ wrong in a call becomes its `RewardOutcome.error`, one line, and the pool goes o
   reward can write to its worker's socket): "return value cannot come back from the worker (...)"; its worker is
   replaced. JSON has no shared references and builds only builtin objects, so a reply of n bytes makes at most n
   objects, and its type is checked before anything else: nothing a worker sends runs code or stalls the trainer.
-`value` is a float or None: checking it (finite, within the clip) is the Scorer's job.
+`value` is a float or None: checking it (finite, within the clip) is the Scorer's job. A batched call (a TRL-style
+reward on a group, `RewardCall.batch` > 0) is one call with one timeout: its outcome has `values` and `errors`,
+one entry per completion (an entry that is not a number fails alone), or `error` when the whole call failed (the
+faults above, or a return that is not a list of `batch` entries).
 
 Functions travel by cloudpickle (installed with vLLM; it has to become a declared dependency): notebook, `__main__`,
 closure and lambda rewards by value; functions of importable modules by reference, imported in the worker from the
@@ -61,7 +64,7 @@ import cloudpickle
 
 from minirl.core import lifecycle
 from minirl.rewards import worker_main
-from minirl.rewards.worker_main import one_line, reason, recv_frame, run_call, send_frame
+from minirl.rewards.worker_main import one_line, reason, recv_frame, run_batched, run_call, send_frame
 
 MAX_REPLY_BYTES = 1 << 16  # a reply is a float and a reason of a few hundred characters
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -75,21 +78,27 @@ _BOOT = ("import importlib.util, sys\n"
 
 @dataclass(frozen=True)
 class RewardCall:
-    """One reward function applied to one completion; `columns` are the prompt's dataset columns."""
+    """One reward function applied to one completion; `columns` are the prompt's dataset columns. `batch` > 0: a
+    batched (TRL-style) reward applied once to a group's `batch` completions: `prompt` and `completion` are then
+    lists, `columns` the keyword arguments (lists, one entry per completion, and `trainer_state`)."""
     reward: str
-    prompt: str
-    completion: str
+    prompt: Any
+    completion: Any
     columns: Mapping[str, Any] = field(default_factory=dict)
+    batch: int = 0
 
 
 @dataclass(frozen=True)
 class RewardOutcome:
     """What one call gave. `value`: the returned number as a float (None: a skip, or a failure). `error`: None, or
     one line saying why the call failed. `output`: what the call printed (at most `max_output_bytes`), None
-    in-process."""
+    in-process. A batched call's `values` and `errors`: one entry per completion (`error` set instead when the
+    whole call failed)."""
     value: float | None = None
     error: str | None = None
     output: str | None = None
+    values: tuple[float | None, ...] | None = None
+    errors: tuple[str | None, ...] | None = None
 
 
 class RewardWorkers:
@@ -110,6 +119,7 @@ class RewardWorkers:
         self.timeout_s = float(timeout_s)
         self.max_output_bytes = max_output_bytes
         self._fns = dict(rewards)
+        self._batches: list[int] = []  # per call of the running `call_many`: its `batch`
         self._lock = threading.Lock()
         self._closed = False
         self._workers: list[_Worker] = []
@@ -140,7 +150,8 @@ class RewardWorkers:
                 return [self._call_here(c) for c in calls]
             out: list[RewardOutcome | None] = [None] * len(calls)
             todo = deque(range(len(calls)))
-            blobs = [pickle.dumps((c.reward, c.prompt, c.completion, dict(c.columns))) for c in calls]
+            self._batches = [c.batch for c in calls]
+            blobs = [pickle.dumps((c.reward, c.prompt, c.completion, dict(c.columns), c.batch)) for c in calls]
             try:
                 while todo or any(w.call is not None for w in self._workers):
                     for w in list(self._workers):
@@ -171,13 +182,14 @@ class RewardWorkers:
     def _call_here(self, call: RewardCall) -> RewardOutcome:
         done: cf.Future = cf.Future()
         fn = self._fns[call.reward]
-        threading.Thread(target=lambda: done.set_result(run_call(fn, call.prompt, call.completion, dict(call.columns))),
-                         daemon=True, name="minirl-reward").start()
+        run = (lambda: run_batched(fn, call.prompt, call.completion, dict(call.columns), call.batch)) if call.batch \
+            else (lambda: run_call(fn, call.prompt, call.completion, dict(call.columns)))
+        threading.Thread(target=lambda: done.set_result(run()), daemon=True, name="minirl-reward").start()
         try:
             value, error = done.result(timeout=self.timeout_s)
         except cf.TimeoutError:
             value, error = None, f"timeout after {self.timeout_s}s"
-        return RewardOutcome(value, error)
+        return _outcome(value, error, None)
 
     # --- worker processes -----------------------------------------------------------------------------------
 
@@ -228,7 +240,7 @@ class RewardWorkers:
         blob, oversize = None, None
         if has_reply:
             try:
-                blob = recv_frame(w.sock, MAX_REPLY_BYTES)
+                blob = recv_frame(w.sock, MAX_REPLY_BYTES + 1024 * (self._batches[w.call] if w.ready else 0))
             except ValueError as e:
                 oversize = str(e)
             except OSError:
@@ -255,18 +267,17 @@ class RewardWorkers:
                 raise RuntimeError(f"a reward {why} while starting; its output: {one_line(w.text(), 2000)}")
             return self._end(w, out, why)
         try:
-            value, error = _reply(blob)
+            value, error = _reply(blob, self._batches[w.call] if w.ready else 0)
         except Exception as e:  # noqa: BLE001 - any bytes that are not a reply are the call's failure
             value, error = None, f"return value cannot come back from the worker ({reason(e)})"
             if w.ready:
                 return self._end(w, out, error)  # what it sends next would be taken for the next call's reply
-        error = None if error is None else one_line(error)
         if not w.ready:
             if error is not None:
                 raise RuntimeError(error)
             w.ready, w.printed, w.kept = True, 0, bytearray()
             return
-        out[w.call] = RewardOutcome(value, error, w.text())
+        out[w.call] = _outcome(value, error, w.text())
         w.call = None
 
     def _end(self, w: _Worker, out: list, error: str) -> None:
@@ -343,9 +354,25 @@ def _pickle_reward(name: str, fn: Callable) -> bytes:
             cloudpickle.unregister_pickle_by_value(sys.modules[top])
 
 
-def _reply(blob: bytes) -> tuple[float | None, str | None]:
-    """A worker's reply (`worker_main.reply`), its type checked before it is used; ValueError for anything else."""
+def _reply(blob: bytes, batch: int = 0) -> tuple[Any, Any]:
+    """A worker's reply (`worker_main.reply`), its type checked before it is used; ValueError for anything else.
+    A batched call's: `[values, reasons]` (lists of `batch` floats or null, strs or null) or `[null, str]`."""
     r = json.loads(blob)
-    if type(r) is list and len(r) == 2 and type(r[0]) in (float, type(None)) and type(r[1]) in (str, type(None)):
-        return r[0], r[1]
-    raise ValueError(f"a reply is [float or null, str or null], not {blob[:40]!r}")
+    if type(r) is not list or len(r) != 2:
+        raise ValueError(f"a reply is a pair, not {blob[:40]!r}")
+    if batch and r[0] is None and type(r[1]) is str:
+        return None, one_line(r[1])
+    if batch and all(type(x) is list and len(x) == batch for x in r) and \
+            all(type(v) in (float, type(None)) for v in r[0]) and all(type(e) in (str, type(None)) for e in r[1]):
+        return r[0], [None if e is None else one_line(e) for e in r[1]]
+    if not batch and type(r[0]) in (float, type(None)) and type(r[1]) in (str, type(None)):
+        return r[0], None if r[1] is None else one_line(r[1])
+    raise ValueError(f"a reply is [float or null, str or null] (a batched call's: two lists of {batch}), "
+                     f"not {blob[:40]!r}")
+
+
+def _outcome(value: Any, error: Any, output: str | None) -> RewardOutcome:
+    """A call's outcome from its (value, error): lists (one entry per completion) for a batched call's values."""
+    if isinstance(value, list):
+        return RewardOutcome(None, None, output, tuple(value), tuple(error))
+    return RewardOutcome(value, error if error is None else one_line(error), output)

@@ -14,6 +14,7 @@ import html
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -25,6 +26,8 @@ from minirl.data import rows as D
 from minirl.generation.hf import HFGenerator
 from minirl.rewards import Scorer, check_columns, check_data_columns, resolve_reward, source_hash
 from minirl.rewards.advantages import step_advantages
+from minirl.rewards.registry import accepted_keywords, reward_form
+from minirl.rewards.worker_main import batch_values, call_batched
 from minirl.training.models import load_tokenizer, resolve_model
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
@@ -115,14 +118,21 @@ class CheckReport:
 
 
 def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: float = 1e-6,
-          strict: bool = False) -> CheckReport:
+          strict: bool = False, conversational: bool = False) -> CheckReport:
     """Run a reward on hand-written cases and report each mismatch clearly.
 
     A case is a dict: `completion`, `expect` (a number, `None` for "should skip", or a callable predicate on the
     score), optional `prompt`, and any dataset columns the reward needs (`answer=12`). A tuple
     `(completion, expect)` or `(completion, expect, columns)` works too. A case whose call raises fails with the
-    exception as its reason. `strict=True` raises AssertionError when any case fails."""
+    exception as its reason. `strict=True` raises AssertionError when any case fails.
+
+    A batched (TRL-style) reward is called once per case, on lists of one: `prompts=[prompt]`,
+    `completions=[completion]`, each column as `[value]`, `completion_ids=[[]]` (a written case has no tokens) and a
+    `trainer_state` with `global_step=0`. Its prompt and completion are messages, as for a conversational dataset,
+    when the case gives its prompt as a list of messages or `conversational=True` (a text prompt becomes one user
+    message, a text completion `[{"role": "assistant", "content": completion}]`)."""
     name, fn = resolve_reward(reward_fn)
+    batched = reward_form(fn, name) == "batched"
     results = []
     for i, case in enumerate(cases):
         if isinstance(case, tuple):
@@ -135,7 +145,8 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
             expect = cols.pop("expect")
             prompt = cols.pop("prompt", "")
         try:
-            got, err = fn(prompt, completion, **cols), None
+            got, err = (_batched_case(fn, prompt, completion, cols, conversational) if batched else
+                        (fn(prompt, completion, **cols), None))
         except Exception as e:  # noqa: BLE001 - reported as the case's failure
             got, err = None, f"raised {type(e).__name__}: {e}"
         if err:
@@ -160,6 +171,18 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
     if strict:
         rep.assert_ok()
     return rep
+
+
+def _batched_case(fn: Callable, prompt: Any, completion: Any, cols: dict, conversational: bool) -> tuple[Any, Any]:
+    """(value, None) or (None, why) of a batched reward on one case (a batch of one)."""
+    if conversational or isinstance(prompt, list) or isinstance(completion, list):
+        prompt = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}] if prompt else []
+        completion = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
+    takes = accepted_keywords(fn)
+    extra = {"completion_ids": [[]], "trainer_state": SimpleNamespace(global_step=0)}
+    kw = {**{k: [v] for k, v in cols.items()}, **{k: v for k, v in extra.items() if takes is None or k in takes}}
+    values, why = batch_values(call_batched(fn, [prompt], [completion], kw), 1)
+    return (None, why) if values is None else (values[0], why[0])
 
 
 # --- preview: score the current model's samples -------------------------------------------------------------
@@ -289,6 +312,8 @@ def rescore(source: Any, rewards: Sequence[str | Callable] | str | Callable, *, 
     if callable(rewards) or isinstance(rewards, str):
         rewards = [rewards]
     resolved = [resolve_reward(r) for r in rewards]
+    for name, fn in resolved:
+        reward_form(fn, name)
     versions = {n: source_hash(f) for n, f in resolved}
     scorer = Scorer(resolved, [1.0] * len(resolved), timeout_s)
     events = load_events(source)
@@ -304,7 +329,8 @@ def rescore(source: Any, rewards: Sequence[str | Callable] | str | Callable, *, 
                 if lookup is None:
                     lookup = _columns_lookup(start, data, prompt_column)
                 cols = lookup.get(x.get("prompt"), {})
-            g = Group(Prompt(-1, (), x.get("prompt", ""), dict(cols)),
+            msgs = x.get("messages")
+            g = Group(Prompt(-1, (), x.get("prompt", ""), dict(cols), tuple(msgs) if msgs else None),
                       (Completion((), (), (), x.get("completion", ""), "stop"),))
             sg = scorer.score_group(g)
             row = {"step": e.get("step"), "prompt": x.get("prompt"), "completion": x.get("completion"),
