@@ -209,3 +209,18 @@ def test_compare_refuses_different_problem_sets_in_one_line(tmp_path):
     (old / "metrics.jsonl").write_text(json.dumps({"event": "eval", "step": 0, "accuracy": 0.5}) + "\n")
     with pytest.raises(ValueError, match=r"^run_a: no per-problem eval scores in its log"):
         minirl.compare(old, a)
+
+
+def test_a_resume_drops_the_per_problem_scores_of_the_steps_it_redoes(tmp_path):
+    """A run resumed after 2 steps redoes step 2 on: the first attempt's evaluation after 3 steps (its eval and
+    eval_problems events) is gone from the log as read, so compare pairs the resumed run's own evaluation."""
+    from minirl.core.metrics import read_log
+    lines = [{"event": "eval_problems", "step": 2, "problems": [{"index": 0, "id": "p0", "scores": {"accuracy": 0}}]},
+             {"event": "eval_problems", "step": 3, "problems": [{"index": 0, "id": "p0", "scores": {"accuracy": 1}}]},
+             {"event": "resume", "step": 2},
+             {"event": "eval_problems", "step": 3, "problems": [{"index": 0, "id": "p0", "scores": {"accuracy": 0.5}}]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    kept = [(e["event"], e.get("step")) for e in read_log(tmp_path)]
+    assert kept == [("eval_problems", 2), ("resume", 2), ("eval_problems", 3)]
+    from minirl import compare
+    assert compare(tmp_path, tmp_path).mean_a == 0.5
