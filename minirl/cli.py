@@ -84,7 +84,7 @@ class _Progress:
                 self.eval_bar = None
             se = rec.get("accuracy_se")
             line = f"held-out accuracy after {rec['step']} steps: {rec['accuracy']:.3f}" + \
-                (f" ± {se:.3f} (standard error, {rec.get('n')} problems)" if se is not None else "")
+                (f" +/- {se:.3f} (standard error, {rec.get('n')} problems)" if se is not None else "")
             tqdm.write(line, file=sys.stderr) if self.tty else print(line, file=sys.stderr, flush=True)
         elif self.tty:
             if self.eval_bar is None:
