@@ -82,7 +82,9 @@ class _Progress:
             if self.eval_bar is not None:
                 self.eval_bar.close()
                 self.eval_bar = None
-            line = f"held-out accuracy after {rec['step']} steps: {rec['accuracy']:.3f}"
+            se = rec.get("accuracy_se")
+            line = f"held-out accuracy after {rec['step']} steps: {rec['accuracy']:.3f}" + \
+                (f" +/- {se:.3f} (standard error, {rec.get('n')} problems)" if se is not None else "")
             tqdm.write(line, file=sys.stderr) if self.tty else print(line, file=sys.stderr, flush=True)
         elif self.tty:
             if self.eval_bar is None:

@@ -139,12 +139,12 @@ def test_progress_shows_step_reward_rate_and_eta(tty, capsys):
     from minirl.cli import _Progress
     p = _Progress(total=4, initial=1, tty=tty)
     p.eval({"step": 1, "done": 8, "total": 16})
-    p.eval({"event": "eval", "step": 1, "accuracy": 0.25})
+    p.eval({"event": "eval", "step": 1, "accuracy": 0.25, "accuracy_se": 0.125, "n": 16})
     for k in (1, 2):
         p.step({"step": k, "reward/mean": 0.5 * k, "time/step_s": 2.0})
     p.close()
     err = capsys.readouterr().err.replace("\r", "\n")
-    assert "held-out accuracy after 1 steps: 0.250" in err
+    assert "held-out accuracy after 1 steps: 0.250 +/- 0.125 (standard error, 16 problems)" in err
     if tty:
         assert "step 3/4" in err and "reward 1.000" in err and "step/s" in err and "<00:0" in err  # rate, ETA
     else:

@@ -1,5 +1,6 @@
-"""report_to: the real trackio and TensorBoard get every step's metrics under the names of metrics.jsonl, and the
-held-out accuracy as eval/accuracy. Skipped when the package is not installed (the dev extra installs both)."""
+"""report_to: the real trackio and TensorBoard get every step's metrics under the names of metrics.jsonl, the
+held-out accuracy as eval/accuracy with its standard error as eval/accuracy_se, and each step's logged completions
+as a table (TensorBoard: a text). Skipped when the package is not installed (the dev extra installs both)."""
 import ipaddress
 import socket
 
@@ -19,18 +20,35 @@ def _logged(out):
     return [e for e in ev if e["event"] == "step"], [e for e in ev if e["event"] == "eval"]
 
 
+def _samples(out) -> dict[int, list[dict]]:
+    """Each step's logged completions (the "samples" events), by step."""
+    return {e["step"]: e["samples"] for e in read_log(out) if e["event"] == "samples"}
+
+
 def test_tensorboard_gets_the_metrics_of_the_log(toy_cfg):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     Run(toy_cfg.replace(report_to="tensorboard"), data=TOY_ROWS).run()
-    ea = EventAccumulator(toy_cfg.out_dir + "/tensorboard")
+    ea = EventAccumulator(toy_cfg.out_dir + "/tensorboard", size_guidance={"tensors": 0})
     ea.Reload()
     steps, evals = _logged(toy_cfg.out_dir)
     for name in NAMES:
         got = [(s.step, s.value) for s in ea.Scalars(name)]
         assert got == [(e["step"], pytest.approx(e[name], rel=1e-6)) for e in steps], name
     assert [(s.step, s.value) for s in ea.Scalars("eval/accuracy")] == [(e["step"], e["accuracy"]) for e in evals]
+    assert [(s.step, s.value) for s in ea.Scalars("eval/accuracy_se")] == \
+        [(e["step"], pytest.approx(e["accuracy_se"], rel=1e-6)) for e in evals]
     assert "prompt_ids" not in ea.Tags()["scalars"]
+    # each step's completions: a markdown table, a row per sample (prompt, completion, reward, ...)
+    samples = _samples(toy_cfg.out_dir)
+    texts = {t.step: t.tensor_proto.string_val[0].decode() for t in ea.Tensors("samples/text_summary")}
+    assert sorted(texts) == sorted(samples) and samples
+    for step, rows in samples.items():
+        lines = texts[step].splitlines()
+        assert lines[0] == "| prompt | completion | reward | advantage | reward/yes_reward |"
+        assert len(lines) == 2 + len(rows)
+        for line, r in zip(lines[2:], rows):
+            assert line.startswith(f"| {r['prompt']} | {r['completion']} | {r['reward']} | ")
 
 
 def test_trackio_gets_the_metrics_locally_and_touches_no_network(toy_cfg, tmp_path, monkeypatch):
@@ -69,6 +87,14 @@ def test_trackio_gets_the_metrics_locally_and_touches_no_network(toy_cfg, tmp_pa
             assert by_step[e["step"]][name] == pytest.approx(e[name], rel=1e-9), name
     for e in evals:
         assert by_step[e["step"]]["eval/accuracy"] == e["accuracy"]
+        assert by_step[e["step"]]["eval/accuracy_se"] == pytest.approx(e["accuracy_se"], rel=1e-9)
+    samples = _samples(toy_cfg.out_dir)
+    assert samples
+    for step, rows in samples.items():
+        table = by_step[step]["samples"]
+        assert table["_type"] == "trackio.table"
+        assert [(t["prompt"], t["completion"], t["reward"], t["reward/yes_reward"]) for t in table["_value"]] == \
+            [(r["prompt"], r["completion"], r["reward"], r["per_reward"]["yes_reward"]) for r in rows]
     assert (tmp_path / "trackio" / "minirl.db").exists()
 
 
@@ -132,6 +158,15 @@ def test_wandb_offline_run_folder_holds_the_metrics_of_the_log(toy_cfg, monkeypa
             assert by_step[e["step"]][name] == pytest.approx(e[name], rel=1e-9), name
     for e in evals:
         assert by_step[e["step"]]["eval/accuracy"] == e["accuracy"]
+        assert by_step[e["step"]]["eval/accuracy_se"] == pytest.approx(e["accuracy_se"], rel=1e-9)
+    samples = _samples(cfg.out_dir)
+    assert samples
+    for step, rows in samples.items():  # a W&B table a step, its file beside the run's
+        ref = {k[len("samples/"):]: v for k, v in by_step[step].items() if k.startswith("samples/")}
+        assert ref["_type"] == "table-file" and ref["nrows"] == len(rows)
+        table = json.loads((f.parent / "files" / ref["path"]).read_text())
+        assert table["columns"] == ["prompt", "completion", "reward", "advantage", "reward/yes_reward"]
+        assert [row[:3] for row in table["data"]] == [[r["prompt"], r["completion"], r["reward"]] for r in rows]
     left = [p.name() for p in psutil.Process().children(recursive=True) if "wandb" in " ".join(p.cmdline())]
     assert left == [], left
 

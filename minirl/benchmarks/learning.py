@@ -9,6 +9,7 @@ from typing import Any
 from minirl.benchmarks.output import write_json
 from minirl.config import DEMO, Config
 from minirl.config.presets import PRESETS
+from minirl.core.stats import mean_se
 from minirl.run.loop import Run
 
 
@@ -19,9 +20,9 @@ def _eval_curve(metrics_jsonl: Path) -> list[list[float]]:
 
 
 def _mean_se(xs) -> dict:
-    """Mean, standard error over the values (None for one value) and their number."""
-    return {"mean": statistics.mean(xs), "se": statistics.stdev(xs) / len(xs) ** 0.5 if len(xs) > 1 else None,
-            "n": len(xs)}
+    """Mean, standard error over the values (`minirl.core.stats`: None for one value) and their number."""
+    mean, se = mean_se(xs)
+    return {"mean": mean, "se": se, "n": len(xs)}
 
 
 def _time_to(curve: list[list[float]], step_s: list[float], target: float) -> float | None:

@@ -73,13 +73,20 @@ METRICS: dict[str, str] = {
                   "generation and training (reward workers and a generator process of its own not included)",
     "mem/cuda_mb": "peak CUDA memory (MB) allocated by torch since the previous step (GPU runs only)",
     "prompt_ids": "indices of the prompts trained on at this step (their rows in the training data)",
-    # evaluation ("eval" events and summary.json's eval_before / eval_after hold them as dicts; the tracker as these
-    # names, <reward> being each reward's name)
+    # evaluation ("eval" events and summary.json's eval_before / eval_after hold them as dicts, the standard errors
+    # as accuracy_se, greedy_se, ...; the tracker as these names, <reward> being each reward's name)
     "eval/accuracy": "held-out greedy accuracy: the first reward's mean over the eval prompts (a failed score = 0)",
     "eval/greedy/<reward>": "held-out greedy mean of each reward",
     "eval/mean@k/<reward>": "eval_samples = k: mean of each reward over k samples per eval prompt at eval_temperature",
     "eval/pass@k/<reward>": "eval_samples = k: share of eval prompts where at least one of the k samples has a "
                             "positive reward (the unbiased pass@k estimator with n = k samples)",
+    "eval/accuracy_se": "standard error of eval/accuracy across the eval prompts: sample std / sqrt(n); the 95 % "
+                        "interval is +- 1.96 se (the eval event's ci95)",
+    "eval/greedy/<reward>_se": "standard error of eval/greedy/<reward> across the eval prompts",
+    "eval/mean@k/<reward>_se": "standard error of eval/mean@k/<reward> across the eval prompts (each prompt's mean "
+                               "over its k samples is one value)",
+    "eval/pass@k/<reward>_se": "standard error of eval/pass@k/<reward> across the eval prompts (each prompt's "
+                               "unbiased pass@k is one value)",
     # environment runs (multi-turn episodes, minirl/generation/episodes.py); absent from single-turn runs
     "episode/turns": "mean model replies per episode",
     "episode/turns_max": "most replies in one episode",
@@ -220,14 +227,16 @@ def _last_time(path: Path) -> float:
 
 def supersede(events: list[dict], resume: dict) -> list[dict]:
     """The events a resume leaves standing: a run resumed from a checkpoint after `resume["step"]` steps redoes the
-    later steps, so the first attempt's step, samples and later eval events of those steps are dropped."""
+    later steps, so the first attempt's step, samples and later eval (and eval_problems) events of those steps are
+    dropped."""
     s = resume.get("step") or 0
 
     def gone(e: dict) -> bool:
         step = e.get("step")
         if step is None:
             return False
-        return (e["event"] in ("step", "samples") and step >= s) or (e["event"] == "eval" and step > s)
+        return (e["event"] in ("step", "samples") and step >= s) or \
+            (e["event"] in ("eval", "eval_problems") and step > s)
     return [e for e in events if not gone(e)]
 
 

@@ -180,8 +180,10 @@ class Run(Background):
             self.history.append(log.log("step", **rec))
             if self.tracker is not None:
                 self.tracker.log(scalars(rec), step)
-            log.log("samples", step=step, samples=sample_rows(scored, c.log_samples),
-                    reward_versions=self.scorer.versions)
+            rows = sample_rows(scored, c.log_samples)
+            log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
+            if self.tracker is not None and rows:
+                self.tracker.samples(rows, step)
             for cb in self.on_step:
                 cb(rec)
             if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
@@ -217,6 +219,7 @@ class Run(Background):
                        **eval_options(self.cfg, step))
         rec = self.log.log("eval", step=step, version=self.trainer.version, **res.fields(),
                            seconds=time.perf_counter() - t0)
+        self.log.log("eval_problems", step=step, problems=list(res.problems))  # per prompt: for `minirl.compare`
         self.summary["eval_before" if step == 0 else "eval_after"] = res.fields()
         if self.tracker is not None:
             self.tracker.log(res.scalars(), step)

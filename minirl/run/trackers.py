@@ -2,7 +2,9 @@
 trackio, TensorBoard or Weights & Biases. metrics.jsonl stays the record; a tracker is a view of it.
 
 Names: a step event's numeric fields as they are (`reward/mean`, `loss`, ...); an eval event's accuracy as
-`eval/accuracy`. The x axis is the step event's `step` (0-based), an eval's its `step` (steps done).
+`eval/accuracy` (its standard error `eval/accuracy_se`, ...). The x axis is the step event's `step` (0-based), an
+eval's its `step` (steps done). Each step's logged completions (`log_samples`, the "samples" event) go as a table
+named `samples`: a W&B table, a trackio table, a TensorBoard text (a markdown table) at that step.
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ PACKAGES = {"trackio": "trackio", "tensorboard": "tensorboard", "wandb": "wandb"
 class Tracker(Protocol):
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
+    def samples(self, rows: list[dict], step: int) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -37,6 +41,23 @@ def scalars(rec: dict[str, Any]) -> dict[str, float]:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step"}
 
 
+def sample_table(rows: list[dict]) -> tuple[list[str], list[list[Any]]]:
+    """(columns, rows) of a "samples" event's completions (`metrics.sample_rows`): prompt, completion, reward,
+    advantage, then each reward function's value as reward/<name> (None: it failed)."""
+    names = list(dict.fromkeys(n for r in rows for n in r.get("per_reward") or {}))
+    columns = ["prompt", "completion", "reward", "advantage", *(f"reward/{n}" for n in names)]
+    return columns, [[r["prompt"], r["completion"], r["reward"], r["advantage"],
+                      *((r.get("per_reward") or {}).get(n) for n in names)] for r in rows]
+
+
+def _markdown(columns: list[str], data: list[list[Any]]) -> str:
+    """A markdown table (TensorBoard's text plugin renders one); `|` escaped, line breaks as <br>."""
+    def cell(v: Any) -> str:
+        return "" if v is None else str(v).replace("|", "\\|").replace("\n", "<br>")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(map(cell, row)) + " |" for row in data])
+
+
 class TensorBoardTracker:
     """Event files in out_dir/tensorboard (`tensorboard --logdir out_dir/tensorboard`)."""
 
@@ -47,6 +68,10 @@ class TensorBoardTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         for k, v in metrics.items():
             self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def samples(self, rows: list[dict], step: int) -> None:
+        self.writer.add_text("samples", _markdown(*sample_table(rows)), step)
         self.writer.flush()
 
     def close(self) -> None:
@@ -65,6 +90,11 @@ class TrackioTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def samples(self, rows: list[dict], step: int) -> None:
+        import trackio
+        columns, data = sample_table(rows)
+        self.run.log({"samples": trackio.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -85,6 +115,11 @@ class WandbTracker:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
+
+    def samples(self, rows: list[dict], step: int) -> None:
+        import wandb
+        columns, data = sample_table(rows)
+        self.run.log({"samples": wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         """Finish the run; then W&B's service process (wandb-core) ends too, unless another W&B run of this process

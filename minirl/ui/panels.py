@@ -13,6 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from minirl.core.metrics import load_events
+from minirl.core.stats import Z95
 
 GEN_COLOR, TRAIN_COLOR = "#1f77b4", "#ff7f0e"
 
@@ -89,24 +90,25 @@ def _empty(ax, text: str = "no data yet") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, color="0.5", transform=ax.transAxes)
 
 
-def eval_lines(evals: Sequence[dict]) -> list[tuple[str, list[int], list[float], str]]:
-    """The eval panel's lines, (label, steps, values, style): greedy accuracy, then with eval_samples each reward's
-    mean@k and pass@k (k from the events)."""
-    def series(get) -> tuple[list[int], list[float]]:
-        pts = [(e["step"], get(e)) for e in evals]
-        pts = [(x, y) for x, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
-        return [x for x, _ in pts], [y for _, y in pts]
+def eval_lines(evals: Sequence[dict]) -> list[tuple[str, list[int], list[float], str, list[float | None]]]:
+    """The eval panel's lines, (label, steps, values, style, standard errors): greedy accuracy, then with
+    eval_samples each reward's mean@k and pass@k (k from the events). A standard error is None where the event has
+    none (one prompt, or a log from before they were recorded)."""
+    def series(get, get_se) -> tuple[list[int], list[float], list[float | None]]:
+        pts = [(e["step"], get(e), get_se(e)) for e in evals]
+        pts = [(x, y, se) for x, y, se in pts if isinstance(y, (int, float)) and math.isfinite(y)]
+        return [x for x, _, _ in pts], [y for _, y, _ in pts], [se for _, _, se in pts]
     out = []
-    xs, ys = series(lambda e: e.get("accuracy"))
+    xs, ys, ses = series(lambda e: e.get("accuracy"), lambda e: e.get("accuracy_se"))
     if xs:
-        out.append(("greedy accuracy", xs, ys, "s-"))
+        out.append(("greedy accuracy", xs, ys, "s-", ses))
     k = next((e["k"] for e in reversed(evals) if e.get("k")), None)
     names = list(dict.fromkeys(n for e in evals for n in (e.get("pass_at_k") or {})))
     for n in names:
         for key, what, style in (("mean_at_k", "mean", "o--"), ("pass_at_k", "pass", "^:")):
-            xs, ys = series(lambda e: (e.get(key) or {}).get(n))
+            xs, ys, ses = series(lambda e: (e.get(key) or {}).get(n), lambda e: (e.get(f"{key}_se") or {}).get(n))
             if xs:
-                out.append((f"{what}@{k} {n}", xs, ys, style))
+                out.append((f"{what}@{k} {n}", xs, ys, style, ses))
     return out
 
 
@@ -142,11 +144,16 @@ def draw_panel(ax, name: str, v: View) -> None:
         _finish(ax, "reward")
     elif name == "eval":
         lines = eval_lines(v.evals)
-        for label, xs, ys, style in lines:
-            ax.plot(xs, ys, style, label=label, ms=4)
+        for label, xs, ys, style, ses in lines:
+            (line,) = ax.plot(xs, ys, style, label=label, ms=4)
+            band = [(x, y, se) for x, y, se in zip(xs, ys, ses) if isinstance(se, (int, float))]
+            if band:  # the 95 % interval, +- 1.96 standard errors across the eval prompts
+                ax.fill_between([x for x, _, _ in band], [y - Z95 * se for _, y, se in band],
+                                [y + Z95 * se for _, y, se in band], color=line.get_color(), alpha=0.15, lw=0)
         if not lines:
             _empty(ax, "no evaluation yet")
-        _finish(ax, "held-out evaluation")
+        _finish(ax, "held-out evaluation (bands: 95% intervals)" if any(se is not None for x in lines for se in x[4])
+                else "held-out evaluation")
     elif name == "reward_hist":
         latest = v.samples[-3:]
         vals = [x.get("reward") for e in latest for x in e.get("samples", [])]
