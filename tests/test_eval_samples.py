@@ -91,6 +91,8 @@ def test_a_run_logs_sampled_eval_in_events_summary_and_the_eval_panel(toy_cfg):
     assert [ln.get_label() for ln in ax.get_lines()] == labels
     assert {"eval/mean@k/<reward>", "eval/pass@k/<reward>"} <= set(METRICS)
     assert on_disk["eval_after"] == summary["eval_after"] and on_disk["eval_before"] == summary["eval_before"]
+    for when in ("before", "after"):  # the held-out accuracy's own line carries its standard error
+        assert on_disk[f"eval_accuracy_{when}_se"] == summary[f"eval_{when}"]["accuracy_se"] is not None
     # each figure's standard error, from the prompts' scores the run saved (eval_problems events)
     from minirl import compare
     from minirl.core.stats import mean_se

@@ -220,7 +220,9 @@ class Run(Background):
         rec = self.log.log("eval", step=step, version=self.trainer.version, **res.fields(),
                            seconds=time.perf_counter() - t0)
         self.log.log("eval_problems", step=step, problems=list(res.problems))  # per prompt: for `minirl.compare`
-        self.summary["eval_before" if step == 0 else "eval_after"] = res.fields()
+        when = "before" if step == 0 else "after"
+        self.summary[f"eval_{when}"] = fields = res.fields()
+        self.summary[f"eval_accuracy_{when}_se"] = fields.get("accuracy_se")  # beside eval_accuracy_{when}
         if self.tracker is not None:
             self.tracker.log(res.scalars(), step)
         for cb in self.on_eval:
