@@ -188,7 +188,8 @@ def test_cli_writes_a_gguf_of_the_merged_run_and_its_one_line_errors(tmp_path, c
     (tmp_path / "w" / "adapter").mkdir(parents=True)
     (tmp_path / "w" / "adapter" / "adapter_config.json").write_text("{}")
     cfg.to_yaml(tmp_path / "w" / "config.yaml")
-    assert "writes byte-level BPE tokenizers" in err(["export", str(tmp_path / "w"), "--gguf", str(tmp_path / "w.gguf")])
+    wordlevel = ["export", str(tmp_path / "w"), "--gguf", str(tmp_path / "w.gguf")]
+    assert "writes byte-level BPE tokenizers" in err(wordlevel)
     assert not (tmp_path / "n.gguf").exists() and not (tmp_path / "w.gguf").exists()
 
 

@@ -1,6 +1,7 @@
 """Export a run as one GGUF file (`minirl export RUN_DIR --gguf OUT.gguf [--type f16|q8_0]`): the run's adapter merged
-into its base model (export.py, in float32), with the tokenizer in the file's metadata, for llama.cpp, Ollama and
-`transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)`.
+into its base model (export.py, in float32), with the tokenizer in the file's metadata, in llama.cpp's format; read
+back by `transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)` (tests/test_export_gguf.py:
+llama.cpp itself is not run there).
 
 Two architectures, the embedded model's (`llama`, SmolLM2) and `qwen2`, with a byte-level BPE tokenizer
 (`tokenizer.ggml.model` gpt2). Tensor names come from gguf-py's own map (`gguf.get_tensor_name_map`, the table
