@@ -21,11 +21,11 @@ from minirl.training.shapes.synthetic import TOKENIZER
 TEXTS = ["What is 7 + 5 ? Answer: 12", "the quick brown fox, 2024!\n  spaces\tand tabs", "héllo wörld ✓ 数字"]
 
 
-def _tiny(path, arch):
+def _tiny(path, arch, tok=None):
     """A tiny random llama (untied) or qwen2 (tied embeddings) with the synthetic byte-level BPE tokenizer; its
     init is wide (std 0.2) so that greedy choices have margins, and its norms and biases are random (HF inits them
     to 1 and 0: a swapped norm or a dropped bias would not show)."""
-    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    tok = tok or AutoTokenizer.from_pretrained(TOKENIZER)
     common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -44,11 +44,11 @@ def _tiny(path, arch):
     return path
 
 
-def _run(tmp, arch, adapter=True):
+def _run(tmp, arch, adapter=True, tok=None):
     """A run folder (config.yaml + adapter/) of a tiny model; the adapter's B matrices are random (not 0), so the
     merged model differs from the base."""
     from peft import LoraConfig, get_peft_model
-    model_dir = _tiny(tmp / f"{arch}-model", arch)
+    model_dir = _tiny(tmp / f"{arch}-model", arch, tok)
     run = tmp / f"{arch}-run"
     cfg = Config(model=str(model_dir), rewards=["yes_reward"], out_dir=str(run), lora_rank=4, lora_alpha=8,
                  dtype="float32")
@@ -215,3 +215,30 @@ def test_rotary_permutation_is_the_one_transformers_reverses():
     w = np.arange(8, dtype=np.float32).reshape(4, 2)
     assert permute_rotary(w, 1).tolist() == [[0, 1], [4, 5], [2, 3], [6, 7]]
     assert permute_rotary(np.arange(8.0).reshape(8, 1), 2)[:, 0].tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+
+
+def test_a_qwen2_split_pre_tokenizer_reads_back_as_qwen2s(tmp_path):
+    """Qwen2's tokenizers split text with their own regex before the byte-level BPE (digits one by one, where GPT-2
+    keeps runs of digits): written as GGUF pre 'qwen2', transformers rebuilds that split."""
+    from tokenizers import Regex, pre_tokenizers
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    gpt2_ids = [tok(t)["input_ids"] for t in TEXTS]
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    assert [tok(t)["input_ids"] for t in TEXTS] != gpt2_ids  # the split matters for these texts
+    run, _ = _run(tmp_path, "qwen2", tok=tok)
+    export_gguf(run, tmp_path / "model-f16.gguf")
+    _, got = _load(tmp_path, "f16")
+    assert [got(t)["input_ids"] for t in TEXTS] == [tok(t)["input_ids"] for t in TEXTS]
+
+
+def test_a_pre_tokenizer_transformers_cannot_rebuild_is_one_line():
+    from minirl.run.gguf_export import pre_tokenizer_name
+    assert pre_tokenizer_name({"type": "ByteLevel", "use_regex": True}) == ("gpt-2", None)
+    with pytest.raises(ValueError, match=r"pre-tokenizer \(Whitespace\) has no GGUF name that transformers reads back"):
+        pre_tokenizer_name({"type": "Whitespace"})
+    name, note = pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
+        {"type": "Digits", "individual_digits": True}, {"type": "ByteLevel", "use_regex": True}]})
+    assert name == "smollm" and "splits digits as GPT-2 does" in note

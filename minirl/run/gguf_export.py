@@ -23,7 +23,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
+from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_SPLIT
 
 from minirl.run.export import check_run, merged_model
 from minirl.training.models import TOKENIZER_KWARGS, load_tokenizer, resolve_model
@@ -31,14 +32,16 @@ from minirl.training.models import TOKENIZER_KWARGS, load_tokenizer, resolve_mod
 ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
 TYPES = {"f16": (gguf.GGMLQuantizationType.F16, gguf.LlamaFileType.MOSTLY_F16),
          "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}
+# Split regexes by GGUF pre-tokenizer name, as transformers' GGUF reader rebuilds them (qwen2's is its tokenizer's).
+SPLITS = {"qwen2": QWEN2_SPLIT}
 Q8_BLOCK = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]  # 32 values per block
 
 
-def rope_theta(config) -> float:
+def rope_theta(config: PretrainedConfig) -> float:
     return (getattr(config, "rope_parameters", None) or {}).get("rope_theta", getattr(config, "rope_theta", None))
 
 
-def check_config(config) -> None:
+def check_config(config: PretrainedConfig) -> None:
     """One line (ValueError) when the base model is not a shape this module writes; before any weight loads."""
     arch = config.model_type
     if arch not in ARCHS:
@@ -103,12 +106,8 @@ def pre_tokenizer_name(spec: dict | None) -> tuple[str, str | None]:
     if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
         return "gpt-2", None
     if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
-        try:  # the split regexes transformers' GGUF reader rebuilds a pre-tokenizer from (transformers 5)
-            from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS as splits
-        except ImportError:  # an older transformers: GPT-2 splitting only
-            splits = {}
         regex = parts[0].get("pattern", {}).get("Regex")
-        for name, split in splits.items():
+        for name, split in SPLITS.items():
             if split == regex:
                 return name, None
     if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
@@ -157,7 +156,7 @@ def tokenizer_metadata(writer: gguf.GGUFWriter, tok, spec: dict, pre: str, n_voc
         writer.add_chat_template(tok.chat_template)
 
 
-def model_metadata(writer: gguf.GGUFWriter, config, name: str, kind: str) -> None:
+def model_metadata(writer: gguf.GGUFWriter, config: PretrainedConfig, name: str, kind: str) -> None:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_type(gguf.GGUFType.MODEL)
