@@ -21,12 +21,12 @@ from minirl.training.shapes.synthetic import TOKENIZER
 TEXTS = ["What is 7 + 5 ? Answer: 12", "the quick brown fox, 2024!\n  spaces\tand tabs", "héllo wörld ✓ 数字"]
 
 
-def _tiny(path, arch, tok=None):
+def _tiny(path, arch, tok=None, vocab_size=1024):
     """A tiny random llama (untied) or qwen2 (tied embeddings) with the synthetic byte-level BPE tokenizer; its
     init is wide (std 0.2) so that greedy choices have margins, and its norms and biases are random (HF inits them
     to 1 and 0: a swapped norm or a dropped bias would not show)."""
     tok = tok or AutoTokenizer.from_pretrained(TOKENIZER)
-    common = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     if arch == "llama":
@@ -44,11 +44,11 @@ def _tiny(path, arch, tok=None):
     return path
 
 
-def _run(tmp, arch, adapter=True, tok=None):
+def _run(tmp, arch, adapter=True, tok=None, vocab_size=1024):
     """A run folder (config.yaml + adapter/) of a tiny model; the adapter's B matrices are random (not 0), so the
     merged model differs from the base."""
     from peft import LoraConfig, get_peft_model
-    model_dir = _tiny(tmp / f"{arch}-model", arch, tok)
+    model_dir = _tiny(tmp / f"{arch}-model", arch, tok, vocab_size)
     run = tmp / f"{arch}-run"
     cfg = Config(model=str(model_dir), rewards=["yes_reward"], out_dir=str(run), lora_rank=4, lora_alpha=8,
                  dtype="float32")
@@ -219,7 +219,9 @@ def test_rotary_permutation_is_the_one_transformers_reverses():
 
 def test_a_qwen2_split_pre_tokenizer_reads_back_as_qwen2s(tmp_path):
     """Qwen2's tokenizers split text with their own regex before the byte-level BPE (digits one by one, where GPT-2
-    keeps runs of digits): written as GGUF pre 'qwen2', transformers rebuilds that split."""
+    keeps runs of digits): written as GGUF pre 'qwen2', transformers rebuilds that split. The model has more
+    embedding rows than the tokenizer has tokens (as Qwen2.5's): the file's vocabulary is padded with unused
+    tokens, and the model reads back whole."""
     from tokenizers import Regex, pre_tokenizers
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
@@ -228,10 +230,13 @@ def test_a_qwen2_split_pre_tokenizer_reads_back_as_qwen2s(tmp_path):
         pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     assert [tok(t)["input_ids"] for t in TEXTS] != gpt2_ids  # the split matters for these texts
-    run, _ = _run(tmp_path, "qwen2", tok=tok)
+    run, merged = _run(tmp_path, "qwen2", tok=tok, vocab_size=1040)
     export_gguf(run, tmp_path / "model-f16.gguf")
-    _, got = _load(tmp_path, "f16")
+    model, got = _load(tmp_path, "f16")
     assert [got(t)["input_ids"] for t in TEXTS] == [tok(t)["input_ids"] for t in TEXTS]
+    assert model.config.vocab_size == 1040
+    assert torch.equal(model.state_dict()["model.embed_tokens.weight"],
+                       merged.state_dict()["model.embed_tokens.weight"].half().float())
 
 
 def test_a_pre_tokenizer_transformers_cannot_rebuild_is_one_line():
