@@ -247,3 +247,14 @@ def test_a_pre_tokenizer_transformers_cannot_rebuild_is_one_line():
     name, note = pre_tokenizer_name({"type": "Sequence", "pretokenizers": [
         {"type": "Digits", "individual_digits": True}, {"type": "ByteLevel", "use_regex": True}]})
     assert name == "smollm" and "splits digits as GPT-2 does" in note
+
+
+def test_a_weight_past_float16s_range_is_one_line_not_an_inf_in_the_file():
+    from minirl.run.gguf_export import encode
+    w = np.full((2, 32), 0.5, dtype=np.float32)
+    assert encode(w, "q8_0")[0].dtype == np.uint8 and encode(w, "f16")[0].dtype == np.float16
+    assert encode(w[:, :20], "q8_0")[0].dtype == np.float16  # rows not in blocks of 32: f16, as llama.cpp does
+    w[1, 3] = 7e4  # float16's largest is 65504
+    for kind in ("f16", "q8_0"):
+        with pytest.raises(ValueError, match="a merged weight does not fit float16"):
+            encode(w, kind)
