@@ -25,6 +25,7 @@ from minirl.generation.tasks import TASKS
 from minirl.run.checkpoint import atomic_write, latest_checkpoint
 from minirl.run.evaluation import eval_options, evaluate
 from minirl.run.export import export_merged
+from minirl.run.gguf_export import export_gguf
 from minirl.run.loop import Run
 from minirl.training.plan import plan
 from minirl.ui import render
@@ -221,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     add_cli_args(ev)
     export = sub.add_parser("export", help="a run's adapter merged into its base model, for serving")
     export.add_argument("run_dir", help="the run's out_dir (its config.yaml and adapter/)")
-    export.add_argument("--merged", required=True, metavar="OUT", help="new folder for the merged model + tokenizer")
+    to = export.add_mutually_exclusive_group(required=True)
+    to.add_argument("--merged", metavar="OUT", help="new folder for the merged model + tokenizer (safetensors)")
+    to.add_argument("--gguf", metavar="OUT", help="new GGUF file of the merged model + tokenizer (llama, qwen2)")
+    export.add_argument("--type", choices=["f16", "q8_0"], default=None, help="GGUF weight type (default f16)")
     bench = sub.add_parser("bench", help="benchmarks; results written as JSON")
     bench.add_argument("what", choices=["generation", "pipeline", "sync", "learning", "memory", "trl"])
     bench.add_argument("--out", default="bench", help="folder for the JSON results")
@@ -292,7 +296,11 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "plan":
         print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb).table())
     elif args.cmd == "export":
-        print(json.dumps(export_merged(args.run_dir, args.merged), indent=2))
+        if args.merged and args.type:
+            raise ValueError("--type applies to --gguf only (the --merged folder keeps the run's dtype)")
+        info = export_merged(args.run_dir, args.merged) if args.merged else \
+            export_gguf(args.run_dir, args.gguf, args.type or "f16")
+        print(json.dumps(info, indent=2))
     elif args.cmd == "bench":
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every",
                                 "eval_every", "presets", "minirl_overrides", "trl_from")
