@@ -78,6 +78,7 @@ def _rank(rank: int, backend: str, port: int, numel: int, q) -> None:
 
 def collective(dev: str) -> dict:
     import socket
+
     import torch
     import torch.multiprocessing as mp
     backend = "nccl" if dev == "cuda" else "gloo"
@@ -134,9 +135,10 @@ def _config(dev: str, model: Path, out: Path, **kw):
 def _run(cfg, rows, checkpointing: bool = False) -> dict:
     """Three steps of `cfg`: finite, verified, timed; peak CUDA memory against the plan's prediction."""
     import gc
-    import minirl
+
     import torch
-    from minirl.training.plan import plan
+
+    import minirl
     cuda = torch.cuda.is_available() and cfg.dtype == "bfloat16"
     if cuda:
         gc.collect()
@@ -170,8 +172,8 @@ def _run(cfg, rows, checkpointing: bool = False) -> dict:
         # largest step's (training plus the generation before it), or the tail's after the last step
         steps_gb = [x["mem/cuda_mb"] / 1024 for x in h if "mem/cuda_mb" in x]
         prompt = max(len(p.token_ids) for p in run.train_prompts)
-        p = plan(cfg.replace(token_budget=run.trainer.token_budget), gradient_checkpointing=checkpointing,
-                 prompt_tokens=prompt)
+        p = minirl.plan(cfg.replace(token_budget=run.trainer.token_budget), gradient_checkpointing=checkpointing,
+                        prompt_tokens=prompt).trainer  # the trainer's GPU
         res.update(peak_cuda_gb=round(max(steps_gb + [torch.cuda.max_memory_allocated() / 2**30]), 2),
                    step_peak_cuda_gb=[round(x, 2) for x in steps_gb], prompt_tokens=prompt,
                    plan_peak_gb=round(p.peak_gb, 2), plan_train_gb=round(p.train_gb, 2),
