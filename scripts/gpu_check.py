@@ -78,7 +78,6 @@ def _rank(rank: int, backend: str, port: int, numel: int, q) -> None:
 
 def collective(dev: str) -> dict:
     import socket
-
     import torch
     import torch.multiprocessing as mp
     backend = "nccl" if dev == "cuda" else "gloo"
@@ -135,10 +134,8 @@ def _config(dev: str, model: Path, out: Path, **kw):
 def _run(cfg, rows, checkpointing: bool = False) -> dict:
     """Three steps of `cfg`: finite, verified, timed; peak CUDA memory against the plan's prediction."""
     import gc
-
-    import torch
-
     import minirl
+    import torch
     cuda = torch.cuda.is_available() and cfg.dtype == "bfloat16"
     if cuda:
         gc.collect()
