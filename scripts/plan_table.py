@@ -1,7 +1,7 @@
 """docs/gpu.md's plan blocks, written from `minirl plan` itself: the CLI's output for two configs (verbatim, the
 temporary model folder's prefix left out) and a table of the published shapes on one and two GPUs from
-`minirl.plan`, the function the CLI prints. Each config: `Config()` defaults with `backend: vllm` and
-`max_tokens: 512`, the shape's config.json from `minirl/shapes/` (no weights); the GPUs are faked (`--gpus`,
+`minirl.plan`, the function the CLI prints. Each config: `Config()` defaults with `backend: vllm` (the four-GPU
+example: `auto`) and `max_tokens: 512`, the shape's config.json from `minirl/shapes/` (no weights); the GPUs are faked (`--gpus`,
 `--gpu-gb`), so the blocks are the same on any machine. tests/test_docs_generated.py fails when they are stale.
 
     python scripts/plan_table.py           # rewrite the blocks in docs/gpu.md
@@ -22,24 +22,25 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "gpu.md"
 MODELS = ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b")
 SETUPS = ((1, 24), (1, 48), (1, 80), (2, 24), (2, 48))  # (GPUs, GB each)
-EXAMPLES = {"plan-1gpu": ("qwen2.5-1.5b", 1, 24), "plan-2gpu": ("qwen2.5-7b", 2, 24)}
-YAML = "model: {model}\nbackend: vllm\nmax_tokens: 512\n"
+EXAMPLES = {"plan-1gpu": ("qwen2.5-1.5b", 1, 24, "vllm"), "plan-2gpu": ("qwen2.5-7b", 2, 24, "vllm"),
+            "plan-4gpu": ("qwen2.5-7b", 4, 24, "auto")}  # (shape, GPUs, GB each, backend)
+YAML = "model: {model}\nbackend: {backend}\nmax_tokens: 512\n"
 
 
-def _yaml(tmp: Path, name: str) -> Path:
+def _yaml(tmp: Path, name: str, backend: str = "vllm") -> Path:
     from minirl.training.shapes.synthetic import shape_config
     (tmp / name).mkdir(exist_ok=True)
     (tmp / name / "config.json").write_text(json.dumps(shape_config(name)))
-    (tmp / f"{name}.yaml").write_text(YAML.format(model=tmp / name))
+    (tmp / f"{name}.yaml").write_text(YAML.format(model=tmp / name, backend=backend))
     return tmp / f"{name}.yaml"
 
 
-def cli(tmp: Path, name: str, gpus: int, gb: int) -> str:
-    """`minirl plan NAME.yaml --gpus GPUS --gpu-gb GB`, as printed."""
+def cli(tmp: Path, name: str, gpus: int, gb: int, backend: str) -> str:
+    """`minirl plan NAME.yaml --gpus GPUS --gpu-gb GB` (NAME.yaml: `backend: BACKEND`), as printed."""
     from minirl.cli import main
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["plan", str(_yaml(tmp, name)), "--gpus", str(gpus), "--gpu-gb", str(gb)]) == 0
+        assert main(["plan", str(_yaml(tmp, name, backend)), "--gpus", str(gpus), "--gpu-gb", str(gb)]) == 0
     return out.getvalue().replace(f"{tmp}/", "")
 
 
@@ -64,8 +65,9 @@ def blocks() -> dict[str, str]:
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         out = {k: "\n".join(f"    {x}".rstrip() for x in
-                            [f"$ minirl plan {m}.yaml --gpus {n} --gpu-gb {g}", *cli(tmp, m, n, g).splitlines()])
-               for k, (m, n, g) in EXAMPLES.items()}
+                            [f"$ minirl plan {m}.yaml --gpus {n} --gpu-gb {g}        # backend: {b}",
+                             *cli(tmp, m, n, g, b).splitlines()])
+               for k, (m, n, g, b) in EXAMPLES.items()}
         out["plan-table"] = table(tmp)
     return out
 

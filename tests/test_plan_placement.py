@@ -122,8 +122,33 @@ def test_servers_on_three_or_more_gpus_take_every_gpu_but_the_trainers(tmp_path)
     assert (p.train_device, p.gen_devices, p.max_async_steps) == ("cuda:0", "1,2,3", 1)
     from minirl.run.plan import plan_run
     plan = plan_run(cfg, P.Devices.fake(4, 24, vllm=True), p)
-    assert [d.role for d in plan.devices] == ["trainer", "vLLM engine", "vLLM engine", "vLLM engine"]
+    assert [d.role for d in plan.devices] == ["trainer", "vLLM server", "vLLM server", "vLLM server"]
     assert plan.fits
+
+
+def test_backend_auto_on_four_gpus_starts_a_server_on_each_gpu_the_trainer_leaves(tmp_path, monkeypatch, capsys):
+    """`backend: auto` on 4 GPUs: the trainer on cuda:0, three vLLM servers on GPUs 1, 2 and 3 (one in-process
+    engine would leave two idle); the placement line and `minirl plan` say so, and the run starts three."""
+    cfg, path = _yaml(tmp_path, "qwen2.5-1.5b", backend="auto")
+    printed = _cli(capsys, path, "--gpus", "4", "--gpu-gb", "24")
+    _box(monkeypatch, 4)
+    run = minirl.Run(cfg)
+    p = run.placement
+    assert (p.backend, p.gen_devices, p.num_servers, p.max_async_steps) == ("vllm-server", "1,2,3", 3, 1)
+    assert "vllm-server generation on 1,2,3 (3 servers, one a GPU), training on cuda:0" in p.line()
+    assert run.cfg.num_servers == 3 and printed == run.memory_plan().table()
+    assert [d.role for d in run.memory_plan().devices] == ["trainer"] + ["vLLM server"] * 3
+    two = P.place(cfg, P.Devices.fake(2, 24, vllm=True))
+    assert (two.backend, two.gen_devices, two.num_servers) == ("vllm", "1", None)  # two GPUs: one engine
+
+
+@pytest.mark.parametrize("why", [dict(inflight="abort"), dict(env="sums"), dict(sync_transport="files"),
+                                 dict(max_async_steps=0), dict(backend="vllm"), dict(gen_devices="1")])
+def test_servers_only_where_they_do_what_the_run_asks(tmp_path, why):
+    """In-flight swaps, env episodes, an explicit transport, K = 0, an explicit backend or GPUs: one engine."""
+    cfg = Config(**{"max_tokens": 512, **why})
+    p = P.place(cfg, P.Devices.fake(4, 24, vllm=True))
+    assert p.backend == "vllm" and p.num_servers is None
 
 
 def test_the_trainer_keeps_the_runs_token_budget(tiny_model):

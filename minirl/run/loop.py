@@ -68,7 +68,8 @@ class Run(Background):
         cfg, self._reward_refs, self._env = resolve_rewards(cfg, rewards, env)
         self.devices = device_facts()  # GPU count, memory, capability: the placement and the plan follow them
         self.placement = place(cfg, self.devices)  # a bad device string fails here, before anything loads
-        self.cfg = cfg.replace(max_async_steps=self.placement.max_async_steps)
+        self.cfg = cfg.replace(max_async_steps=self.placement.max_async_steps,  # 3+ GPUs: servers, one a GPU
+                               num_servers=self.placement.num_servers or cfg.num_servers)
         self._data, self._eval_data = data, eval_data
         self.resuming = resume
         self.dir = RunDir(self.cfg.out_dir, resume, overwrite)

@@ -9,9 +9,10 @@ field and the accepted forms. The result is one printed line at start and `place
                     threads on the rest) when K >= 1; synchronously each phase takes every core in turn.
   1 GPU             engine and trainer share cuda:0, K = 0 (synchronous); a vLLM engine sleeps (sleep mode level 1)
                     while the trainer works, and is woken before the adapter push.
-  2+ GPUs (vLLM)    trainer on cuda:0, one engine on GPU 1 (its processes see only that GPU), K = 1. With 3+ GPUs,
-                    `backend: vllm-server, num_servers: N-1` uses the rest (docs/gpu.md): the servers go to every GPU
-                    but the trainer's.
+  2 GPUs (vLLM)     trainer on cuda:0, one engine on GPU 1 (its processes see only that GPU), K = 1.
+  3+ GPUs (vLLM)    trainer on cuda:0; `backend: auto` starts a vLLM server on each other GPU (`auto_servers`: where
+                    servers do all the run asks), K = 1; `backend: vllm-server, num_servers: N-1` does the same by
+                    hand: the servers go to every GPU but the trainer's.
 The memory plan then plans each device for what the placement puts on it (`minirl.run.plan`).
 """
 from __future__ import annotations
@@ -68,9 +69,11 @@ class Placement:
     train_threads: int | None  # on CPU: the trainer's torch thread count
     cuda_devices: int
     engine_sleeps: bool = False  # vLLM shares the trainer's GPU with K = 0: it sleeps while the trainer works
+    num_servers: int | None = None  # `backend: auto` on 3+ GPUs: the vLLM servers it starts (one a GPU)
 
     def line(self) -> str:
         gen = self.gen_devices or ("every GPU" if self.cuda_devices else "every core")
+        gen += f" ({self.num_servers} servers, one a GPU)" if self.num_servers else ""
         train = self.train_device + (f" ({self.train_threads} threads)" if self.train_threads else "")
         return (f"minirl: placement: {self.backend} generation on {gen}, training on {train}, "
                 f"K = {self.max_async_steps} ({self.async_why})" + ("; the engine sleeps while the trainer works"
@@ -132,6 +135,16 @@ def _check_devices(cfg: Config, cuda_devices: int) -> None:
                                   "or 'auto'")
 
 
+def auto_servers(cfg: Config, backend: str, k: int, cuda_devices: int) -> bool:
+    """Whether `backend: auto` on 3+ GPUs starts a vLLM server on each GPU the trainer leaves, instead of one
+    in-process engine that would leave the others idle: where vLLM is the pick, minirl places both sides
+    (gen_devices auto), K >= 1, and servers do all the run asks: `inflight: continue` (a server finishes in-flight
+    sequences on their adapter), no env episodes, `sync_transport: auto` (servers take the adapter through files,
+    not the in-memory transports). Otherwise one engine on GPU 1, as on two GPUs."""
+    return (cfg.backend == "auto" and backend == "vllm" and cuda_devices >= 3 and k >= 1 and cfg.gen_devices == "auto"
+            and cfg.inflight == "continue" and cfg.env is None and cfg.sync_transport == "auto")
+
+
 def place(cfg: Config, devices: Devices | int) -> Placement:
     """The placement of a run on `devices` (a count: that many GPUs, 0: CPU), a pure function of its arguments."""
     devices = Devices(devices) if isinstance(devices, int) else devices
@@ -143,6 +156,11 @@ def place(cfg: Config, devices: Devices | int) -> Placement:
         gen, threads = cpu_split(cfg, k)
         return Placement(backend, backend_why, k, async_why, gen, "cpu", threads, 0)
     train = "cuda:0" if cfg.train_devices == "auto" else "cuda:" + cfg.train_devices.removeprefix("cuda:")
+    servers = None
+    if auto_servers(cfg, backend, k, cuda_devices):
+        backend, servers = "vllm-server", cuda_devices - 1
+        backend_why = (f"auto: {servers} vLLM servers, one on each GPU the trainer leaves (one in-process engine "
+                       f"would leave {cuda_devices - 2} of the {cuda_devices} GPUs idle)")
     if cfg.gen_devices != "auto":
         gen = ",".join(x.removeprefix("cuda:") for x in cfg.gen_devices.split(","))
     elif cuda_devices >= 2 and k >= 1:  # GPUs of its own: servers every one the trainer does not use, else the first
@@ -151,7 +169,7 @@ def place(cfg: Config, devices: Devices | int) -> Placement:
     else:  # colocated with the trainer
         gen = train.removeprefix("cuda:")
     sleeps = backend == "vllm" and k == 0 and gen == train.removeprefix("cuda:")
-    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps)
+    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps, servers)
 
 
 def cuda_device_count() -> int:

@@ -82,8 +82,9 @@ def holdings(cfg: Config, p: Placement) -> list[tuple[str, Holds]]:
     """(device, what it holds) for each device of placement `p`: the trainer's, each vLLM engine's or server's
     (one engine runs on the first of its GPU ids; servers are spread as `factory.split_devices` spreads them), the
     transformers generator's (on the trainer's model when synchronous, else in a process of its own)."""
-    if p.backend == "vllm-server":
-        gen, ids = "vllm", [] if cfg.server_urls else split_devices(p.gen_devices, cfg.num_servers, p.cuda_devices > 0)
+    if p.backend == "vllm-server":  # your servers (server_urls) are on no device of this machine's plan
+        n = p.num_servers or cfg.num_servers
+        gen, ids = "vllm-server", [] if cfg.server_urls else split_devices(p.gen_devices, n, p.cuda_devices > 0)
     elif p.backend == "vllm":
         gen, ids = "vllm", [(p.gen_devices or "0").split(",")[0]]
     elif p.max_async_steps:
@@ -91,7 +92,7 @@ def holdings(cfg: Config, p: Placement) -> list[tuple[str, Holds]]:
     else:
         gen, ids = "hf", [p.train_device.removeprefix("cuda:")]
     if not p.cuda_devices:
-        return [("cpu", Holds(True, gen, max(len(ids), 1) if gen == "vllm" else 1))]
+        return [("cpu", Holds(True, gen, max(len(ids), 1)))]
     out = []
     for i in range(p.cuda_devices):
         here, n = f"cuda:{i}" == p.train_device, ids.count(str(i))

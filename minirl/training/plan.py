@@ -121,7 +121,8 @@ class Holds:
     """What one device holds, as the run's placement puts it there (`minirl.run.plan` maps a placement to it): the
     trainer or not, and the generator on it: 'vllm' (`engines` vLLM engines or servers, each taking its share of
     the GPU), 'hf' (the transformers generator on the trainer's own model), 'hf-process' (the transformers
-    generator in a process of its own, with its own copy of the model) or None. `sleeps`: the vLLM engine sleeps
+    generator in a process of its own, with its own copy of the model) or None; 'vllm-server' counts as 'vllm'.
+    `sleeps`: the vLLM engine sleeps
     while the trainer works (it shares the trainer's GPU with K = 0)."""
     trainer: bool = True
     generator: str | None = None
@@ -130,6 +131,7 @@ class Holds:
 
     def role(self) -> str:
         gen = {"vllm": "vLLM engine" if self.engines == 1 else f"{self.engines} vLLM engines",
+               "vllm-server": "vLLM server" if self.engines == 1 else f"{self.engines} vLLM servers",
                "hf": "transformers generator", "hf-process": "transformers generator process"}.get(self.generator)
         gen = gen and gen + (" asleep while training" if self.sleeps else "")
         return " + ".join([*(["trainer"] if self.trainer else []), *([gen] if gen else [])]) or "idle"
@@ -263,7 +265,7 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
                **{f"generator {k}": v for k, v in context.items()}}
         gen.update({**own, **sampling})
         train.update(own)
-    elif holds.generator == "vllm":
+    elif holds.generator in ("vllm", "vllm-server"):
         n, ew, over = holds.engines, shape.params() * b / GiB, ENGINE_OVERHEAD_GB if gpu else 0.0
         cache = kv
         if four_bit:
@@ -293,7 +295,7 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
         gen.update(engine)
         if not holds.sleeps:
             train.update(engine)
-    moved = shape.params() * b / GiB if holds.generator == "vllm" and holds.sleeps and gpu else 0.0
+    moved = shape.params() * b / GiB if holds.generator in ("vllm", "vllm-server") and holds.sleeps and gpu else 0.0
     return MemoryPlan(cfg.model, device, memory_gb, shape.params() / 1e9, holds.role(), budget, ckpt, util, four_bit,
                       train, gen, 2 * moved, 2 * moved * GiB / (HOST_LINK_GBPS * 1e9), tuple(notes), short)
 
