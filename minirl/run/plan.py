@@ -25,7 +25,7 @@ import psutil
 from minirl.config import Config, ConfigError
 from minirl.generation.factory import split_devices
 from minirl.run.placement import Devices, Placement, device_facts, place
-from minirl.training.plan import HEADROOM, Holds, MemoryPlan, Shape, model_config, plan_shape
+from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, Holds, MemoryPlan, Shape, model_config, plan_shape
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,12 @@ class RunPlan:
 
 def _problem(p: MemoryPlan) -> str:
     where = f"{p.device} ({p.role})"
+    if p.short and p.role.startswith("trainer"):  # the engine gets what the trainer leaves of the GPU
+        return (f"the memory plan does not fit on {where}: {p.short}; use backend: hf (the trainer's own model "
+                "generates), a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the parts)")
     if p.short:
-        return (f"the memory plan does not fit on {where}: {p.short}; raise gpu_memory_utilization (or leave it "
-                "'auto'), use a smaller model or load_in_4bit: true (`minirl plan CONFIG` shows the parts)")
+        return (f"the memory plan does not fit on {where}: {p.short}; raise gpu_memory_utilization (at most "
+                f"{HEADROOM}; 'auto' is {OWN_GPU_SHARE}) or use a smaller model (`minirl plan CONFIG` shows the parts)")
     head = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of {p.memory_gb:.1f} GB on "
             f"{where} (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); ")
     if p.gpu_memory_utilization and p.role.startswith("trainer"):

@@ -284,7 +284,8 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
             one = (cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens)) \
                 * shape.kv_bytes_per_token(b) / GiB
             if cache < one:
-                short = (f"gpu_memory_utilization={util} on {device} gives each vLLM engine {util * memory_gb:.1f} GB, "
+                short = (f"gpu_memory_utilization={util} on {device} gives {'each' if n > 1 else 'the'} vLLM engine "
+                         f"{util * memory_gb:.1f} GB, "
                          f"below the {(ew + over + one) * GiB / 1e9:.1f} GB its weights, overhead and the KV cache of "
                          "one sequence (max_model_len) take")
             elif cache < kv:
