@@ -162,3 +162,12 @@ def test_the_trainer_keeps_the_runs_token_budget(tiny_model):
     assert t.token_budget == 1536
     t.reconfigure(cfg.replace(token_budget=1024))
     assert t.token_budget == 1024
+
+
+@pytest.mark.parametrize("argv", [["--gpus", "-1"], ["--gpu-gb", "0"]])
+def test_a_bad_device_figure_is_one_line(tmp_path, capsys, argv):
+    from minirl.cli import main
+    _, path = _yaml(tmp_path, "qwen2.5-0.5b")
+    assert main(["plan", path, *argv]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("minirl: error: plan for gpus=") and "--gpus 2 --gpu-gb 24" in line

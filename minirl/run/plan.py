@@ -142,6 +142,9 @@ def plan(cfg: Config, gpu_gb: float | None = None, gpus: int | None = None,
     """The run's plan of `cfg` (`minirl.plan`, `minirl plan`): on this machine, or on `gpus` GPUs of `gpu_gb` GB
     each (either alone: the other from this machine, one GPU where it has none; a GPU box is assumed to have vLLM,
     as `bash install.sh gpu` installs it). `gpus=0`: the CPU."""
+    if (gpus is not None and gpus < 0) or (gpu_gb is not None and gpu_gb <= 0):
+        raise ConfigError(f"plan for gpus={gpus}, gpu_gb={gpu_gb}: give 0 GPUs or more (0: the CPU), of more than "
+                          "0 GB each (`minirl plan CONFIG --gpus 2 --gpu-gb 24`)")
     devices = device_facts()
     if gpus is not None or gpu_gb is not None:
         n = (devices.count or 1) if gpus is None else gpus
