@@ -142,7 +142,7 @@ def auto_servers(cfg: Config, backend: str, k: int, cuda_devices: int) -> bool:
     sequences on their adapter), no env episodes, `sync_transport: auto` (servers take the adapter through files,
     not the in-memory transports). Otherwise one engine on GPU 1, as on two GPUs."""
     return (cfg.backend == "auto" and backend == "vllm" and cuda_devices >= 3 and k >= 1 and cfg.gen_devices == "auto"
-            and cfg.inflight == "continue" and cfg.env is None and cfg.sync_transport == "auto")
+            and cfg.inflight == "continue" and cfg.env is None and cfg.sync_transport == "auto" and not cfg.server_urls)
 
 
 def place(cfg: Config, devices: Devices | int) -> Placement:

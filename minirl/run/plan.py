@@ -10,7 +10,8 @@ placement (`placement.place`, from the config and the `Devices`) says what each 
   1 GPU       the trainer and a vLLM engine that sleeps while the trainer works (K = 0): the trainer's phase without
               the engine, the engine's share when it generates, and the sleep/wake traffic.
   2+ GPUs     the trainer's GPU and each engine's GPU apart: an engine on a GPU of its own takes its share (0.9 for
-              'auto', or `gpu_memory_utilization` as given), judged on that GPU; a GPU nothing is placed on is idle.
+              'auto', or `gpu_memory_utilization` as given), judged on that GPU; on 3+ GPUs with `backend: auto`, a
+              vLLM server on each GPU the trainer leaves; a GPU nothing is placed on is idle.
 
 The trainer's GPU picks the token budget, gradient checkpointing and 4-bit (`training.plan.plan_shape`); the other
 devices are planned with those choices.
