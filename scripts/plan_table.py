@@ -1,8 +1,9 @@
-"""docs/gpu.md's plan blocks, written from `minirl plan` itself: the CLI's output for two configs (verbatim, the
+"""docs/gpu.md's plan blocks, written from `minirl plan` itself: the CLI's output for three configs (verbatim, the
 temporary model folder's prefix left out) and a table of the published shapes on one and two GPUs from
 `minirl.plan`, the function the CLI prints. Each config: `Config()` defaults with `backend: vllm` (the four-GPU
-example: `auto`) and `max_tokens: 512`, the shape's config.json from `minirl/shapes/` (no weights); the GPUs are faked (`--gpus`,
-`--gpu-gb`), so the blocks are the same on any machine. tests/test_docs_generated.py fails when they are stale.
+example: `auto`) and `max_tokens: 512`, the shape's config.json from `minirl/shapes/` (no weights); the GPUs are
+faked (`--gpus`, `--gpu-gb`), so the blocks are the same on any machine. tests/test_docs_generated.py fails when
+they are stale.
 
     python scripts/plan_table.py           # rewrite the blocks in docs/gpu.md
     python scripts/plan_table.py --check   # exit 1 if they are stale

@@ -66,7 +66,8 @@ def _problem(p: MemoryPlan) -> str:
     where = f"{p.device} ({p.role})"
     if p.short and p.role.startswith("trainer"):  # the engine gets what the trainer leaves of the GPU
         return (f"the memory plan does not fit on {where}: {p.short}; use backend: hf (the trainer's own model "
-                "generates), a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the parts)")
+                "generates), a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the "
+                "parts)")
     if p.short:
         return (f"the memory plan does not fit on {where}: {p.short}; raise gpu_memory_utilization (at most "
                 f"{HEADROOM}; 'auto' is {OWN_GPU_SHARE}) or use a smaller model (`minirl plan CONFIG` shows the parts)")
