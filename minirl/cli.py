@@ -253,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("config", help="YAML file with Config fields")
     pl.add_argument("--gpu-gb", type=float, default=None, help="plan for GPUs of this many GB each (default: this "
                     "machine's, or its RAM on CPU)")
-    pl.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs (default: this machine's; one "
-                    "with --gpu-gb where it has none; 0: the CPU); the run's placement follows them")
+    pl.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs, vLLM installed (default: "
+                    "this machine's; one with --gpu-gb where it has none; 0: the CPU); the run's placement follows them")
     parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl, "export": export}
     p.commands = tuple(parsers)
     args, extra = p.parse_known_args(dashed(sys.argv[1:] if argv is None else argv))
