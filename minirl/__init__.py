@@ -7,7 +7,7 @@ from minirl.config import Config, ConfigError
 from minirl.generation.envs import Env, EnvStep, tool, tools
 from minirl.rewards import REGISTRY, Scorer, reward
 from minirl.run import Run, compare
-from minirl.training.plan import plan
+from minirl.run.plan import plan
 from minirl.ui import Dashboard, check, doctor, preview, preview_episodes, render, rescore
 from minirl.ui import render as plot  # minirl.plot(out_dir or metrics.jsonl): the dashboard's panels from a saved run
 

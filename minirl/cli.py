@@ -27,7 +27,7 @@ from minirl.run.evaluation import eval_options, evaluate
 from minirl.run.export import export_merged
 from minirl.run.gguf_export import export_gguf
 from minirl.run.loop import Run
-from minirl.training.plan import plan
+from minirl.run.plan import plan
 from minirl.ui import render
 
 
@@ -257,8 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                        "(same settings) and run minirl alone")
     pl = sub.add_parser("plan", help="the memory plan of a YAML config, from the model's config.json alone")
     pl.add_argument("config", help="YAML file with Config fields")
-    pl.add_argument("--gpu-gb", type=float, default=None, help="plan for a GPU of this many GB (default: this "
-                    "machine's GPU 0, or its RAM on CPU)")
+    pl.add_argument("--gpu-gb", type=float, default=None, help="plan for GPUs of this many GB each (default: this "
+                    "machine's, or its RAM on CPU)")
+    pl.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs, vLLM installed (default: "
+                    "this machine's; one with --gpu-gb where it has none; 0: the CPU); the run's placement follows them")
     parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl, "export": export}
     p.commands = tuple(parsers)
     args, extra = p.parse_known_args(dashed(sys.argv[1:] if argv is None else argv))
@@ -294,7 +296,7 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
     elif args.cmd == "plan":
-        print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb).table())
+        print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb, gpus=args.gpus).table())
     elif args.cmd == "export":
         if args.merged and args.type:
             raise ValueError("--type applies to --gguf only (the --merged folder keeps the run's dtype)")

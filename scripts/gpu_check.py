@@ -172,7 +172,6 @@ def _run(cfg, rows, checkpointing: bool = False) -> dict:
     import torch
 
     import minirl
-    from minirl.training.plan import plan
     cuda = torch.cuda.is_available() and cfg.dtype == "bfloat16"
     if cuda:
         gc.collect()
@@ -206,8 +205,8 @@ def _run(cfg, rows, checkpointing: bool = False) -> dict:
         # largest step's (training plus the generation before it), or the tail's after the last step
         steps_gb = [x["mem/cuda_mb"] / 1024 for x in h if "mem/cuda_mb" in x]
         prompt = max(len(p.token_ids) for p in run.train_prompts)
-        p = plan(cfg.replace(token_budget=run.trainer.token_budget), gradient_checkpointing=checkpointing,
-                 prompt_tokens=prompt)
+        p = minirl.plan(cfg.replace(token_budget=run.trainer.token_budget), gradient_checkpointing=checkpointing,
+                        prompt_tokens=prompt).trainer  # the trainer's GPU
         res.update(peak_cuda_gb=round(max(steps_gb + [torch.cuda.max_memory_allocated() / 2**30]), 2),
                    step_peak_cuda_gb=[round(x, 2) for x in steps_gb], prompt_tokens=prompt,
                    plan_peak_gb=round(p.peak_gb, 2), plan_train_gb=round(p.train_gb, 2),

@@ -17,9 +17,10 @@ def test_the_generated_references_are_current():
 
 
 def test_every_field_and_metric_is_in_them():
+    import dataclasses
+
     from minirl.config import Config
     from minirl.core.metrics import METRICS
-    import dataclasses
     gen = _gen()
     config, metrics = gen.config_md(), gen.metrics_md()
     assert all(f"## `{f.name}`" in config for f in dataclasses.fields(Config))
@@ -34,3 +35,25 @@ def test_a_changed_docstring_makes_the_page_stale(tmp_path, monkeypatch):
     (tmp_path / "docs" / "config.md").write_text(gen.config_md().replace("Config reference", "Config referense"))
     (tmp_path / "docs" / "metrics.md").write_text(gen.metrics_md())
     assert gen.stale() == ["docs/config.md"]
+
+
+def _plan_table():
+    spec = importlib.util.spec_from_file_location("plan_table", ROOT / "scripts" / "plan_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_md_plan_blocks_are_the_clis_output():
+    """docs/gpu.md's plan examples and table are what `minirl plan` prints (faked GPUs: the same on any machine)."""
+    assert not _plan_table().stale(), "run: python scripts/plan_table.py"
+
+
+def test_a_changed_plan_block_is_stale(tmp_path, monkeypatch):
+    """Positive control: a figure edited by hand in docs/gpu.md is seen."""
+    mod = _plan_table()
+    page = tmp_path / "gpu.md"
+    page.write_text(mod.PAGE.read_text().replace("peak                  8.87         19.35",
+                                                 "peak                  8.87         14.66"))
+    monkeypatch.setattr(mod, "PAGE", page)
+    assert mod.stale()

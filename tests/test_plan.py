@@ -6,8 +6,11 @@ import pytest
 
 from minirl import Config
 from minirl.config import ConfigError
-from minirl.training.plan import Shape, check_plan, plan, resolve_token_budget
+from minirl.run.placement import Devices, place
+from minirl.run.plan import check_run_plan, plan
+from minirl.training.plan import Shape, resolve_token_budget
 from minirl.training.shapes.synthetic import NAMES, shape_config
+
 
 @pytest.mark.parametrize("name", NAMES)
 def test_parameter_count_from_config_json_alone_is_exact(name):
@@ -28,21 +31,21 @@ def _folder(tmp_path, name):
 
 def test_plan_picks_checkpointing_then_4bit_as_the_gpu_shrinks(tmp_path):
     cfg = Config(model=_folder(tmp_path, "qwen2.5-7b"), backend="hf", max_tokens=512)
-    big, mid, small = (plan(cfg, gpu_gb=g) for g in (80, 24, 16))
+    big, mid, small = (plan(cfg, gpu_gb=g, gpus=1).trainer for g in (80, 24, 16))
     assert big.fits and not big.load_in_4bit and big.gradient_checkpointing and big.token_budget >= 4096  # 'auto'
     assert mid.fits and not mid.load_in_4bit and mid.token_budget < big.token_budget  # 14 GiB of bf16 weights
     assert small.fits and small.load_in_4bit  # the bf16 weights alone leave no room on 16 GB
-    assert not plan(cfg.replace(gradient_checkpointing=False), gpu_gb=80).gradient_checkpointing
-    ck = plan(cfg.replace(token_budget=4096), gpu_gb=80, gradient_checkpointing=True)
-    no = plan(cfg.replace(token_budget=4096), gpu_gb=80, gradient_checkpointing=False)
+    assert not plan(cfg.replace(gradient_checkpointing=False), gpu_gb=80, gpus=1).trainer.gradient_checkpointing
+    ck = plan(cfg.replace(token_budget=4096), gpu_gb=80, gpus=1, gradient_checkpointing=True).trainer
+    no = plan(cfg.replace(token_budget=4096), gpu_gb=80, gpus=1, gradient_checkpointing=False).trainer
     assert ck.train["activations"] < no.train["activations"] / 5 and ck.train["base weights"] == no.train["base weights"]
     assert "activations" in big.table() and "peak" in big.table()
 
 
 def test_engine_share_and_sleep_wake(tmp_path):
     cfg = Config(model=_folder(tmp_path, "qwen2.5-1.5b"), backend="vllm", max_tokens=256)
-    p = plan(cfg, gpu_gb=48, engine_sleeps=True)
-    awake = plan(cfg, gpu_gb=48, engine_sleeps=False)
+    p = plan(cfg, gpu_gb=48, gpus=1).trainer  # one GPU, K = 0: the engine sleeps while the trainer works
+    awake = plan(cfg.replace(max_async_steps=1), gpu_gb=48, gpus=1).trainer  # K = 1 on one GPU: awake
     assert 0 < p.gpu_memory_utilization < 1 and p.sleep_wake_gb == pytest.approx(2 * p.generate["engine weights"])
     assert "engine weights" not in p.train and awake.train["engine weights"] == p.generate["engine weights"]
 
@@ -51,7 +54,7 @@ def test_a_gpu_run_that_cannot_fit_stops_in_one_line_and_cpu_warns(tmp_path, cap
     cfg = Config(model=_folder(tmp_path, "qwen2.5-7b"), backend="hf", load_in_4bit=True, token_budget=8192,
                  max_tokens=1024, prompts_per_step=64, group_size=16)
     with pytest.raises(ConfigError, match=r"^the memory plan does not fit: peak .* of 8.0 GB") as e:
-        check_plan(cfg, cuda_devices=1, gpu_gb=8)
+        check_run_plan(cfg, Devices.fake(1, 8), place(cfg, 1))
     assert "\n" not in str(e.value)
     import minirl
     huge = Config(model=_folder(tmp_path, "qwen2.5-1.5b"), token_budget=4096, max_tokens=1024, prompts_per_step=512,
@@ -115,6 +118,7 @@ def test_per_token_count_matches_a_census_of_what_autograd_saves(tiny_model):
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
     from activation_census import census, plan_bytes_per_token
+
     from minirl.training.models import build_model
     cfg = Config(model=str(tiny_model), dtype="float32")
     model = build_model(cfg, "cpu")

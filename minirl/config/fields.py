@@ -104,7 +104,8 @@ class Config(metaclass=Coercing):
     # --- sampling ------------------------------------------------------------------------------------------
     backend: str = "auto"
     """Generator: 'vllm' (an in-process engine), 'vllm-server' (vLLM OpenAI-compatible servers: num_servers that
-    minirl starts, or your own at server_urls), 'hf' (transformers), or 'auto' (vLLM on GPUs, else transformers)."""
+    minirl starts, or your own at server_urls), 'hf' (transformers), or 'auto' (vLLM on GPUs, else transformers; on
+    3+ GPUs a vLLM server on each GPU the trainer leaves, where servers do all the run asks: docs/gpu.md)."""
     prompts_per_step: int = 8
     """Prompts per optimizer step."""
     group_size: int = 8
@@ -305,7 +306,8 @@ class Config(metaclass=Coercing):
     # --- vLLM servers (backend 'vllm-server') ---------------------------------------------------------------
     num_servers: int = 1
     """How many vLLM servers minirl starts (`vllm serve`, each on a loopback port with a random API key, pinned to
-    its own cores or GPU taken from gen_devices; logs in out_dir/servers/). Not used with server_urls."""
+    its own cores or GPU taken from gen_devices; logs in out_dir/servers/). Not used with server_urls. `backend:
+    auto` on N >= 3 GPUs sets it to N - 1."""
     server_urls: list[str] = field(default_factory=list)
     """Servers you started yourself (docs/scaling.md: the `vllm serve` command line), e.g.
     ['http://10.0.0.2:8000']; minirl then starts none. Their API key is read from the environment variable VLLM_API_KEY, never from the config

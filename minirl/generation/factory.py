@@ -35,7 +35,7 @@ def vllm_available() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def pick_backend(backend: str, cuda: bool, four_bit: bool = False) -> tuple[str, str]:
+def pick_backend(backend: str, cuda: bool, four_bit: bool = False, vllm: bool | None = None) -> tuple[str, str]:
     """(backend, why). 'auto' is vLLM on GPUs. On CPU it is transformers, on the ground that vLLM-CPU serving a
     LoRA adapter is slower than transformers `generate` (its CPU LoRA kernels copy the adapter weights for every
     token). The measurement behind it, side by side on the demo's step (8 prompts x 8 samples x 24 tokens, the
@@ -43,17 +43,19 @@ def pick_backend(backend: str, cuda: bool, four_bit: bool = False) -> tuple[str,
     model as the synchronous loop runs it): `minirl bench generation --out DIR`, `vllm_vs_hf` in
     DIR/generation.json (`vllm_vs_hf.vllm_vs_hf`: vLLM's tokens/s over transformers'). backend='vllm' forces it.
     QLoRA (`four_bit`) on a GPU is vLLM only where it loads the base in NF4 as the trainer does (`engine_gap`);
-    else transformers, whose generator samples from the trainer's own 4-bit model."""
+    else transformers, whose generator samples from the trainer's own 4-bit model. `vllm`: whether vLLM is
+    installed (None: looked up here; a plan for another machine says)."""
+    vllm = vllm_available() if vllm is None else vllm
     if backend != "auto":
-        if backend == "vllm" and not vllm_available():
+        if backend == "vllm" and not vllm:
             raise RuntimeError("backend='vllm' but vllm is not installed: `bash install.sh cpu` (CPU) or "
                                "`bash install.sh gpu` (GPU), or use backend='hf'")
         return backend, f"backend={backend!r}"
-    if not vllm_available():
+    if not vllm:
         return "hf", "vllm is not installed"
     if not cuda:
         return "hf", "on CPU, vLLM's LoRA path is slower than transformers (set backend='vllm' to use it)"
-    if four_bit and not loads_bitsandbytes():
+    if four_bit and not (vllm_available() and loads_bitsandbytes()):  # a faked machine: the pinned vLLM has none
         return "hf", ("load_in_4bit: this vLLM cannot load the base in NF4, so it would sample from the 16-bit base; "
                       "the transformers generator samples from the trainer's own 4-bit model (backend='vllm' "
                       "forces vLLM)")

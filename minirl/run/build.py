@@ -16,12 +16,12 @@ from minirl.generation.factory import make_generator
 from minirl.generation.tasks import TASKS, resolve_env
 from minirl.rewards import Scorer, check_columns, check_data_columns
 from minirl.run.checkpoint import Checkpoint, restore
-from minirl.run.placement import CpuThreads, Placement
+from minirl.run.placement import CpuThreads, Devices, Placement
+from minirl.run.plan import RunPlan, check_run_plan
 from minirl.run.trackers import check_tracker
 from minirl.sync.base import WeightSync
 from minirl.training.loss_fn import resolve_loss_fn
 from minirl.training.models import chat_template_text, cpu_dtype_warning, cuda_dtype_note, resolve_model
-from minirl.training.plan import MemoryPlan, check_plan
 from minirl.training.trainer import Trainer
 from minirl.types import Episode, Prompt, RolloutSource, SamplingParams, Sleeper
 
@@ -38,7 +38,7 @@ class RunParts:
     rollouts: RolloutSource | None = None  # what samples the groups: the generator, or (env runs) its episode runner
     train_prompts: Sequence[Prompt] = ()
     eval_prompts: Sequence[Prompt] = ()
-    plan: MemoryPlan | None = None  # the memory plan made before loading
+    plan: RunPlan | None = None  # the memory plan made before loading, each device for what it holds
     sleeper: Sleeper | None = None  # the engine that sleeps while the trainer shares its GPU (placement)
 
     def describe(self) -> dict[str, Any]:
@@ -85,7 +85,7 @@ def sampling_params(c: Config, step: int) -> SamplingParams:
 
 
 def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any, place: Placement,
-                cpu: CpuThreads, checkpoint: Checkpoint | None) -> RunParts:
+                cpu: CpuThreads, checkpoint: Checkpoint | None, devices: Devices) -> RunParts:
     """Check the inputs, then load the trainer (from `checkpoint` if given), the prompts and the generator.
     On a failure, what was opened is closed."""
     c = cfg
@@ -116,7 +116,7 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
         print(f"minirl: {sp.note}: held-out accuracy is not measured", flush=True)
     parts = RunParts(scorer, sp)
     try:
-        _load(parts, c, env, place, cpu, checkpoint)
+        _load(parts, c, env, place, cpu, checkpoint, devices)
     except BaseException:
         parts.close()
         raise
@@ -124,20 +124,20 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
 
 
 def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThreads,
-          checkpoint: Checkpoint | None) -> None:
+          checkpoint: Checkpoint | None, devices: Devices) -> None:
     parts.scorer.start()  # reward workers up before the model loads: a reward that cannot reach them fails now
     if c.inflight != "continue" and place.backend != "vllm":
         raise ValueError(f"inflight={c.inflight!r} needs the vLLM engine (backend='vllm'); the transformers "
                          "backend finishes in-flight sequences on their adapter (inflight='continue')")
     resolve_model(c.model)  # a model that cannot be found fails here, within seconds
-    parts.plan = check_plan(c, place.cuda_devices, engine_sleeps=place.engine_sleeps)  # a GPU run that cannot fit stops here, before loading
+    parts.plan = check_run_plan(c, devices, place)  # a GPU run that cannot fit stops here, before loading
     if not place.cuda_devices and (note := cpu_dtype_warning(c.dtype)):
         print(note, flush=True)
     engine = place.backend in ("vllm", "vllm-server")
     if place.cuda_devices and (note := cuda_dtype_note(c, place.train_device, engine)):  # bf16 below 8.0 fails
         print(note, flush=True)
     cpu.apply(place)
-    parts.trainer = trainer = Trainer(c, device=place.train_device)
+    parts.trainer = trainer = Trainer(c, device=place.train_device, token_budget=parts.plan.token_budget)
     tok, sp = trainer.tokenizer, parts.splits
     if checkpoint is not None:
         restore(checkpoint, trainer)

@@ -29,7 +29,8 @@ from minirl.run.checkpoint import Checkpoint, resume_point
 from minirl.run.evaluation import eval_options, evaluate
 from minirl.run.export import export_merged
 from minirl.run.folder import RunDir
-from minirl.run.placement import CpuThreads, cuda_device_count, place
+from minirl.run.placement import CpuThreads, device_facts, place
+from minirl.run.plan import RunPlan, plan_run
 from minirl.run.trackers import scalars
 from minirl.sync.base import SyncStats
 from minirl.sync.check import SyncCheck
@@ -66,11 +67,13 @@ class Run(Background):
         super().__init__()
         cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         cfg, self._reward_refs, self._env = resolve_rewards(cfg, rewards, env)
-        self.placement = place(cfg, cuda_device_count())  # a bad device string fails here, before anything loads
+        self.devices = device_facts()  # GPU count, memory, capability: the placement and the plan follow them
+        self.placement = place(cfg, self.devices)  # a bad device string fails here, before anything loads
         if gap := engine_gap(cfg, self.placement.backend):  # QLoRA on an engine that holds the 16-bit base
             print(gap, flush=True)
             cfg = cfg.replace(verify_sync=False)
-        self.cfg = cfg.replace(max_async_steps=self.placement.max_async_steps)
+        self.cfg = cfg.replace(max_async_steps=self.placement.max_async_steps,  # 3+ GPUs: servers, one a GPU
+                               num_servers=self.placement.num_servers or cfg.num_servers)
         self._data, self._eval_data = data, eval_data
         self.resuming = resume
         self.dir = RunDir(self.cfg.out_dir, resume, overwrite)
@@ -95,6 +98,11 @@ class Run(Background):
                                        for n in ("backend", "backend_why", "async_why"))
     log, tracker = property(lambda self: self.dir.log), property(lambda self: self.dir.tracker)
 
+    def memory_plan(self) -> RunPlan:
+        """The memory plan this run checks before it loads (each device for what the placement puts on it), from
+        the model's config.json alone; `minirl plan` prints the same."""
+        return plan_run(self.cfg, self.devices, self.placement)
+
     # --- set-up --------------------------------------------------------------------------------------------
     def setup(self) -> None:
         """Check out_dir and every input, load the model and the generator, then claim out_dir. Everything that
@@ -115,7 +123,7 @@ class Run(Background):
         if any (`parts.build_parts`), then check the sync once. Writes nothing."""
         c = self.cfg
         self.parts = build_parts(c, self._reward_refs, self._env, self._data, self._eval_data, self.placement,
-                                 self._cpu, self.checkpoint)
+                                 self._cpu, self.checkpoint, self.devices)
         position = self.checkpoint.state["data_position"] if self.checkpoint else 0
         self.stream = D.PromptStream(self.train_prompts, c.seed, position, shuffle=c.shuffle)
         if c.verify_sync and self.sync.transport != "shared":  # "shared": the generator runs on the trainer's model

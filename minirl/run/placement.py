@@ -1,14 +1,19 @@
 """Placement: which backend generates, where generation and training run, and how far generation runs ahead (K).
 
-Decided from the config and the device count before anything loads; a bad device string fails here, naming the
+Decided from the config and the device facts (`Devices`: GPU count, memory per GPU, compute capability, whether
+vLLM is installed; `device_facts()` reads this machine's, `minirl plan --gpus N --gpu-gb G` fakes them) by one pure
+function, `place`, before anything loads; a bad device string fails here, naming the
 field and the accepted forms. The result is one printed line at start and `placement` in summary.json.
 
   CPU               the cores are split (vLLM's worker or the generator process on some, the trainer's torch
                     threads on the rest) when K >= 1; synchronously each phase takes every core in turn.
   1 GPU             engine and trainer share cuda:0, K = 0 (synchronous); a vLLM engine sleeps (sleep mode level 1)
                     while the trainer works, and is woken before the adapter push.
-  2+ GPUs (vLLM)    trainer on cuda:0, one engine on GPU 1 (its processes see only that GPU), K = 1. With 3+ GPUs,
-                    `backend: vllm-server, num_servers: N-1` uses the rest (docs/gpu.md).
+  2 GPUs (vLLM)     trainer on cuda:0, one engine on GPU 1 (its processes see only that GPU), K = 1.
+  3+ GPUs (vLLM)    trainer on cuda:0; `backend: auto` starts a vLLM server on each other GPU (`auto_servers`: where
+                    servers do all the run asks), K = 1; `backend: vllm-server, num_servers: N-1` does the same by
+                    hand: the servers go to every GPU but the trainer's.
+The memory plan then plans each device for what the placement puts on it (`minirl.run.plan`).
 """
 from __future__ import annotations
 
@@ -19,10 +24,38 @@ from dataclasses import asdict, dataclass
 import torch
 
 from minirl.config import Config, ConfigError, parse_cores
-from minirl.generation.factory import pick_backend
+from minirl.generation.factory import pick_backend, vllm_available
 
 _GPU_IDS = re.compile(r"^(cuda:)?\d+(,(cuda:)?\d+)*$")
 _CORES = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+@dataclass(frozen=True)
+class Devices:
+    """The facts of the machine a run is placed on: its GPU count (0: CPU), each GPU's memory in GB (1e9; empty:
+    not known), the lowest compute capability among them, and whether vLLM is installed."""
+    count: int
+    memory_gb: tuple[float, ...] = ()
+    capability: tuple[int, int] | None = None
+    vllm: bool | None = None  # None: looked up where the backend is picked
+
+    @classmethod
+    def fake(cls, count: int, gpu_gb: float | None = None, capability: tuple[int, int] | None = None,
+             vllm: bool | None = None) -> "Devices":
+        """`count` GPUs of `gpu_gb` GB each (a plan for another machine)."""
+        return cls(count, (float(gpu_gb),) * count if gpu_gb else (), capability, vllm)
+
+    def gb(self, index: int) -> float | None:
+        return self.memory_gb[index] if index < len(self.memory_gb) else None
+
+
+def device_facts() -> Devices:
+    """This machine's `Devices` (GPUs as CUDA_VISIBLE_DEVICES shows them)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not n:
+        return Devices(0, vllm=vllm_available())
+    mem = tuple(torch.cuda.get_device_properties(i).total_memory / 1e9 for i in range(n))
+    return Devices(n, mem, min(tuple(torch.cuda.get_device_capability(i)) for i in range(n)), vllm_available())
 
 
 @dataclass(frozen=True)
@@ -36,9 +69,11 @@ class Placement:
     train_threads: int | None  # on CPU: the trainer's torch thread count
     cuda_devices: int
     engine_sleeps: bool = False  # vLLM shares the trainer's GPU with K = 0: it sleeps while the trainer works
+    num_servers: int | None = None  # `backend: auto` on 3+ GPUs: the vLLM servers it starts (one a GPU)
 
     def line(self) -> str:
         gen = self.gen_devices or ("every GPU" if self.cuda_devices else "every core")
+        gen += f" ({self.num_servers} servers, one a GPU)" if self.num_servers else ""
         train = self.train_device + (f" ({self.train_threads} threads)" if self.train_threads else "")
         return (f"minirl: placement: {self.backend} generation on {gen}, training on {train}, "
                 f"K = {self.max_async_steps} ({self.async_why})" + ("; the engine sleeps while the trainer works"
@@ -100,19 +135,37 @@ def _check_devices(cfg: Config, cuda_devices: int) -> None:
                                   "or 'auto'")
 
 
-def place(cfg: Config, cuda_devices: int) -> Placement:
-    """The placement of a run with `cuda_devices` GPUs (0: CPU)."""
+def auto_servers(cfg: Config, backend: str, k: int, cuda_devices: int) -> bool:
+    """Whether `backend: auto` on 3+ GPUs starts a vLLM server on each GPU the trainer leaves, instead of one
+    in-process engine that would leave the others idle: where vLLM is the pick, minirl places both sides
+    (gen_devices auto), K >= 1, and servers do all the run asks: `inflight: continue` (a server finishes in-flight
+    sequences on their adapter), no env episodes, `sync_transport: auto` (servers take the adapter through files,
+    not the in-memory transports). Otherwise one engine on GPU 1, as on two GPUs."""
+    return (cfg.backend == "auto" and backend == "vllm" and cuda_devices >= 3 and k >= 1 and cfg.gen_devices == "auto"
+            and cfg.inflight == "continue" and cfg.env is None and cfg.sync_transport == "auto" and not cfg.server_urls)
+
+
+def place(cfg: Config, devices: Devices | int) -> Placement:
+    """The placement of a run on `devices` (a count: that many GPUs, 0: CPU), a pure function of its arguments."""
+    devices = Devices(devices) if isinstance(devices, int) else devices
+    cuda_devices = devices.count
     _check_devices(cfg, cuda_devices)
-    backend, backend_why = pick_backend(cfg.backend, cuda_devices > 0, cfg.load_in_4bit)
+    backend, backend_why = pick_backend(cfg.backend, cuda_devices > 0, cfg.load_in_4bit, devices.vllm)
     k, async_why = pick_async_steps(cfg, backend, cuda_devices)
     if not cuda_devices:
         gen, threads = cpu_split(cfg, k)
         return Placement(backend, backend_why, k, async_why, gen, "cpu", threads, 0)
     train = "cuda:0" if cfg.train_devices == "auto" else "cuda:" + cfg.train_devices.removeprefix("cuda:")
+    servers = None
+    if auto_servers(cfg, backend, k, cuda_devices):
+        backend, servers = "vllm-server", cuda_devices - 1
+        backend_why = (f"auto: {servers} vLLM servers, one on each GPU the trainer leaves (one in-process engine "
+                       f"would leave {cuda_devices - 2} of the {cuda_devices} GPUs idle)")
     if cfg.gen_devices != "auto":
         gen = ",".join(x.removeprefix("cuda:") for x in cfg.gen_devices.split(","))
-    elif cuda_devices >= 2 and k >= 1:  # a GPU of its own: the first one the trainer does not use
-        gen = next(str(i) for i in range(cuda_devices) if f"cuda:{i}" != train)
+    elif cuda_devices >= 2 and k >= 1:  # GPUs of its own: servers every one the trainer does not use, else the first
+        others = [str(i) for i in range(cuda_devices) if f"cuda:{i}" != train]
+        gen = ",".join(others) if backend == "vllm-server" else others[0]
     else:  # colocated with the trainer
         gen = train.removeprefix("cuda:")
     if cfg.sync_transport == "collective" and backend == "vllm" and train.removeprefix("cuda:") in gen.split(","):
@@ -120,7 +173,7 @@ def place(cfg: Config, cuda_devices: int) -> Placement:
                           "put two ranks on one GPU; use sync_transport='auto' (CUDA IPC there) or give the engine "
                           "a GPU of its own (gen_devices)")
     sleeps = backend == "vllm" and k == 0 and gen == train.removeprefix("cuda:")
-    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps)
+    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps, servers)
 
 
 def cuda_device_count() -> int:

@@ -1,13 +1,13 @@
-"""A memory plan before loading: from the model's `config.json` alone (no weights), the parts of peak memory.
-
-    minirl plan CONFIG [--gpu-gb N]      minirl.training.plan(cfg, gpu_gb=None)
+"""A memory plan before loading: from the model's `config.json` alone (no weights), the parts of peak memory of one
+device for what it holds (`Holds`; the run maps its placement to each device's holdings: `minirl.run.plan`).
 
 Parts (GiB): base weights (dtype, or NF4 for the linear layers with double-quantized scales), LoRA + AdamW (fp32
 parameters, gradients and two moments: 16 bytes a LoRA parameter), activations of the largest micro-batch with or
 without gradient checkpointing, the lm_head logits of one chunk (`batch.LOGIT_CHUNK` completion tokens; float32),
-and the generator: vLLM's own weights + KV cache + its overhead, or transformers' KV cache of one step's sequences.
-The training phase and the generation phase peak apart; the run's peak is the larger. The sleep/wake cost is the
-engine's weights moved to the host and back per step.
+and the generator: vLLM's share of its GPU (its weights, overhead and the KV cache the rest leaves), or
+transformers' KV cache of one step's sequences. The training phase and the generation phase peak apart; the
+device's peak is the larger. Where the engine sleeps, the sleep/wake cost is its weights moved to the host and back
+per step.
 
 The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): with 'shared-prefix' packing one
 row of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per
@@ -19,20 +19,17 @@ keep up to ~2x them. The calibration test
 (tests/test_plan_calibration.py) checks the predicted increase of the training peak between token budgets and
 completion lengths against recorded `minirl bench memory` rows.
 
-Assumptions stated plainly: prompts of min(max_prompt_tokens, 256) tokens; every completion max_tokens long; the
-engine does not sleep between phases unless `engine_sleeps` (a run passes its placement's: vLLM sharing the
-trainer's GPU with K = 0 sleeps while the trainer works).
+Assumptions stated plainly: prompts of min(max_prompt_tokens, 256) tokens; every completion max_tokens long; a vLLM
+engine takes its whole share (`gpu_memory_utilization`) and fails to start when that share cannot hold its weights,
+overhead and one sequence's KV cache.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import torch
 from huggingface_hub import hf_hub_download
 
@@ -120,22 +117,44 @@ def model_config(cfg: Config) -> dict:
 
 
 @dataclass(frozen=True)
+class Holds:
+    """What one device holds, as the run's placement puts it there (`minirl.run.plan` maps a placement to it): the
+    trainer or not, and the generator on it: 'vllm' (`engines` vLLM engines or servers, each taking its share of
+    the GPU), 'hf' (the transformers generator on the trainer's own model), 'hf-process' (the transformers
+    generator in a process of its own, with its own copy of the model) or None; 'vllm-server' counts as 'vllm'.
+    `sleeps`: the vLLM engine sleeps
+    while the trainer works (it shares the trainer's GPU with K = 0)."""
+    trainer: bool = True
+    generator: str | None = None
+    engines: int = 1
+    sleeps: bool = False
+
+    def role(self) -> str:
+        gen = {"vllm": "vLLM engine" if self.engines == 1 else f"{self.engines} vLLM engines",
+               "vllm-server": "vLLM server" if self.engines == 1 else f"{self.engines} vLLM servers",
+               "hf": "transformers generator", "hf-process": "transformers generator process"}.get(self.generator)
+        gen = gen and gen + (" asleep while training" if self.sleeps else "")
+        return " + ".join([*(["trainer"] if self.trainer else []), *([gen] if gen else [])]) or "idle"
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
+    """The plan of one device (a GPU or the CPU) for what it holds."""
     model: str
-    device: str  # 'cuda' or 'cpu'
+    device: str  # 'cuda:N' or 'cpu'
     memory_gb: float | None  # the GPU's (or, on CPU, the machine's) memory the plan is held against, in GB (1e9)
     params_b: float  # billions
-    backend: str
-    colocated: bool
+    role: str  # what the device holds (`Holds.role`)
     token_budget: int
     gradient_checkpointing: bool
-    gpu_memory_utilization: float | None  # vLLM's share picked (None: not a vLLM engine on a GPU)
+    gpu_memory_utilization: float | None  # vLLM's share picked (None: no vLLM engine on this GPU)
     load_in_4bit: bool
     train: dict[str, float] = field(default_factory=dict)  # GiB of each part during training
     generate: dict[str, float] = field(default_factory=dict)  # GiB of each part during generation
     sleep_wake_gb: float = 0.0
     sleep_wake_s: float = 0.0
     notes: tuple[str, ...] = ()
+    short: str = ""  # why it cannot run although its peak fits (an engine's share too small), one line
 
     @property
     def train_gb(self) -> float:
@@ -151,27 +170,36 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.memory_gb is None else self.peak_gb * GiB <= HEADROOM * self.memory_gb * 1e9
+        if self.memory_gb is None:
+            return None
+        return self.peak_gb * GiB <= HEADROOM * self.memory_gb * 1e9 and not self.short
 
     def line(self) -> str:
         where = f"{self.memory_gb:.1f} GB" if self.memory_gb else "unknown memory"
         verdict = {True: "fits", False: "does NOT fit", None: "not checked"}[self.fits]
-        return (f"minirl: plan: {self.model} ({self.params_b:.2f}B) peak {self.peak_gb:.1f} GiB on {self.device} "
-                f"{where}: {verdict}; token_budget={self.token_budget}, gradient_checkpointing="
-                f"{str(self.gradient_checkpointing).lower()}, load_in_4bit={str(self.load_in_4bit).lower()}"
-                + (f", gpu_memory_utilization={self.gpu_memory_utilization}" if self.gpu_memory_utilization else ""))
+        share = f"gpu_memory_utilization={self.gpu_memory_utilization}" if self.gpu_memory_utilization else ""
+        head = f"minirl: plan: {self.device} {where} ({self.role}): peak {self.peak_gb:.1f} GiB, {verdict}"
+        if self.role == "idle":
+            return f"minirl: plan: {self.device} {where}: idle, nothing is placed on it"
+        if not self.role.startswith("trainer"):
+            return head + (f"; {share}" if share else "")
+        return (f"{head}; {self.model} ({self.params_b:.2f}B), token_budget={self.token_budget}, gradient_"
+                f"checkpointing={str(self.gradient_checkpointing).lower()}, load_in_4bit="
+                f"{str(self.load_in_4bit).lower()}" + (f", {share}" if share else ""))
 
     def table(self) -> str:
+        if not self.train and not self.generate:
+            return self.line()
         rows = [("part", "train GiB", "generate GiB")]
         for k in dict.fromkeys([*self.train, *self.generate]):
             rows.append((k, _f(self.train.get(k)), _f(self.generate.get(k))))
         rows.append(("peak", f"{self.train_gb:.2f}", f"{self.generate_gb:.2f}"))
         w = [max(len(r[i]) for r in rows) for i in range(3)]
-        out = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}" for a, b, c in rows]
+        out = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}".rstrip() for a, b, c in rows]
         if self.sleep_wake_gb:
             out.append(f"sleep/wake: {self.sleep_wake_gb:.2f} GiB moved per step, ~{self.sleep_wake_s:.2f} s "
                        f"at {HOST_LINK_GBPS:g} GB/s")
-        return "\n".join([self.line(), *out, *(f"note: {n}" for n in self.notes)])
+        return "\n".join([self.line(), *out, *(f"note: {n}" for n in (*self.notes, *[self.short][:bool(self.short)]))])
 
 
 def _f(x: float | None) -> str:
@@ -193,18 +221,12 @@ def micro_batch(cfg: Config, budget: int, prompt: int) -> tuple[int, int, int]:
     return tokens, math.ceil(tokens * m / row), row
 
 
-def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, budget: int, ckpt: bool,
-              four_bit: bool, engine_sleeps: bool, prompt: int) -> MemoryPlan:
-    b = 2 if device == "cuda" and cfg.dtype in ("auto", "bfloat16", "float16") else 4
-    backend = cfg.backend if cfg.backend != "auto" else (  # generation.pick_backend's rule (a layer above)
-        "vllm" if device == "cuda" and importlib.util.find_spec("vllm") is not None else "hf")
-    vllm = backend in ("vllm", "vllm-server")
-    colocated = device == "cpu" or cfg.gen_devices == "auto" or not vllm
+def _trainer_parts(cfg: Config, shape: Shape, b: int, budget: int, ckpt: bool, four_bit: bool,
+                   prompt: int) -> tuple[float, float, float]:
+    """(base weights, activations, logits) in bytes: what the trainer holds, and its growth while it trains."""
     lin = shape.linear_params()
     # NF4: 4 bits a weight, an 8-bit scale per 64 weights and a float32 scale per 256 of those (double quantization)
     weights = (lin * (0.5 + 1 / 64 + 4 / (64 * 256)) if four_bit else lin * b) + (shape.params() - lin) * b
-    lora = shape.lora_params(cfg.lora_rank)
-    seqs, seq_len = cfg.prompts_per_step * cfg.group_size, prompt + cfg.max_tokens
     tokens, completion, attn_len = micro_batch(cfg, budget, prompt)
     h, i = shape.hidden, shape.intermediate
     per_layer = shape.layer_activation_bytes(b, cfg.lora_rank)
@@ -217,118 +239,109 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
     # one chunk's lm_head output recomputed in backward: float32 logits / temperature, the exp of logsumexp's
     # backward, the gradient and the gather's scattered gradient (four float32 copies; in 16 bits also the head's
     # own output before .float())
-    logits = chunk * shape.vocab * (4 * 4 + (b if b < 4 else 0))
-    train = {"base weights": weights / GiB, "LoRA + AdamW": lora * 16 / GiB, "activations": acts / GiB,
-             "logits": logits / GiB}
-    if device == "cuda":
-        train["CUDA context"] = CUDA_CONTEXT_GB
-    gen = {k: train[k] for k in ("base weights", "LoRA + AdamW", "CUDA context") if k in train}
-    util, notes = None, []
+    return weights, acts, chunk * shape.vocab * (4 * 4 + (b if b < 4 else 0))
+
+
+def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, budget: int, ckpt: bool,
+              four_bit: bool, holds: Holds, prompt: int) -> MemoryPlan:
+    gpu = device.startswith("cuda")
+    b = 2 if gpu and cfg.dtype in ("auto", "bfloat16", "float16") else 4
+    weights, acts, logits = _trainer_parts(cfg, shape, b, budget, ckpt, four_bit, prompt)
+    lora = shape.lora_params(cfg.lora_rank)
+    seqs, seq_len = cfg.prompts_per_step * cfg.group_size, prompt + cfg.max_tokens
     kv = seqs * seq_len * shape.kv_bytes_per_token(b) / GiB
-    if vllm:
-        engine = {"engine weights": shape.params() * b / GiB, "engine KV cache": kv, "engine overhead":
-                  ENGINE_OVERHEAD_GB if device == "cuda" else 0.0}
+    context = {"CUDA context": CUDA_CONTEXT_GB} if gpu else {}
+    train, resident, notes, util, short = {}, {}, [], None, ""
+    if holds.trainer:
+        resident = {"base weights": weights / GiB, "LoRA + AdamW": lora * 16 / GiB}
+        train = {**resident, "activations": acts / GiB, "logits": logits / GiB, **context}
+        resident.update(context)
+    gen = dict(resident)
+    sampling = {"generate KV cache": kv, "sampling logits": seqs * shape.vocab * 4 * 2 / GiB}
+    if holds.generator == "hf":  # the trainer's own model
+        gen.update(sampling)
+    elif holds.generator == "hf-process":  # its own model in its own process, there while the trainer works (K >= 1)
+        own = {"generator weights": weights / GiB, "generator LoRA": lora * 4 / GiB,
+               **{f"generator {k}": v for k, v in context.items()}}
+        gen.update({**own, **sampling})
+        train.update(own)
+    elif holds.generator in ("vllm", "vllm-server"):
+        n, ew, over = holds.engines, shape.params() * b / GiB, ENGINE_OVERHEAD_GB if gpu else 0.0
+        cache = kv
         if four_bit:
             notes.append("the vLLM engine loads the base in 4-bit where it can (vLLM with bitsandbytes on a GPU), "
                          "else unquantized in the trainer's dtype: counted here unquantized")
-        if device == "cuda" and memory_gb:
+        if gpu and memory_gb:
             total = memory_gb * 1e9
             if cfg.gpu_memory_utilization != "auto":
                 util = float(cfg.gpu_memory_utilization)
-            elif not colocated:
+            elif not holds.trainer:
                 util = OWN_GPU_SHARE
             else:  # 'auto': what is free once the trainer loaded (resolve_engine_share's rule at engine start)
-                loaded = sum(gen.values()) * GiB
-                reserve = 0 if engine_sleeps else (acts + logits)
-                util = max(0.0, _share(total - loaded, total, reserve))
-            engine["engine KV cache"] = max(kv, util * total / GiB - engine["engine weights"]
-                                            - engine["engine overhead"])
-        if colocated:
-            gen.update(engine)
-            if not engine_sleeps:
-                train.update(engine)
-    else:
-        gen["generate KV cache"] = kv
-        gen["sampling logits"] = seqs * shape.vocab * 4 * 2 / GiB
-    moved = (shape.params() * b / GiB) if (vllm and colocated and engine_sleeps and device == "cuda") else 0.0
-    return MemoryPlan(cfg.model, device, memory_gb, shape.params() / 1e9, backend, colocated, budget, ckpt,
-                      util, four_bit, train, gen, 2 * moved, 2 * moved * GiB / (HOST_LINK_GBPS * 1e9), tuple(notes))
+                reserve = 0 if holds.sleeps else acts + logits
+                util = max(0.0, _share(total - sum(resident.values()) * GiB, total, reserve))
+            cache = util * total / GiB - ew - over  # vLLM gives its KV cache what its share leaves
+            one = (cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens)) \
+                * shape.kv_bytes_per_token(b) / GiB
+            if cache < one:
+                short = (f"gpu_memory_utilization={util} on {device} gives {'each' if n > 1 else 'the'} vLLM engine "
+                         f"{util * memory_gb:.1f} GB, "
+                         f"below the {(ew + over + one) * GiB / 1e9:.1f} GB its weights, overhead and the KV cache of "
+                         "one sequence (max_model_len) take")
+            elif cache < kv:
+                notes.append(f"the engine's KV cache holds {cache / kv:.0%} of one step's {seqs} sequences at once: "
+                             "vLLM queues the rest")
+            cache = max(cache, 0.0)
+        engine = {"engine weights": n * ew, "engine KV cache": n * cache, "engine overhead": n * over}
+        gen.update(engine)
+        if not holds.sleeps:
+            train.update(engine)
+    moved = shape.params() * b / GiB if holds.generator in ("vllm", "vllm-server") and holds.sleeps and gpu else 0.0
+    return MemoryPlan(cfg.model, device, memory_gb, shape.params() / 1e9, holds.role(), budget, ckpt, util, four_bit,
+                      train, gen, 2 * moved, 2 * moved * GiB / (HOST_LINK_GBPS * 1e9), tuple(notes), short)
 
 
 def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
-               gradient_checkpointing: bool | None = None, engine_sleeps: bool = False,
+               gradient_checkpointing: bool | None = None, holds: Holds = Holds(),
                prompt_tokens: int | None = None) -> MemoryPlan:
-    """The plan for `shape`: the fixed choices of `cfg` kept, the others picked. `token_budget` 'auto': the largest
+    """The plan of `device` ('cpu', 'cuda:N') holding `holds` (default: the trainer alone) for `shape`: the fixed
+    choices of `cfg` kept, the others picked where the device holds the trainer. `token_budget` 'auto': the largest
     budget (up to one step's tokens) that fits; gradient checkpointing as the trainer sets it ('auto': on a GPU);
     4-bit is picked only where nothing fits in the trainer's dtype (a plan that needs it says so). On CPU (or with
     no memory figure) 'auto' is 512. `prompt_tokens`: a prompt's length (default min(max_prompt_tokens, 256))."""
     prompt = prompt_tokens or min(cfg.max_prompt_tokens, 256)
     step_tokens = micro_batch(cfg, 2**62, prompt)[0]  # the whole step in one micro-batch
-    fixed = cfg.token_budget != "auto"
-    if fixed:
+    if cfg.token_budget != "auto":
         budgets = [int(cfg.token_budget)]
     elif device == "cpu" or memory_gb is None:
         budgets = [CPU_BUDGET]
     else:
         budgets = sorted({min(x, max(512, 2 ** math.ceil(math.log2(step_tokens)))) for x in BUDGETS}, reverse=True)
     if gradient_checkpointing is None:  # the trainer's rule (models.checkpointing_on): 'auto' is on a GPU only
-        gradient_checkpointing = device == "cuda" if cfg.gradient_checkpointing == "auto" else bool(
+        gradient_checkpointing = device != "cpu" if cfg.gradient_checkpointing == "auto" else bool(
             cfg.gradient_checkpointing)
-    ckpts = [gradient_checkpointing]
     bits = [True] if cfg.load_in_4bit else [False, True]
     first = None
-    for four in bits:
-        for ck in ckpts:
-            for bud in budgets:
-                p = _estimate(cfg, shape, device, memory_gb, bud, ck, four, engine_sleeps, prompt)
-                first = first or p
-                if p.fits is not False:
-                    return p
+    for four in bits if holds.trainer else bits[:1]:
+        for bud in budgets if holds.trainer else budgets[:1]:
+            p = _estimate(cfg, shape, device, memory_gb, bud, gradient_checkpointing, four, holds, prompt)
+            first = first or p
+            if p.fits is not False:
+                return p
     return first  # nothing fits: the plan of the config as given, which says so
 
 
-def plan(cfg: Config, gpu_gb: float | None = None, gradient_checkpointing: bool | None = None,
-         engine_sleeps: bool = False, prompt_tokens: int | None = None) -> MemoryPlan:
-    """The memory plan of `cfg` on this machine's GPU 0 (or a GPU of `gpu_gb` GB), from config.json alone. On a
-    machine without a GPU and no `gpu_gb`, the plan is for the CPU, held against the machine's RAM."""
-    if gpu_gb is None and torch.cuda.is_available():
-        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    if gpu_gb is None:
-        return plan_cpu(cfg, gradient_checkpointing)
-    return plan_shape(cfg, Shape.from_config(model_config(cfg)), "cuda", gpu_gb, gradient_checkpointing,
-                      engine_sleeps, prompt_tokens)
-
-
-def plan_cpu(cfg: Config, gradient_checkpointing: bool | None = None) -> MemoryPlan:
-    """The plan of `cfg` on CPU, held against the machine's RAM."""
-    return plan_shape(cfg, Shape.from_config(model_config(cfg)), "cpu", psutil.virtual_memory().total / 1e9,
-                      gradient_checkpointing)
-
-
 def resolve_token_budget(cfg: Config, device: str) -> int:
-    """`cfg.token_budget` as a number: 'auto' is the plan's choice for `device` ('cpu': 512; a GPU: the plan for
-    GPU 0). The one place 'auto' is resolved; the trainer calls it."""
+    """`cfg.token_budget` as a number for a trainer built alone (a run passes its plan's, `minirl.run.plan`):
+    'auto' is 512 on CPU; on a GPU the plan's choice for the trainer alone on `device`."""
     if cfg.token_budget != "auto":
         return int(cfg.token_budget)
     if not str(device).startswith("cuda"):
         return CPU_BUDGET
-    return plan(cfg).token_budget
-
-
-def check_plan(cfg: Config, cuda_devices: int, gpu_gb: float | None = None,
-               engine_sleeps: bool = False) -> MemoryPlan:
-    """Before loading: on a GPU (of `gpu_gb` GB, default GPU 0's) a plan that cannot fit stops the run here in one
-    line; on CPU it warns (on stderr). The plan's own line is the run's to print (`Run` prints it at start)."""
-    p = plan(cfg, gpu_gb, engine_sleeps=engine_sleeps) if cuda_devices else plan_cpu(cfg)
-    if p.fits is False:
-        what = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of "
-                f"{p.memory_gb:.1f} GB (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); lower "
-                "prompts_per_step/group_size/max_tokens, set load_in_4bit: true, or use a smaller model "
-                "(`minirl plan CONFIG` shows the parts)")
-        if cuda_devices:
-            raise ConfigError(what)
-        print("minirl: warning: " + what, file=sys.stderr, flush=True)
-    return p
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    gb = torch.cuda.get_device_properties(index).total_memory / 1e9
+    return plan_shape(cfg, Shape.from_config(model_config(cfg)), f"cuda:{index}", gb).token_budget
 
 
 OWN_GPU_SHARE = 0.9  # 'auto' for an engine on a GPU of its own: vLLM's own default
@@ -370,7 +383,8 @@ def resolve_engine_share(cfg: Config, trainer_device: str, engine_gpus: str | No
         return OWN_GPU_SHARE
     torch.cuda.empty_cache()  # what the trainer's allocator holds but does not use is free for the engine
     free, total = torch.cuda.mem_get_info(dev)
-    p = plan_shape(cfg, Shape.from_config(model_config(cfg)), "cuda", total / 1e9, engine_sleeps=engine_sleeps)
+    p = plan_shape(cfg, Shape.from_config(model_config(cfg)), f"cuda:{index}", total / 1e9,
+                   holds=Holds(True, "vllm", sleeps=engine_sleeps))
     reserve = 0.0 if engine_sleeps else p.train["activations"] + p.train["logits"]
     need = p.generate.get("engine weights", 0.0) + ENGINE_OVERHEAD_GB
     return engine_share(free, total, int(reserve * GiB), int(need * GiB))

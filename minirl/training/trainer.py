@@ -51,14 +51,16 @@ class Trainer:
     `packing` is the layout the trainer uses: `cfg.packing`, except that 'shared-prefix' falls back to 'padded'
     (with one printed line) where the model's attention implementation cannot take a custom mask."""
 
-    def __init__(self, cfg: Config, device: str | None = None):
+    def __init__(self, cfg: Config, device: str | None = None, token_budget: int | None = None):
         self.cfg = cfg
         self.loss_fn = resolve_loss_fn(cfg.loss_fn)  # a bad 'module:function': one line, before the model loads
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cpu" and cfg.cpu_compact_memory:
             fix_malloc_threshold()  # resident memory then follows the live tensors (the memory plan counts those)
         self.model_path = resolve_model(cfg.model)
-        self.token_budget = resolve_token_budget(cfg, self.device)  # 'auto': the memory plan's choice
+        # 'auto': the run's memory plan's choice (`token_budget`), or the trainer's alone (`resolve_token_budget`)
+        self.planned_budget = token_budget or resolve_token_budget(cfg, self.device)
+        self.token_budget = self.planned_budget
         self.tokenizer = load_tokenizer(cfg.model, cfg.model_kwargs, cfg.chat_template)
         torch.manual_seed(cfg.seed)
         self.checkpointing = checkpointing_on(cfg, self.device)
@@ -88,7 +90,7 @@ class Trainer:
         """Take a new config mid-run (`Run.set`): the loss settings from the next step, and its learning rate."""
         self.loss_fn = resolve_loss_fn(cfg.loss_fn)
         self.cfg = cfg
-        self.token_budget = resolve_token_budget(cfg, self.device)
+        self.token_budget = self.planned_budget if cfg.token_budget == "auto" else int(cfg.token_budget)
         for g in self.opt.param_groups:
             g["initial_lr"] = cfg.lr
         self.sched.base_lrs = [cfg.lr for _ in self.sched.base_lrs]

@@ -63,10 +63,17 @@ unless the caller passes `allow_unsandboxed=True`: then the program runs under t
 process limit does not hold), in a private temporary directory, with isolation "none (rlimits only)"; nothing
 then keeps a program from the caller's files and processes, nor a solution from its tests.
 """
-from .code_tests import (SplitAssert, TestsResult, as_programs, extract_code, run_tests,
-    split_assert)
-from .process import (UNSANDBOXED, SandboxResult, Sandboxed, SandboxUnavailable,
-    default_max_processes, isolation, run_python, start)
+from .code_tests import SplitAssert, TestsResult, as_programs, extract_code, run_tests, split_assert
+from .process import (
+    UNSANDBOXED,
+    Sandboxed,
+    SandboxResult,
+    SandboxUnavailable,
+    default_max_processes,
+    isolation,
+    run_python,
+    start,
+)
 
 __all__ = ["UNSANDBOXED", "SandboxResult", "SandboxUnavailable", "Sandboxed", "SplitAssert", "TestsResult",
            "as_programs", "default_max_processes", "extract_code", "isolation", "run_python", "run_tests",

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from . import harness
 from .harness import NotPlainData, decode, encode
-from .process import SandboxResult, Sandboxed, pump, start
+from .process import Sandboxed, SandboxResult, pump, start
 
 
 @dataclass(frozen=True)

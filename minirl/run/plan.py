@@ -1,0 +1,155 @@
+"""The run's memory plan: each device planned for what the placement puts on it, before anything loads.
+
+    minirl plan CONFIG [--gpus N] [--gpu-gb G]      minirl.plan(cfg, gpu_gb=None, gpus=None)
+
+`plan_run(cfg, devices, placement)` is the one function: `Run` checks its result before loading (`check_run_plan`)
+and gives the trainer its token budget; `minirl plan` prints it for this machine or for faked device facts. The
+placement (`placement.place`, from the config and the `Devices`) says what each device holds (`holdings`):
+
+  CPU         the trainer and the generator (a vLLM-CPU engine, or transformers), held against the machine's RAM.
+  1 GPU       the trainer and a vLLM engine that sleeps while the trainer works (K = 0): the trainer's phase without
+              the engine, the engine's share when it generates, and the sleep/wake traffic.
+  2+ GPUs     the trainer's GPU and each engine's GPU apart: an engine on a GPU of its own takes its share (0.9 for
+              'auto', or `gpu_memory_utilization` as given), judged on that GPU; on 3+ GPUs with `backend: auto`, a
+              vLLM server on each GPU the trainer leaves; a GPU nothing is placed on is idle.
+
+The trainer's GPU picks the token budget, gradient checkpointing and 4-bit (`training.plan.plan_shape`); the other
+devices are planned with those choices.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import psutil
+
+from minirl.config import Config, ConfigError
+from minirl.generation.factory import split_devices
+from minirl.run.placement import Devices, Placement, device_facts, place
+from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, Holds, MemoryPlan, Shape, model_config, plan_shape
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The plan of each device a run uses, in order (the CPU, or GPU 0, 1, ...), and the placement it follows."""
+    placement: Placement
+    devices: tuple[MemoryPlan, ...]
+
+    @property
+    def trainer(self) -> MemoryPlan:
+        """The plan of the trainer's device (its token budget, checkpointing and 4-bit are the run's)."""
+        return next(p for p in self.devices if p.device == self.placement.train_device)
+
+    @property
+    def token_budget(self) -> int:
+        return self.trainer.token_budget
+
+    @property
+    def fits(self) -> bool | None:
+        verdicts = [p.fits for p in self.devices]
+        return False if False in verdicts else None if None in verdicts else True
+
+    def line(self) -> str:
+        """One line a device, for the devices in use (an idle GPU only in the table)."""
+        return "\n".join(p.line() for p in self.devices if p.role != "idle")
+
+    def table(self) -> str:
+        """The placement line, then each device's parts."""
+        return "\n".join([self.placement.line(), *(p.table() for p in self.devices)])
+
+    def problems(self) -> list[str]:
+        """One line for each device whose plan does not fit, naming the figures and the ways out."""
+        return [_problem(p) for p in self.devices if p.fits is False]
+
+
+def _problem(p: MemoryPlan) -> str:
+    where = f"{p.device} ({p.role})"
+    if p.short and p.role.startswith("trainer"):  # the engine gets what the trainer leaves of the GPU
+        return (f"the memory plan does not fit on {where}: {p.short}; use backend: hf (the trainer's own model "
+                "generates), a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the "
+                "parts)")
+    if p.short:
+        return (f"the memory plan does not fit on {where}: {p.short}; raise gpu_memory_utilization (at most "
+                f"{HEADROOM}; 'auto' is {OWN_GPU_SHARE}) or use a smaller model (`minirl plan CONFIG` shows the parts)")
+    head = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of {p.memory_gb:.1f} GB on "
+            f"{where} (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); ")
+    if p.gpu_memory_utilization and p.role.startswith("trainer"):
+        return head + (f"gpu_memory_utilization={p.gpu_memory_utilization} is the engine's share of the GPU the "
+                       "trainer holds too: leave it 'auto' (the memory free once the trainer loaded), lower it, or "
+                       "give the engine a GPU of its own")
+    if p.gpu_memory_utilization:
+        return head + f"lower gpu_memory_utilization={p.gpu_memory_utilization} (at most {HEADROOM})"
+    return head + ("lower prompts_per_step/group_size/max_tokens, set load_in_4bit: true, or use a smaller model "
+                   "(`minirl plan CONFIG` shows the parts)")
+
+
+def holdings(cfg: Config, p: Placement) -> list[tuple[str, Holds]]:
+    """(device, what it holds) for each device of placement `p`: the trainer's, each vLLM engine's or server's
+    (one engine runs on the first of its GPU ids; servers are spread as `factory.split_devices` spreads them), the
+    transformers generator's (on the trainer's model when synchronous, else in a process of its own)."""
+    if p.backend == "vllm-server":  # your servers (server_urls) are on no device of this machine's plan
+        n = p.num_servers or cfg.num_servers
+        gen, ids = "vllm-server", [] if cfg.server_urls else split_devices(p.gen_devices, n, p.cuda_devices > 0)
+    elif p.backend == "vllm":
+        gen, ids = "vllm", [(p.gen_devices or "0").split(",")[0]]
+    elif p.max_async_steps:
+        gen, ids = "hf-process", [(p.gen_devices or "0").split(",")[0]]
+    else:
+        gen, ids = "hf", [p.train_device.removeprefix("cuda:")]
+    if not p.cuda_devices:
+        return [("cpu", Holds(True, gen, max(len(ids), 1)))]
+    out = []
+    for i in range(p.cuda_devices):
+        here, n = f"cuda:{i}" == p.train_device, ids.count(str(i))
+        out.append((f"cuda:{i}", Holds(here, gen if n else None, max(n, 1), p.engine_sleeps and here and n > 0)))
+    return out
+
+
+def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
+             gradient_checkpointing: bool | None = None, prompt_tokens: int | None = None) -> RunPlan:
+    """The run's plan on `devices`, placed as `placement` (default: `place(cfg, devices)`): the trainer's device
+    first (it picks the token budget, checkpointing and 4-bit), then every other device with those choices."""
+    placement = placement or place(cfg, devices)
+    shape = Shape.from_config(model_config(cfg))
+    held = holdings(cfg, placement)
+    train = next(d for d, h in held if h.trainer)
+
+    def memory(device: str) -> float | None:
+        return psutil.virtual_memory().total / 1e9 if device == "cpu" else devices.gb(int(device.split(":")[1]))
+
+    plans = {train: plan_shape(cfg, shape, train, memory(train), gradient_checkpointing, dict(held)[train],
+                               prompt_tokens)}
+    t = plans[train]
+    chosen = cfg.replace(token_budget=t.token_budget, load_in_4bit=t.load_in_4bit)
+    for device, holds in held:
+        if device != train:
+            plans[device] = plan_shape(chosen, shape, device, memory(device), t.gradient_checkpointing, holds,
+                                       prompt_tokens)
+    return RunPlan(placement, tuple(plans[d] for d, _ in held))
+
+
+def check_run_plan(cfg: Config, devices: Devices, placement: Placement) -> RunPlan:
+    """Before loading: on GPUs a plan with a device that cannot fit stops the run here (one line a device); on
+    CPU it warns (on stderr). The plan's lines are the run's to print (`Run` prints them at start)."""
+    p = plan_run(cfg, devices, placement)
+    if problems := p.problems():
+        if placement.cuda_devices:
+            raise ConfigError("\n".join(problems))
+        print("\n".join("minirl: warning: " + x for x in problems), file=sys.stderr, flush=True)
+    return p
+
+
+def plan(cfg: Config, gpu_gb: float | None = None, gpus: int | None = None,
+         gradient_checkpointing: bool | None = None, prompt_tokens: int | None = None) -> RunPlan:
+    """The run's plan of `cfg` (`minirl.plan`, `minirl plan`): on this machine, or on `gpus` GPUs of `gpu_gb` GB
+    each (either alone: the other from this machine, one GPU where it has none; a GPU box is assumed to have vLLM,
+    as `bash install.sh gpu` installs it). `gpus=0`: the CPU."""
+    if (gpus is not None and gpus < 0) or (gpu_gb is not None and gpu_gb <= 0):
+        raise ConfigError(f"plan for gpus={gpus}, gpu_gb={gpu_gb}: give 0 GPUs or more (0: the CPU), of more than "
+                          "0 GB each (`minirl plan CONFIG --gpus 2 --gpu-gb 24`)")
+    devices = device_facts()
+    if gpus is not None or gpu_gb is not None:
+        n = (devices.count or 1) if gpus is None else gpus
+        gb = gpu_gb if gpu_gb is not None else devices.gb(0)
+        devices = Devices.fake(n, gb, devices.capability, vllm=True if n else devices.vllm)
+    return plan_run(cfg, devices, gradient_checkpointing=gradient_checkpointing, prompt_tokens=prompt_tokens)
