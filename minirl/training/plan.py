@@ -43,6 +43,10 @@ CPU_BUDGET = 512  # on CPU smaller micro-batches cost no time and much less memo
 CUDA_CONTEXT_GB = 1.0  # the CUDA context, cuBLAS workspaces and the allocator's slack (not measured on a GPU yet)
 ENGINE_OVERHEAD_GB = 1.5  # vLLM's activations, CUDA graphs and sampler beside weights + KV cache (vLLM's profile)
 HOST_LINK_GBPS = 20.0  # host <-> GPU copy rate assumed for sleep/wake (PCIe 4 x16, pinned memory)
+# vLLM 0.32's sleep level 1 also offloads its runtime and CUDA-graph pools and remaps the KV cache on wake: a cycle
+# cost beyond the weights' copy, fitted (line through two points) to upstream's 1.4 s at 0.6B, 12.8 s at 8B
+# (vllm#48337) less their copy at HOST_LINK_GBPS; not measured here (each step logs time/sleep_s, time/wake_s)
+SLEEP_CYCLE_S, SLEEP_CYCLE_S_PER_B = 0.48, 1.34
 HEADROOM = 0.92  # a plan fits when its peak is under this share of the memory
 
 
@@ -197,8 +201,8 @@ class MemoryPlan:
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         out = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}".rstrip() for a, b, c in rows]
         if self.sleep_wake_gb:
-            out.append(f"sleep/wake: {self.sleep_wake_gb:.2f} GiB moved per step, ~{self.sleep_wake_s:.2f} s "
-                       f"at {HOST_LINK_GBPS:g} GB/s")
+            out.append(f"sleep/wake: {self.sleep_wake_gb:.2f} GiB moved per step, ~{self.sleep_wake_s:.1f} s (copies "
+                       f"at {HOST_LINK_GBPS:g} GB/s + vLLM's pools and KV remap, vllm#48337)")
         return "\n".join([self.line(), *out, *(f"note: {n}" for n in (*self.notes, *[self.short][:bool(self.short)]))])
 
 
@@ -298,7 +302,13 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
             train.update(engine)
     moved = shape.params() * b / GiB if holds.generator in ("vllm", "vllm-server") and holds.sleeps and gpu else 0.0
     return MemoryPlan(cfg.model, device, memory_gb, shape.params() / 1e9, holds.role(), budget, ckpt, util, four_bit,
-                      train, gen, 2 * moved, 2 * moved * GiB / (HOST_LINK_GBPS * 1e9), tuple(notes), short)
+                      train, gen, 2 * moved, sleep_wake_seconds(moved, shape.params()) if moved else 0.0, tuple(notes),
+                      short)
+
+
+def sleep_wake_seconds(weights_gb: float, params: int) -> float:
+    """One sleep + wake cycle's seconds: the weights to the host and back, plus vLLM's own cycle cost (SLEEP_CYCLE_S)."""
+    return 2 * weights_gb * GiB / (HOST_LINK_GBPS * 1e9) + SLEEP_CYCLE_S + SLEEP_CYCLE_S_PER_B * params / 1e9
 
 
 def plan_shape(cfg: Config, shape: Shape, device: str, memory_gb: float | None,
