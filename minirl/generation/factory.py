@@ -82,6 +82,7 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
         except BaseException:  # a failed transport (or a Ctrl-C / SIGTERM here) must not leave the engine running
             gen.close()
             raise
+        print(f"minirl: adapter sync {sync.transport}: {why}", flush=True)  # the transport, why, the engine's hooks
         return gen, sync, why
     if asynchronous:  # its own model in its own process: no GIL shared with the trainer
         cores = parse_cores(gen_devices) if gen_devices and not on_gpu else None
