@@ -22,7 +22,10 @@ How an adapter gets in, without files:
 - The manager's `_load_adapter` is wrapped once so that LoRA paths starting with `minirl-mem://` are built from
   the store instead of files; so a LoRARequest with such a path can be served, evicted and reloaded like a file
   adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry. These wraps, the gate's and every
-  other touch of vLLM's private names go through `minirl.sync.vllm_compat`.
+  other touch of vLLM's private names go through `minirl.sync.vllm_compat`, whose `check_hooks` verifies them on
+  this worker first (`minirl_hooks`, asked at engine start): without the sync's hooks the receiver does not start;
+  without those of exact per-token versions (the model runner's request state, V1 or V2) it notes no request and
+  refuses an in-place install rather than mislabel tokens.
 
 The doorbell (CPU and GPU alike): vLLM's utility call reaches the worker through the engine core (client loop → ZMQ
 → engine core → the executor's shared-memory queue → worker, and back), which takes longer than the copy it carries
