@@ -355,3 +355,25 @@ def test_the_receiver_hooks_into_a_v1_worker_through_these_hooks(monkeypatch):
         wm._load_adapter(types.SimpleNamespace(lora_path=lora_path_for(5, 2), lora_int_id=5))
     assert wm._load_adapter(types.SimpleNamespace(lora_path="/adapters/six", lora_int_id=6))[0] == "_load_adapter"
     assert wm.remove_adapter(5) == ("remove_adapter", (5,), {}) and 5 not in rec.versions and 5 not in rec.started
+
+
+def test_inflight_on_an_unchecked_release_is_refused_before_the_engine_starts(monkeypatch):
+    """`inflight: inflight` with a vLLM the hooks were not checked on: one line before the engine (and its model)
+    starts; the other policies go on (their sync then takes what the engine's hooks allow)."""
+    from minirl.config import Config
+    from minirl.generation import factory as gen_factory
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.35.1")
+    monkeypatch.setattr(gen_factory, "VLLMGenerator", lambda *a, **kw: pytest.fail("the engine started"))
+    trainer = types.SimpleNamespace(device="cpu", model=torch.nn.Linear(1, 1), model_path="m")
+    with pytest.raises(ConfigError) as e:
+        gen_factory.make_generator(Config(inflight="inflight"), trainer, "vllm", False, None)
+    assert "\n" not in str(e.value) and "vLLM 0.35.1" in str(e.value) and "inflight: continue or abort" in str(e.value)
+
+    class Started(Exception):
+        pass
+
+    def start(*a, **kw):
+        raise Started
+    monkeypatch.setattr(gen_factory, "VLLMGenerator", start)
+    with pytest.raises(Started):  # 'continue' goes on to start the engine
+        gen_factory.make_generator(Config(inflight="continue"), trainer, "vllm", False, None)

@@ -16,7 +16,7 @@ from minirl.generation.server_proc import ServerOptions
 from minirl.generation.vllm import VLLMGenerator, loads_bitsandbytes
 from minirl.generation.vllm_server import ServerGenerator
 from minirl.sync.base import WeightSync
-from minirl.sync.factory import make_sync
+from minirl.sync.factory import make_sync, refuse_unchecked_inflight
 from minirl.sync.local import SharedSync, ShmSync
 from minirl.sync.servers import ServerSync
 from minirl.training.plan import resolve_engine_share
@@ -62,6 +62,7 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
     if backend == "vllm-server":
         return _server_generator(cfg, trainer, gen_devices, on_gpu)
     if backend == "vllm":
+        refuse_unchecked_inflight(cfg.inflight == "inflight")  # before the engine loads the model
         dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
         share = resolve_engine_share(cfg, trainer.device, gen_devices, sleep_mode) if on_gpu else 0.0
         quant = None

@@ -27,6 +27,14 @@ def engine_hooks(generator: "InMemoryTarget | None", timeout_s: float = 30.0) ->
     return HookReport.from_dict(call_on_loop(generator, rpc(generator, "minirl_hooks", timeout_s=timeout_s), timeout_s))
 
 
+def refuse_unchecked_inflight(inflight: bool) -> None:
+    """Before the engine starts (its model loads): `inflight` on a vLLM release the hooks were not checked on is
+    refused at once, in one line (`make_sync` checks the running engine's hooks themselves)."""
+    version = vllm_compat.vllm_version()
+    if inflight and not vllm_compat.checked(version, vllm_compat.VLLM_CHECKED):
+        raise ConfigError(HookReport(version, "not started", vllm_compat.VLLM_CHECKED, False).refusal())
+
+
 def make_sync(transport: str, generator: "InMemoryTarget | None", trainer_device: str = "cpu", inflight: bool = False,
               timeout_s: float = 30.0) -> tuple[WeightSync, str]:
     """The `WeightSync` for a vLLM generator and a config value, and why: 'files' → FileSync; 'ipc' /
