@@ -323,6 +323,22 @@ def test_sync_serves_the_trainers_adapter(gen, trainer, probe, transport, inflig
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
+def test_the_engine_reports_its_hooks_and_the_sync_runs_on_them(gen):
+    """At engine start `make_sync` asks the worker for its hooks (`minirl_hooks`, checked on the runner in use):
+    vLLM-CPU's V1 runner has every one, so `inflight` gets the in-memory transport, and the reason names the
+    release, the runner and the hooks checked (tests/test_vllm_hooks.py: the faults, and the GPU releases' V2)."""
+    from minirl.sync import vllm_compat
+    from minirl.sync.factory import make_sync
+    sync, why = make_sync("auto", gen, "cpu", inflight=True)
+    try:
+        assert sync.transport == "ipc" and sync.inflight
+        assert f"vLLM {vllm_compat.vllm_version()}, model runner V1 (CPUModelRunner): hooks checked" in why
+    finally:
+        sync.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed")
 def test_inplace_adapter_evicted_from_its_slot_comes_back_with_its_latest_weights(gen, trainer, probe, tmp_path):
     """Fast in-place installs write only the engine's slot; when other adapters take every slot and ours comes
     back, vLLM re-activates it from its LoRAModel tensors: they must hold the latest version, not the first."""

@@ -124,17 +124,6 @@ def test_worker_hooks_on_vllm_0_32s_names():
     assert wm.remove_adapter(2) == ("drop", ("remove", 2))
 
 
-def test_new_requests_are_noted_before_the_runner_takes_them():
-    """`watch_new_requests` wraps the model runner's `_update_states`: each new request on a LoRA is noted first,
-    then vLLM's own method runs; a runner without it is left alone."""
-    seen = []
-    runner = _ns(_update_states=lambda out: seen.append("vllm") or "updated")
-    assert compat.watch_new_requests(runner, lambda rid, lid: seen.append((rid, lid)))
-    new = [_ns(req_id="a", lora_request=_ns(lora_int_id=5)), _ns(req_id="b", lora_request=None)]
-    assert runner._update_states(_ns(scheduled_new_reqs=new)) == "updated" and seen == [("a", 5), "vllm"]
-    assert compat.watch_new_requests(object(), seen.append) is False
-
-
 class _Gate:
     def __init__(self):
         self.log = []
@@ -182,6 +171,19 @@ def test_engine_steps_and_lora_calls_pass_the_gate():
     assert worker.execute_model() is None and gate.log == ["enter", "leave"]
 
 
+def test_new_requests_are_noted_inside_the_gate_before_the_step():
+    """`gate_worker_calls(..., note)`: each new request on a LoRA in the step's scheduler output (the worker's
+    `execute_model` argument, the same for the V1 and V2 runners) is noted after the gate is entered and before
+    vLLM's step runs; requests on the base model are not."""
+    gate, seen = _Gate(), []
+    worker = _ns(execute_model=lambda scheduler_output: seen.append("vllm") or "out")
+    compat.gate_worker_calls(worker, gate, lambda rid, lid: seen.append((rid, lid, list(gate.log))))
+    new = [_ns(req_id="a", lora_request=_ns(lora_int_id=5)), _ns(req_id="b", lora_request=None)]
+    assert worker.execute_model(_ns(scheduled_new_reqs=new)) == "out"
+    assert seen == [("a", 5, ["enter"]), "vllm"] and gate.log == ["enter", "leave"]
+    assert worker.execute_model(scheduler_output=_ns(scheduled_new_reqs=new[:1])) == "out" and seen[-2][:2] == ("a", 5)
+
+
 def test_slot_pairs_view_each_tensors_place_in_the_stacked_slots():
     """vLLM 0.32's LoRA linear layers: `lora_a_stacked` / `lora_b_stacked`, a tuple per slice of
     [max_loras, 1, out, in]; a rank-3 adapter sits at the top left of its slot (rank padded to 4). Layers
@@ -203,33 +205,13 @@ def test_slot_pairs_view_each_tensors_place_in_the_stacked_slots():
 
 
 def test_each_hook_names_the_release_it_was_checked_on_and_is_in_the_table():
-    helpers = {"warn_once", "vllm_version", "checked", "vllm_hooks"}
+    helpers = {"warn_once", "vllm_version", "checked", "vllm_hooks", "_signature_fault", "_vllm_class"}
     hooks = [f for n, f in vars(compat).items()
              if inspect.isfunction(f) and f.__module__ == compat.__name__ and n not in helpers]
     releases = [f"vLLM {r}" for r in compat.VLLM_CHECKED] + [f"torch {r}" for r in compat.TORCH_CHECKED]
     assert len(hooks) >= 17
     assert not [f.__name__ for f in hooks if not any(r in (f.__doc__ or "") for r in releases)]
     assert not [f.__name__ for f in hooks if f.__name__ not in compat.__doc__]
-
-
-def test_the_receiver_hooks_into_a_worker_through_these_hooks(monkeypatch):
-    """The receiver on a stand-in worker (no engine): in-memory paths load from its store, removal drops the id's
-    state, new requests are noted with the version they start on, an engine step passes its gate."""
-    _fake_vllm_ops(monkeypatch)  # importing the receiver puts minirl's CPU LoRA ops in place: on stand-ins here
-    from minirl.sync.receiver import Receiver
-    from minirl.sync.wire import lora_path_for
-    wm = _Manager()
-    runner = _ns(lora_manager=wm, requests={}, _update_states=lambda out: None)
-    worker = _ns(model_runner=runner, execute_model=lambda: "out")
-    rec = Receiver(worker)
-    rec.versions[5] = 2
-    runner._update_states(_ns(scheduled_new_reqs=[_ns(req_id="a", lora_request=_ns(lora_int_id=5))]))
-    assert rec.started == {5: [("a", 2)]} and rec.requests() == {}
-    with pytest.raises(RuntimeError, match="not in the in-memory store"):
-        wm._load_adapter(_ns(lora_path=lora_path_for(5, 2), lora_int_id=5))
-    assert wm._load_adapter(_ns(lora_path="/adapters/six", lora_int_id=6))[0] == "file"
-    assert wm.remove_adapter(5) == ("remove", 5) and 5 not in rec.versions and 5 not in rec.started
-    assert worker.execute_model() == "out" and not rec.gate.busy
 
 
 def test_gloo_group_binds_loopback_and_falls_back_without_the_private_options(tmp_path, monkeypatch):
@@ -334,13 +316,10 @@ def test_the_hooked_names_exist_in_the_installed_vllm():
     calls = ("execute_model", "sample_tokens", "add_lora", "remove_lora", "pin_lora")
     assert all(hasattr(w, n) for w in (Worker, CPUWorker) for n in calls)
     from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
-    from vllm.v1.worker.gpu_input_batch import CachedRequestState
 
     def fields(cls):
         return {f.name for f in dataclasses.fields(cls)}
     assert "scheduled_new_reqs" in fields(SchedulerOutput) and {"req_id", "lora_request"} <= fields(NewRequestData)
-    assert {"lora_request", "output_token_ids"} <= fields(CachedRequestState)
+    # the model runners' own names (V1's cached requests, V2's request state): tests/test_vllm_hooks.py, per release
     from vllm.lora import model_manager
     assert hasattr(model_manager.LoRAModelManager, "_get_lora_layer_weights")
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    assert hasattr(GPUModelRunner, "_update_states")

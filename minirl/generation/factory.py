@@ -16,7 +16,7 @@ from minirl.generation.server_proc import ServerOptions
 from minirl.generation.vllm import VLLMGenerator, loads_bitsandbytes
 from minirl.generation.vllm_server import ServerGenerator
 from minirl.sync.base import WeightSync
-from minirl.sync.factory import make_sync
+from minirl.sync.factory import make_sync, refuse_unchecked_inflight
 from minirl.sync.local import SharedSync, ShmSync
 from minirl.sync.servers import ServerSync
 from minirl.training.plan import resolve_engine_share
@@ -83,6 +83,7 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
     if backend == "vllm-server":
         return _server_generator(cfg, trainer, gen_devices, on_gpu)
     if backend == "vllm":
+        refuse_unchecked_inflight(cfg.inflight == "inflight")  # before the engine loads the model
         dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
         share = resolve_engine_share(cfg, trainer.device, gen_devices, sleep_mode) if on_gpu else 0.0
         # QLoRA: the engine samples from the same 4-bit base where this vLLM can load one (else `engine_gap`)
@@ -98,6 +99,7 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
         except BaseException:  # a failed transport (or a Ctrl-C / SIGTERM here) must not leave the engine running
             gen.close()
             raise
+        print(f"minirl: adapter sync {sync.transport}: {why}", flush=True)  # the transport, why, the engine's hooks
         return gen, sync, why
     if asynchronous:  # its own model in its own process: no GIL shared with the trainer
         cores = parse_cores(gen_devices) if gen_devices and not on_gpu else None

