@@ -23,6 +23,9 @@ METRICS: dict[str, str] = {
     "reward/failures": "reward calls that failed: raised, crashed, timed out, flooded output, or returned a "
                        "non-number or a value beyond reward_clip",
     "reward/failure_kinds": "those failures by kind, e.g. {'timeout': 2, 'SystemExit': 1}",
+    "reward/<name>": "mean of each reward function over the step's samples (before weighting; checks included)",
+    "reward/checks": "the rewards of weight 0 (checks: logged as reward/<name>, never trained on), watched by the "
+                     "doctor's reward-hacking warnings; only in runs that have checks",
     "length/mean": "mean completion length (tokens)",
     "length/max": "longest completion",
     "length/truncated_frac": "fraction of completions cut by max_tokens",

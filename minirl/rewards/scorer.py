@@ -1,7 +1,9 @@
 """The scorer: reward functions on each group, their weighted totals (advantages: `advantages.py`, once per step).
 
 A reward is a plain function `(prompt, completion, **columns) -> float | None` (sync or async). `None` means
-"skip this sample". Rewards combine by weight (weight 0 = logged only). A reward call that raises (SystemExit and
+"skip this sample". Rewards combine by weight. A reward of weight 0 is a *check*: scored and logged
+(`reward/<name>`, the samples) but never trained on: left out of the summed reward that makes advantages, and its
+failure never fails a sample's trained reward (the reward-hacking watch, core/hacking.py, compares them). A reward call that raises (SystemExit and
 KeyboardInterrupt included), ends or crashes its process, times out, prints a flood, or returns something that is
 not a finite number within `reward_clip` is a *failure*: recorded with its reason, its sample excluded from the
 group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0.
@@ -47,9 +49,16 @@ class Scorer:
                     memory_mb: int | None = 2048) -> "Scorer":
         if not refs:
             raise ValueError("no reward functions: set `rewards` to at least one reward")
+        if weights and not any(weights):
+            raise ValueError(ALL_CHECKS)
         resolved = [resolve_reward(r) for r in refs]
         return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s,
                    workers, reward_clip, memory_mb)
+
+    @property
+    def checks(self) -> list[str]:
+        """The rewards of weight 0: logged, never trained on."""
+        return [n for (n, _), w in zip(self.rewards, self.weights) if w == 0]
 
     @property
     def pool(self) -> RewardWorkers:
@@ -118,7 +127,8 @@ class Scorer:
         return [self._finish(g, rewards, p, f) for g, p, f in zip(groups, per, failures)]
 
     def _finish(self, group: Group, rewards, per: dict, failures: list[RewardFailure]) -> ScoredGroup:
-        """A group's weighted totals from its per-reward values (a sample with a failed weighted reward: None)."""
+        """A group's weighted totals from its per-reward values (a sample with a failed weighted reward: None). The
+        checks (weight 0) are left out of the sum: their values and failures are recorded, never trained on."""
         weights = dict(zip((n for n, _ in self.rewards), self.weights))
         totals: list[float | None] = []
         for i in range(len(group.completions)):
@@ -137,6 +147,10 @@ def _columns(columns: dict, completion, takes: set[str] | None = None) -> dict:
     if completion.episode is not None:
         kw.update(completion.episode.columns())
     return kw if takes is None else {k: v for k, v in kw.items() if k in takes}
+
+
+ALL_CHECKS = ("reward_weights are all 0: every reward is a check (logged, never trained on), so nothing is "
+              "trained; give the reward to train on a weight, e.g. reward_weights: [1, 0]")
 
 
 class RewardsFailing(RuntimeError):

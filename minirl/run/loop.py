@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from minirl.config import Config
+from minirl.core.hacking import HackingWatch, line
 from minirl.core.metrics import LogTail, rollout_metrics, sample_rows, step_summary
 from minirl.data import rows as D
 from minirl.pipeline.rollout import Pipeline
@@ -83,6 +84,7 @@ class Run(Background):
         self.pipeline: Pipeline | None = None
         self._check: SyncCheck | None = None
         self._tail: LogTail | None = None
+        self._watch, self._evals = HackingWatch(), []  # the reward-hacking watch and this process's eval events
 
     trainer, generator, sync, scorer, rollouts = (_part(n) for n in ("trainer", "generator", "sync", "scorer",
                                                                      "rollouts"))
@@ -167,24 +169,27 @@ class Run(Background):
             rec = {"step": step, **rollout_metrics(scored, c.max_tokens), **tm, **gen,
                    "reward/failure_kinds": failure_kinds(scored),
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
-                   **sync.metrics(), "time/step_s": dt, "prompt_ids": [g.group.prompt.index for g in scored]}
+                   **sync.metrics(), "time/step_s": dt, "prompt_ids": [g.group.prompt.index for g in scored],
+                   **({"reward/checks": self.scorer.checks} if self.scorer.checks else {})}
             self.history.append(log.log("step", **rec))
             if self.tracker is not None:
                 self.tracker.log(scalars(rec), step)
-            log.log("samples", step=step, samples=sample_rows(scored, c.log_samples),
-                    reward_versions=self.scorer.versions)
+            samples = log.log("samples", step=step, samples=sample_rows(scored, c.log_samples),
+                              reward_versions=self.scorer.versions)
             for cb in self.on_step:
                 cb(rec)
             if c.eval_every and (step + 1) % c.eval_every == 0 and step + 1 < c.steps:
                 t_eval = time.perf_counter()
                 self._evaluate(step + 1)
                 t_prev += time.perf_counter() - t_eval  # the next step's time/step_s leaves the evaluation out
+            self._doctor(samples)
             if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0 and step + 1 < c.steps:
                 self._checkpoint()
             if not c.max_async_steps:  # synchronous: the next step's generation starts after evaluation
                 self.pipeline.signal_version()
         self._close_pipeline()
         acc1 = self._evaluate(self.next_step)
+        self._doctor(None)
         self.summary.update({
             **step_summary(self.history), "backend": self.backend, "backend_why": self.backend_why,
             "transport": self.sync.transport, "max_async_steps": c.max_async_steps, "async_why": self.async_why,
@@ -207,13 +212,21 @@ class Run(Background):
         res = evaluate(self.rollouts, self.eval_prompts, self.scorer, self.cfg.max_tokens, progress,
                        **eval_options(self.cfg, step))
         rec = self.log.log("eval", step=step, version=self.trainer.version, **res.fields(),
-                           seconds=time.perf_counter() - t0)
+                           n=len(self.eval_prompts), seconds=time.perf_counter() - t0)
+        self._evals.append(rec)
         self.summary["eval_before" if step == 0 else "eval_after"] = res.fields()
         if self.tracker is not None:
             self.tracker.log(res.scalars(), step)
         for cb in self.on_eval:
             cb(rec)
         return res.accuracy
+
+    def _doctor(self, samples: dict | None) -> None:
+        """The reward-hacking watch (core/hacking.py): each warning that starts now, a "doctor" event and one
+        printed line, once per episode of its condition."""
+        for rec in self._watch.update(self.history, self._evals, samples):
+            self.log.log("doctor", **rec)
+            print(line(rec), flush=True)
 
     def _checkpoint(self) -> None:
         """A checkpoint after `next_step` steps (nothing when this process trained none)."""
