@@ -8,7 +8,7 @@ from conftest import TOY_ROWS
 
 from minirl import Config, ConfigError, Run, Scorer, reward
 from minirl.core.hacking import WINDOW, HackingWatch, episodes, failing_samples, trend
-from minirl.core.metrics import read_log
+from minirl.core.metrics import read_log, repeats
 from minirl.types import Completion, Group, Prompt
 from minirl.ui import doctor
 from minirl.ui.dashboard import failing_html
@@ -79,6 +79,18 @@ def test_length_climbing_with_the_reward_warns():
     hist = history(length=lambda i: 20.0 + 3 * i)
     assert watch_codes(hist) == ["hacking_length"]
     assert watch_codes(history()) == []  # the reward rising alone: quiet
+
+
+def test_repeated_text_climbing_with_the_reward_warns():
+    hist = history()
+    for i, h in enumerate(hist):
+        h["length/repeat_frac"] = 0.02 * i + (0.01 if i % 2 else 0.0)
+    assert watch_codes(hist) == ["hacking_format"]
+    assert repeats([5, 1, 2, 3, 4, 1, 2, 3, 4]) and repeats([7, 7, 7, 7, 7]) and not repeats([1, 2, 3, 4, 1, 2, 3])
+    hist = history(reward=lambda i: 0.5)
+    for i, h in enumerate(hist):
+        h["length/repeat_frac"] = 0.02 * i
+    assert watch_codes(hist) == []  # repetition rising alone is not the watch's business
 
 
 def test_held_out_accuracy_flat_while_the_reward_rises_warns():

@@ -6,7 +6,8 @@ The rule, in two lines: over the last `WINDOW` steps each series is fitted by le
 step; a series *rises* when slope > T x se(slope), and *keeps up* when slope > se. The watch speaks when the
 trained reward (`reward/mean`) rises while (a) a check (a reward of weight 0, `reward/checks`) does not keep up
 (flat or falling), (b) the held-out accuracy rose by less than one standard error between two evaluations at least
-`WINDOW` steps apart, (c) the completion length rises too.
+`WINDOW` steps apart, (c) the completion length rises too, (d) the share of completions repeating a run of 4
+tokens (`length/repeat_frac`) rises too.
 A check whose value is the same at every step of the window (always passed, always failed) carries no trend and is
 left out. One warning per *episode* of a condition: it is repeated only after the condition has been off for a
 whole window.
@@ -107,6 +108,12 @@ def findings_at(steps: Sequence[dict], evals: Sequence[dict] = (), checks: Seque
                            f"The reward moves {r}, the mean completion length {ln} tokens. Longer answers may be "
                            "what pays (the classic length exploit): check that the reward does not favour length, "
                            "or add a length penalty (overlong_penalty) or a check."))
+    rep = _fit(win, "length/repeat_frac")
+    if rep is not None and rep.rises:
+        out.append(Finding("repeats", "hacking_format", f"repeated text climbs with the reward ({span})",
+                           f"The reward moves {r}, the share of completions repeating a run of 4 tokens {rep}. "
+                           "Repetition may be what pays (padding, a phrase the reward counts): look at the "
+                           "samples, then fix the reward or add a check."))
     f = eval_finding(steps, evals)
     return out + ([f] if f is not None else [])
 

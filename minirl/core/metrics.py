@@ -29,6 +29,8 @@ METRICS: dict[str, str] = {
     "length/mean": "mean completion length (tokens)",
     "length/max": "longest completion",
     "length/truncated_frac": "fraction of completions cut by max_tokens",
+    "length/repeat_frac": "fraction of completions that repeat a run of 4 tokens (a format feature the reward-hacking "
+                          "watch follows: padding, loops)",
     "loss": "policy loss (aggregated)",
     "clip_frac": "fraction of tokens where the clipped branch was active",
     "clip_frac/behav": "fraction of tokens outside the trust region around the sampling policy (behav_clip)",
@@ -118,6 +120,8 @@ def rollout_metrics(groups: Sequence[ScoredGroup], max_tokens: int) -> dict[str,
         "length/mean": sum(lens) / max(1, len(lens)),
         "length/max": max(lens, default=0),
         "length/truncated_frac": sum(c.truncated for g in groups for c in g.group.completions) / max(1, len(lens)),
+        "length/repeat_frac": sum(map(repeats, (c.token_ids for g in groups for c in g.group.completions)))
+                              / max(1, len(lens)),
         "groups/zero_adv_frac": sum(g.zero_advantage for g in groups) / max(1, len(groups)),
     }
     for name in (groups[0].per_reward if groups else {}):
@@ -125,6 +129,17 @@ def rollout_metrics(groups: Sequence[ScoredGroup], max_tokens: int) -> dict[str,
         m[f"reward/{name}"] = sum(vals) / len(vals) if vals else float("nan")
     m.update(episode_metrics(groups))
     return m
+
+
+def repeats(ids: Sequence[int], n: int = 4) -> bool:
+    """Whether some run of n tokens occurs twice in `ids` (overlaps count)."""
+    seen = set()
+    for i in range(len(ids) - n + 1):
+        key = tuple(ids[i:i + n])
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
 
 
 def episode_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
