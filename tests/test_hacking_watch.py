@@ -105,6 +105,14 @@ def test_held_out_accuracy_flat_while_the_reward_rises_warns():
     # 0.5 -> 0.55 on 64 prompts: within its error (0.087)
     small = [{"event": "eval", "step": s, "accuracy": 0.5 + 0.05 * (s // 10), "n": 64} for s in (0, 10, 20)]
     assert watch_codes(hist, small) == ["hacking_eval"]
+    # an accuracy at its ceiling cannot rise: nothing to say
+    top = [{"event": "eval", "step": s, "accuracy": 1.0, "n": 64} for s in (0, 10, 20)]
+    assert watch_codes(hist, top) == []
+    fell = [{"event": "eval", "step": s, "accuracy": 1.0 if s == 0 else 0.0, "n": 64} for s in (0, 10, 20)]
+    assert watch_codes(hist, fell) == ["hacking_eval"]
+    # evaluations further apart than the window: still one warning while they agree
+    far = [{"event": "eval", "step": s, "accuracy": 0.5, "n": 64} for s in (0, 20, 40, 60)]
+    assert watch_codes(history(61), far) == ["hacking_eval"]
     # eval events may sit among the history's events, as in the log
     assert watch_codes(sorted(hist + flat, key=lambda e: e["step"])) == ["hacking_eval"]
 
@@ -185,9 +193,9 @@ def said_yes(prompt, completion, **_):
 @pytest.mark.parametrize("check, fires", [("no_yes", True), ("said_yes", False)])
 def test_the_watch_fires_on_a_hackable_run_and_not_on_an_honest_one(tiny_model, tmp_path, capsys, check, fires):
     cfg = Config(model=tiny_model, backend="hf", data="unused", rewards=[check, "yes_count"], reward_weights=[0, 1],
-                 steps=30, prompts_per_step=8, group_size=8, max_tokens=6, lr=0.1, eval_size=4, seed=0,
-                 out_dir=str(tmp_path / "run"), lora_rank=8, lora_alpha=16, reward_workers=0)
-    run = Run(cfg, data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:44])
+                 steps=30, prompts_per_step=8, group_size=8, max_tokens=6, lr=0.1, eval_size=16, eval_every=10,
+                 seed=0, out_dir=str(tmp_path / "run"), lora_rank=8, lora_alpha=16, reward_workers=0)
+    run = Run(cfg, data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:56])  # eval/accuracy: the check's greedy mean
     run.run()
     assert all(h["reward/checks"] == [check] for h in run.history)
     events = read_log(run.out)
@@ -197,7 +205,8 @@ def test_the_watch_fires_on_a_hackable_run_and_not_on_an_honest_one(tiny_model, 
     if not fires:
         assert warned == [] and shown == [] and printed == []
         return
-    first = warned[0]
+    assert {e["code"] for e in warned} >= {"hacking_check", "hacking_eval"}  # the held-out check falls too
+    first = next(e for e in warned if e["code"] == "hacking_check")
     assert first["code"] == "hacking_check" and first["check"] == "no_yes" and "'no_yes' falls" in first["title"]
     assert first["samples"] and all("yes" in s["completion"].split() and s["value"] == 0.0 for s in first["samples"])
     assert [(a.step, a.title) for a in shown if a.code == "hacking_check"][:1] == [(first["at_step"], first["title"])]

@@ -130,15 +130,18 @@ def accuracy_se(e: dict) -> float | None:
 
 
 def eval_finding(steps: Sequence[dict], evals: Sequence[dict]) -> Finding | None:
-    """(b): at the latest evaluation E, against the latest one B at least WINDOW steps before it: the reward rose
-    over the steps between them while the held-out accuracy rose by less than one standard error."""
+    """(b): at the latest evaluation E (until the next one: one episode across evaluations that agree), against the
+    latest one B at least WINDOW steps before it: the reward rose
+    over the steps between them while the held-out accuracy rose by less than one standard error. E at 1 (every
+    eval prompt right) cannot rise: skipped."""
     last_step = steps[-1].get("step") if steps else None
-    ev = [e for e in evals if _num(e.get("accuracy")) is not None and _num(e.get("step")) is not None]
-    if not ev or last_step is None or ev[-1]["step"] != last_step + 1:  # E measured after the latest step
+    ev = [e for e in evals if _num(e.get("accuracy")) is not None and _num(e.get("step")) is not None
+          and last_step is not None and e["step"] <= last_step + 1]  # measured after a step so far
+    if not ev:
         return None
     e1 = ev[-1]
     e0 = next((e for e in reversed(ev[:-1]) if e["step"] <= e1["step"] - WINDOW), None)
-    if e0 is None:
+    if e0 is None or e1["accuracy"] >= 1:
         return None
     r = _fit([h for h in steps if e0["step"] <= h.get("step", -1) < e1["step"]], "reward/mean")
     s0, s1 = accuracy_se(e0), accuracy_se(e1)
