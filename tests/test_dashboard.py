@@ -4,13 +4,11 @@ import asyncio
 import threading
 
 import pytest
+from conftest import TOY_ROWS, yes_reward
 
 from minirl import Run
-from minirl.ui import Dashboard, doctor, PANELS, render, samples_html
 from minirl.core.metrics import LogTail, read_log
-from minirl.ui import check, preview, rescore
-
-from conftest import TOY_ROWS, yes_reward
+from minirl.ui import PANELS, Dashboard, check, doctor, preview, render, rescore, samples_html
 
 
 def healthy(n=12, **over):
@@ -37,7 +35,8 @@ def test_doctor_is_quiet_on_a_healthy_run():
 
 @pytest.mark.parametrize("over, code", [
     ({"entropy": lambda i: 1.5 if i < 4 else 0.01}, "entropy_collapse"),
-    ({"length/mean": lambda i: 20 + 10 * i, "length/truncated_frac": lambda i: min(1.0, 0.1 * i)}, "length_runaway"),
+    ({"length/mean": lambda i: 20 + 10 * i, "length/truncated_frac": lambda i: min(1.0, 0.1 * i),
+      "reward/mean": lambda i: 0.5}, "length_runaway"),  # reward flat: with it rising, the hacking watch speaks too
     ({"length/mean": lambda i: 20.0 if i < 4 else 2.0}, "length_collapse"),
     ({"logprob_mismatch": lambda i: 0.01 * (1 + i)}, "mismatch_growing"),
     ({"groups/zero_adv_frac": lambda i: 0.1 if i < 4 else 0.9}, "zero_advantage"),

@@ -51,7 +51,9 @@ class Config(metaclass=Coercing):
     found). Besides the data's columns every reward may take `completion_tokens` and `finish_reason` ('stop' |
     'length'); each gets only the keywords its signature names (all with **kwargs)."""
     reward_weights: list[float] | None = None
-    """One weight per reward (default all 1). Weight 0 = logged only, not trained on."""
+    """One weight per reward (default all 1). Weight 0 makes a reward a *check*: scored and logged (reward/<name>,
+    the samples), never trained on (left out of the summed reward; its failure never fails a sample), and watched by
+    the doctor's reward-hacking warnings (docs/rewards-and-sandbox.md). At least one weight must not be 0."""
     reward_timeout_s: float = 10.0
     """A reward call that takes longer is recorded as a failure (timeout) and its sample excluded; with reward
     workers its process is killed and replaced."""

@@ -194,6 +194,9 @@ def validate(cfg) -> None:
          f"dtype={cfg.dtype!r}: use auto/float32/bfloat16/float16")
     need(cfg.reward_weights is None or len(cfg.reward_weights) == len(cfg.rewards),
          f"reward_weights has {len(cfg.reward_weights or [])} entries for {len(cfg.rewards)} rewards; give one per reward")
+    need(not cfg.reward_weights or any(cfg.reward_weights),
+         "reward_weights are all 0: every reward is a check (logged, never trained on), so nothing is trained; give "
+         "the reward to train on a weight, e.g. reward_weights: [1, 0]")
     need(cfg.report_to in (None, "trackio", "tensorboard", "wandb"),
          f"report_to={cfg.report_to!r}: use 'trackio', 'tensorboard', 'wandb' or none")
     if problems:

@@ -23,9 +23,14 @@ METRICS: dict[str, str] = {
     "reward/failures": "reward calls that failed: raised, crashed, timed out, flooded output, or returned a "
                        "non-number or a value beyond reward_clip",
     "reward/failure_kinds": "those failures by kind, e.g. {'timeout': 2, 'SystemExit': 1}",
+    "reward/<name>": "mean of each reward function over the step's samples (before weighting; checks included)",
+    "reward/checks": "the rewards of weight 0 (checks: logged as reward/<name>, never trained on), watched by the "
+                     "doctor's reward-hacking warnings; only in runs that have checks",
     "length/mean": "mean completion length (tokens)",
     "length/max": "longest completion",
     "length/truncated_frac": "fraction of completions cut by max_tokens",
+    "length/repeat_frac": "fraction of completions that repeat a run of 4 tokens (a format feature the reward-hacking "
+                          "watch follows: padding, loops)",
     "loss": "policy loss (aggregated)",
     "clip_frac": "fraction of tokens where the clip was active (ppo-clip: the clipped branch; cispo: the IS "
                  "weight at cispo_min or cispo_max)",
@@ -127,6 +132,8 @@ def rollout_metrics(groups: Sequence[ScoredGroup], max_tokens: int) -> dict[str,
         "length/mean": sum(lens) / max(1, len(lens)),
         "length/max": max(lens, default=0),
         "length/truncated_frac": sum(c.truncated for g in groups for c in g.group.completions) / max(1, len(lens)),
+        "length/repeat_frac": sum(map(repeats, (c.token_ids for g in groups for c in g.group.completions)))
+                              / max(1, len(lens)),
         "groups/zero_adv_frac": sum(g.zero_advantage for g in groups) / max(1, len(groups)),
     }
     for name in (groups[0].per_reward if groups else {}):
@@ -134,6 +141,17 @@ def rollout_metrics(groups: Sequence[ScoredGroup], max_tokens: int) -> dict[str,
         m[f"reward/{name}"] = sum(vals) / len(vals) if vals else float("nan")
     m.update(episode_metrics(groups))
     return m
+
+
+def repeats(ids: Sequence[int], n: int = 4) -> bool:
+    """Whether some run of n tokens occurs twice in `ids` (overlaps count)."""
+    seen = set()
+    for i in range(len(ids) - n + 1):
+        key = tuple(ids[i:i + n])
+        if key in seen:
+            return True
+        seen.add(key)
+    return False
 
 
 def episode_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:

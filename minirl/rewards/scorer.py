@@ -4,11 +4,14 @@ A reward is a plain function `(prompt, completion, **columns) -> float | None` (
 "skip this sample". A batched reward (TRL's `(prompts, completions, **kwargs) -> list[float | None]`) is called
 once per group, its lists in TRL's form (`_batch_call`); its `None` means "does not apply to this sample": left out
 of that sample's weighted sum, as TRL's nansum does (a sample where every weighted reward says None is skipped,
-where TRL would give it 0). Rewards combine by weight (weight 0 = logged only). A reward call that raises
-(SystemExit and KeyboardInterrupt included), ends or crashes its process, times out, prints a flood, or returns
-something that is not a finite number within `reward_clip` is a *failure*: recorded with its reason, its sample
-excluded from the group's baseline and the loss, and the run goes on. Nothing is turned silently into 0.0. A batched
-call that fails as a whole fails each of its samples; an entry that is not a usable number fails its sample only.
+where TRL would give it 0). Rewards combine by weight. A reward of weight 0 is a *check*: scored and logged
+(`reward/<name>`, the samples) but never trained on: left out of the summed reward that makes advantages, and its
+failure never fails a sample's trained reward (the reward-hacking watch, core/hacking.py, compares them). A reward
+call that raises (SystemExit and KeyboardInterrupt included), ends or crashes its process, times out, prints a
+flood, or returns something that is not a finite number within `reward_clip` is a *failure*: recorded with its
+reason, its sample excluded from the group's baseline and the loss, and the run goes on. Nothing is turned silently
+into 0.0. A batched call that fails as a whole fails each of its samples; an entry that is not a usable number fails
+its sample only.
 
 With `workers > 0` the calls run in reward worker processes (`workers.py`): a group's calls in parallel, each with
 its own timeout, a hung or crashed worker killed and replaced (`score_groups`: several groups' calls at once). `workers=0` runs them in this process, one after
@@ -53,11 +56,18 @@ class Scorer:
                     memory_mb: int | None = 2048) -> "Scorer":
         if not refs:
             raise ValueError("no reward functions: set `rewards` to at least one reward")
+        if weights and not any(weights):
+            raise ValueError(ALL_CHECKS)
         resolved = [resolve_reward(r) for r in refs]
         for name, fn in resolved:
             reward_form(fn, name)  # neither form: one line, before anything starts
         return cls(resolved, list(weights) if weights else [1.0] * len(resolved), timeout_s,
                    workers, reward_clip, memory_mb)
+
+    @property
+    def checks(self) -> list[str]:
+        """The rewards of weight 0: logged, never trained on."""
+        return [n for (n, _), w in zip(self.rewards, self.weights) if w == 0]
 
     @property
     def pool(self) -> RewardWorkers:
@@ -138,7 +148,8 @@ class Scorer:
         values[i] = v
 
     def _finish(self, group: Group, rewards, per: dict, failures: list[RewardFailure]) -> ScoredGroup:
-        """A group's weighted totals from its per-reward values (a sample with a failed weighted reward: None)."""
+        """A group's weighted totals from its per-reward values (a sample with a failed weighted reward: None). The
+        checks (weight 0) are left out of the sum: their values and failures are recorded, never trained on."""
         weights = dict(zip((n for n, _ in self.rewards), self.weights))
         failed = {(f.reward, f.sample) for f in failures}
         totals: list[float | None] = []
@@ -180,6 +191,10 @@ def _batch_call(name: str, group: Group, takes: set[str] | None) -> RewardCall:
     kw["trainer_state"] = SimpleNamespace(global_step=step)
     return RewardCall(name, prompts, completions, kw if takes is None else {k: v for k, v in kw.items() if k in takes},
                       batch=n)
+
+
+ALL_CHECKS = ("reward_weights are all 0: every reward is a check (logged, never trained on), so nothing is "
+              "trained; give the reward to train on a weight, e.g. reward_weights: [1, 0]")
 
 
 class RewardsFailing(RuntimeError):

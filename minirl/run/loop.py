@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any, Callable, Sequence
 
 from minirl.config import Config
+from minirl.core.hacking import HackingWatch, line
 from minirl.core.metrics import LogTail, rollout_metrics, sample_rows, step_summary
 from minirl.data import rows as D
 from minirl.generation.factory import engine_gap
@@ -90,6 +91,7 @@ class Run(Background):
         self.pipeline: Pipeline | None = None
         self._check: SyncCheck | None = None
         self._tail: LogTail | None = None
+        self._watch, self._evals = HackingWatch(), []  # the reward-hacking watch and this process's eval events
 
     trainer, generator, sync, scorer, rollouts = (_part(n) for n in ("trainer", "generator", "sync", "scorer",
                                                                      "rollouts"))
@@ -184,12 +186,13 @@ class Run(Background):
                    "reward/failure_kinds": failure_kinds(scored),
                    "throughput/train_tok_s": tm.get("train/tokens", 0) / max(t2 - t1, 1e-9),
                    **sync.metrics(), **slept, "time/step_s": dt,
-                   "prompt_ids": [g.group.prompt.index for g in scored]}
+                   "prompt_ids": [g.group.prompt.index for g in scored],
+                   **({"reward/checks": self.scorer.checks} if self.scorer.checks else {})}
             self.history.append(log.log("step", **rec))
             if self.tracker is not None:
                 self.tracker.log(scalars(rec), step)
             rows = sample_rows(scored, c.log_samples)
-            log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
+            samples = log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
             if self.tracker is not None and rows:
                 self.tracker.samples(rows, step)
             for cb in self.on_step:
@@ -198,12 +201,14 @@ class Run(Background):
                 t_eval = time.perf_counter()
                 self._evaluate(step + 1)
                 t_prev += time.perf_counter() - t_eval  # the next step's time/step_s leaves the evaluation out
+            self._doctor(samples)
             if c.checkpoint_every and (step + 1) % c.checkpoint_every == 0 and step + 1 < c.steps:
                 self._checkpoint()
             if not c.max_async_steps:  # synchronous: the next step's generation starts after evaluation
                 self.pipeline.signal_version()
         self._close_pipeline()
         acc1 = self._evaluate(self.next_step)
+        self._doctor(None)
         self.summary.update({
             **step_summary(self.history), "backend": self.backend, "backend_why": self.backend_why,
             "transport": self.sync.transport, "max_async_steps": c.max_async_steps, "async_why": self.async_why,
@@ -228,6 +233,7 @@ class Run(Background):
         rec = self.log.log("eval", step=step, version=self.trainer.version, **res.fields(),
                            seconds=time.perf_counter() - t0)
         self.log.log("eval_problems", step=step, problems=list(res.problems))  # per prompt: for `minirl.compare`
+        self._evals.append(rec)
         when = "before" if step == 0 else "after"
         self.summary[f"eval_{when}"] = fields = res.fields()
         self.summary[f"eval_accuracy_{when}_se"] = fields.get("accuracy_se")  # beside eval_accuracy_{when}
@@ -236,6 +242,13 @@ class Run(Background):
         for cb in self.on_eval:
             cb(rec)
         return res.accuracy
+
+    def _doctor(self, samples: dict | None) -> None:
+        """The reward-hacking watch (core/hacking.py): each warning that starts now, a "doctor" event and one
+        printed line, once per episode of its condition."""
+        for rec in self._watch.update(self.history, self._evals, samples):
+            self.log.log("doctor", **rec)
+            print(line(rec), flush=True)
 
     def _checkpoint(self) -> None:
         """A checkpoint after `next_step` steps (nothing when this process trained none)."""

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import ipywidgets as W
 
+from minirl.core.hacking import WINDOW, failing_samples
 from minirl.types import RunView
 from minirl.ui.doctor import Alert, doctor
 from minirl.ui.panels import PANELS, View, figure, png_bytes
@@ -45,6 +46,25 @@ def alerts_html(alerts: Sequence[Alert]) -> str:
     return "".join(items)
 
 
+def failing_html(alerts: Sequence[Alert], samples_events: Sequence[dict], width: int = 90) -> str:
+    """For each check a reward-hacking warning names: the top-rewarded logged samples of the last WINDOW steps that
+    fail it (a small table under the doctor's alerts); "" when there are none."""
+    checks = list(dict.fromkeys(a.check for a in alerts if a.check))
+    rows = [r for c in checks for r in failing_samples(samples_events[-WINDOW:], c)]
+    if not rows:
+        return ""
+    body = "".join(f"<tr><td>{_fmt(r['step'])}</td><td>{_fmt(r['check'])}</td><td>{_fmt(r['reward'])}</td>"
+                   f"<td>{_fmt(r['value'])}</td><td><code>{_cut(r['completion'], width)}</code></td></tr>" for r in rows)
+    return ("<div style='font-size:12px;margin-top:4px'><b>top-rewarded samples failing a check</b></div>"
+            "<table style='font-size:11px;border-collapse:collapse' border='1' cellpadding='3'><tr><th>step</th>"
+            f"<th>check</th><th>reward</th><th>check value</th><th>completion</th></tr>{body}</table>")
+
+
+def _cut(t: str, width: int) -> str:
+    t = " ".join(str(t).split())
+    return html.escape(t if len(t) <= width else t[: width - 1] + "…", quote=True)
+
+
 def samples_html(samples_events: Sequence[dict], limit: int = 6, width: int = 90) -> str:
     """The most recent logged completions with their scores, newest first."""
     rows = []
@@ -62,8 +82,7 @@ def samples_html(samples_events: Sequence[dict], limit: int = 6, width: int = 90
         return "<i style='font-size:12px'>samples appear after the first step</i>"
 
     def cut(t: str) -> str:
-        t = " ".join(str(t).split())
-        return html.escape(t if len(t) <= width else t[: width - 1] + "…", quote=True)
+        return _cut(t, width)
 
     head = ("<tr><th>step</th><th>prompt</th><th>completion</th><th>reward</th><th>per reward</th>"
             "<th>adv</th><th>failures</th></tr>")
@@ -178,9 +197,9 @@ class Dashboard:
             return False
         self._dirty.clear()
         v = self.view()
-        self.alerts = doctor(v.steps)
+        self.alerts = doctor(v.steps, evals=v.evals)
         self.status.value = self._status_html(v)
-        self.doctor_box.value = alerts_html(self.alerts)
+        self.doctor_box.value = alerts_html(self.alerts) + failing_html(self.alerts, v.samples)
         fig = figure(v, self.panels, dpi=self.dpi)
         self.image.value = png_bytes(fig)
         self.samples_box.value = samples_html(v.samples, self.n_samples)

@@ -1,10 +1,13 @@
-"""The doctor: classic failure signs of an RL run, read from its per-step records (a pure function)."""
+"""The doctor: classic failure signs of an RL run, read from its per-step records (a pure function), and the
+reward-hacking watch's warnings (`core/hacking.py`)."""
 from __future__ import annotations
 
 import math
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
+
+from minirl.core.hacking import episodes
 
 
 @dataclass(frozen=True)
@@ -15,6 +18,7 @@ class Alert:
     title: str
     detail: str
     step: int | None = None
+    check: str | None = None  # a reward-hacking warning about a check: its name
 
 
 def _series(history: Sequence[dict], key: str) -> list[float]:
@@ -32,13 +36,16 @@ def _early_recent(xs: list[float], k: int = 3) -> tuple[float, float]:
     return statistics.fmean(xs[:k]), statistics.fmean(xs[-k:])
 
 
-def doctor(history: Sequence[dict], *, min_steps: int = 6) -> list[Alert]:
-    """Classic failure signs in a run's per-step records (`run.history` or the log's step events).
+def doctor(history: Sequence[dict], *, min_steps: int = 6, evals: Sequence[dict] = ()) -> list[Alert]:
+    """Classic failure signs in a run's per-step records (`run.history` or the log's step events; its "eval" events
+    in `history` or `evals`).
 
     Pure: the same records give the same alerts. Trend rules compare the first and the last few steps, and
-    only speak once there are `min_steps` steps; point rules (reward failures, sync spikes) speak at once."""
+    only speak once there are `min_steps` steps; point rules (reward failures, sync spikes) speak at once. The
+    reward-hacking watch's warnings come first, one per episode of each condition, at the step it began."""
     hist = [h for h in history if h.get("event", "step") == "step"]
-    alerts: list[Alert] = []
+    evals = [*evals, *(h for h in history if h.get("event") == "eval")]
+    alerts: list[Alert] = [Alert(f.code, "warn", f.title, f.detail, s, f.check) for s, f in episodes(hist, evals)]
     last = hist[-1].get("step") if hist else None
     n = len(hist)
 
