@@ -5,11 +5,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _gen():
-    spec = importlib.util.spec_from_file_location("gen_docs", ROOT / "scripts" / "gen_docs.py")
+def _script(name: str):
+    """scripts/<name>.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _gen():
+    return _script("gen_docs")
 
 
 def test_the_generated_references_are_current():
@@ -38,10 +43,7 @@ def test_a_changed_docstring_makes_the_page_stale(tmp_path, monkeypatch):
 
 
 def _plan_table():
-    spec = importlib.util.spec_from_file_location("plan_table", ROOT / "scripts" / "plan_table.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _script("plan_table")
 
 
 def test_gpu_md_plan_blocks_are_the_clis_output():

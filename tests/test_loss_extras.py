@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_packing import lora_trainer
 
 from minirl import Config, ConfigError
 from minirl.benchmarks.trainer_step import load_batches
@@ -329,14 +330,7 @@ def test_a_bad_loss_fn_is_one_config_error_line_before_the_model_loads(loss_modu
 # --- in the trainer -----------------------------------------------------------------------------------------------
 
 def _trainer(tiny_model, **kw):
-    tr = Trainer(Config(model=tiny_model, backend="hf", lora_rank=8, lora_alpha=16, max_tokens=6, seed=0,
-                        max_grad_norm=1e9, **kw))
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():  # LoRA B starts at zero: make it non-zero so that every LoRA weight gets a gradient
-        for n, p in tr.model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return tr
+    return lora_trainer(tiny_model, **kw)
 
 
 def _step(tr, groups):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from minirl import Config, ConfigError
-from minirl.training.batch import Sample, completion_logprobs, make_batch
 from minirl.benchmarks.trainer_step import load_batches
+from minirl.training.batch import Sample, completion_logprobs, make_batch
 from minirl.training.packing import pack, packed_completion_logprobs
 from minirl.training.trainer import Trainer
 
@@ -26,9 +26,13 @@ def _one_thread():
 
 
 def _trainer(tiny_model, packing, gc, kl, budget=128):
+    return lora_trainer(tiny_model, token_budget=budget, packing=packing, gradient_checkpointing=gc, kl_coef=kl)
+
+
+def lora_trainer(tiny_model, **kw):
+    """A trainer on the tiny model whose LoRA weights all get gradients (also used by tests/test_loss_extras.py)."""
     tr = Trainer(Config(model=tiny_model, backend="hf", lora_rank=8, lora_alpha=16, max_tokens=6, seed=0,
-                        token_budget=budget, packing=packing, gradient_checkpointing=gc, kl_coef=kl,
-                        max_grad_norm=1e9))
+                        max_grad_norm=1e9, **kw))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # LoRA B starts at zero: make it non-zero so that every LoRA weight gets a gradient
         for n, p in tr.model.named_parameters():

@@ -102,18 +102,19 @@ def findings_at(steps: Sequence[dict], evals: Sequence[dict] = (), checks: Seque
                            f"{c}. The policy may be gaining reward by a way the check rejects: look at the "
                            "top-rewarded samples that fail it, then fix the reward (or give the check a weight).",
                            name))
-    ln = _fit(win, "length/mean")
-    if ln is not None and ln.rises:
-        out.append(Finding("length", "hacking_length", f"completion length climbs with the reward ({span})",
-                           f"The reward moves {r}, the mean completion length {ln} tokens. Longer answers may be "
-                           "what pays (the classic length exploit): check that the reward does not favour length, "
-                           "or add a length penalty (overlong_penalty) or a check."))
-    rep = _fit(win, "length/repeat_frac")
-    if rep is not None and rep.rises:
-        out.append(Finding("repeats", "hacking_format", f"repeated text climbs with the reward ({span})",
-                           f"The reward moves {r}, the share of completions repeating a run of 4 tokens {rep}. "
-                           "Repetition may be what pays (padding, a phrase the reward counts): look at the "
-                           "samples, then fix the reward or add a check."))
+    for key, code, metric, what, advice in (
+            ("length", "hacking_length", "length/mean", ("completion length", "the mean completion length"),
+             "Longer answers may be what pays (the classic length exploit): check that the reward does not favour "
+             "length, or add a length penalty (overlong_penalty) or a check."),
+            ("repeats", "hacking_format", "length/repeat_frac",
+             ("repeated text", "the share of completions repeating a run of 4 tokens"),
+             "Repetition may be what pays (padding, a phrase the reward counts): look at the samples, then fix the "
+             "reward or add a check.")):
+        fit = _fit(win, metric)
+        if fit is not None and fit.rises:
+            out.append(Finding(key, code, f"{what[0]} climbs with the reward ({span})",
+                               f"The reward moves {r}, {what[1]} {fit}{' tokens' if key == 'length' else ''}. "
+                               + advice))
     f = eval_finding(steps, evals)
     return out + ([f] if f is not None else [])
 
