@@ -135,7 +135,7 @@ def test_backend_auto_on_four_gpus_starts_a_server_on_each_gpu_the_trainer_leave
     run = minirl.Run(cfg)
     p = run.placement
     assert (p.backend, p.gen_devices, p.num_servers, p.max_async_steps) == ("vllm-server", "1,2,3", 3, 1)
-    assert "vllm-server generation on 1,2,3 (3 servers, one a GPU), training on cuda:0" in p.line()
+    assert "vllm-server generation on 1,2,3 (3 servers, one per GPU), training on cuda:0" in p.line()
     assert run.cfg.num_servers == 3 and printed == run.memory_plan().table()
     assert [d.role for d in run.memory_plan().devices] == ["trainer"] + ["vLLM server"] * 3
     two = P.place(cfg, P.Devices.fake(2, 24, vllm=True))

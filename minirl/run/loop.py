@@ -73,7 +73,7 @@ class Run(Background):
         if gap := engine_gap(cfg, self.placement.backend):  # QLoRA on an engine that holds the 16-bit base
             print(gap, flush=True)
             cfg = cfg.replace(verify_sync=False)
-        self.cfg = cfg.replace(max_async_steps=self.placement.max_async_steps,  # 3+ GPUs: servers, one a GPU
+        self.cfg = cfg.replace(max_async_steps=self.placement.max_async_steps,  # 3+ GPUs: servers, one per GPU
                                num_servers=self.placement.num_servers or cfg.num_servers)
         self._data, self._eval_data = data, eval_data
         self.resuming = resume

@@ -73,7 +73,7 @@ class Placement:
 
     def line(self) -> str:
         gen = self.gen_devices or ("every GPU" if self.cuda_devices else "every core")
-        gen += f" ({self.num_servers} servers, one a GPU)" if self.num_servers else ""
+        gen += f" ({self.num_servers} servers, one per GPU)" if self.num_servers else ""
         train = self.train_device + (f" ({self.train_threads} threads)" if self.train_threads else "")
         return (f"minirl: placement: {self.backend} generation on {gen}, training on {train}, "
                 f"K = {self.max_async_steps} ({self.async_why})" + ("; the engine sleeps while the trainer works"
