@@ -179,6 +179,8 @@ def test_check_reports_each_failing_case_clearly():
     assert check(lambda p, c, **_: None, [("x", None)]).ok
     assert check(lambda p, c, **_: 0.7, [("x", lambda v: v > 0.5)]).ok
     assert "<table" in rep._repr_html_()
+    swapped = check(arithmetic_correct, [("What is 5 + 7?", "12", {"answer": 12})])  # (prompt, completion) by mistake
+    assert not swapped.ok and "expect is str '12'" in swapped.failures[0]["why"]
 
 
 def test_preview_scores_the_models_samples_and_rescore_reuses_them(tiny_model):

@@ -149,7 +149,10 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
                         (fn(prompt, completion, **cols), None))
         except Exception as e:  # noqa: BLE001 - reported as the case's failure
             got, err = None, f"raised {type(e).__name__}: {e}"
-        if err:
+        if not (expect is None or callable(expect) or isinstance(expect, (int, float))):
+            ok, why = False, (f"expect is {type(expect).__name__} {expect!r}: give a number, None (a skip) or a "
+                              "predicate (a tuple case is (completion, expect[, columns]))")
+        elif err:
             ok, why = False, err
         elif callable(expect):
             ok = bool(expect(got))
