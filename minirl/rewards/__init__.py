@@ -1,7 +1,8 @@
 """Rewards: the registry (`registry.py`), the built-in tasks' rewards (`builtin.py`), the scorer that runs them on
 each group and turns rewards into group-relative advantages (`scorer.py`), the worker processes the calls run in
-(`workers.py`, `worker_main.py`). Code rewards run model-written code in `minirl.rewards.sandbox`."""
-from minirl.rewards import builtin  # noqa: F401 - registers the built-in rewards
+(`workers.py`, `worker_main.py`); a reward model's score (`reward_model.py`). Code rewards run model-written code
+in `minirl.rewards.sandbox`."""
+from minirl.rewards import builtin, reward_model  # noqa: F401 - registers the built-in rewards
 from minirl.rewards.builtin import arithmetic_correct, code_tests_pass, format_match, last_integer, overlong_penalty
 from minirl.rewards.registry import (
     COMPLETION_KEYWORDS,
