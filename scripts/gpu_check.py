@@ -21,6 +21,10 @@ Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout, 
 - `qlora` (needs bitsandbytes): 3 steps of the synthetic model with a 4-bit base; with vllm also on the engine:
   whether it loaded the base in 4-bit and the behaviour policy's gap (`logprob_mismatch` per step).
 - `embedded` (needs gguf): the embedded SmolLM2 model built from its GGUF file.
+- `generation`: the transformers generator on the trainer's own model, 8 prompts x 8 samples x 64 tokens of the
+  synthetic 1.5B in bf16 (twin: the tiny Qwen2, 8 tokens, 1 round): the loop (`hf_decode: loop`, today's path) vs
+  the static path (`hf_decode: static`, unmerged and merged LoRA), the median tokens/s of 3 rounds after a warm-up,
+  each one's peak CUDA memory, and the static path's share of the memory-bandwidth bound (`_bandwidth_bound`).
 
     bash scripts/gpu_check.sh             # on a GPU machine; writes $OUT (or ./gpu_check_out)
     bash scripts/gpu_check.sh --cpu-twin  # here
@@ -278,11 +282,113 @@ def embedded(dev: str) -> dict:
     return {"folder": resolve_model(EMBEDDED)}
 
 
-SECTIONS = "env,placement,train,ipc,collective,vllm,qlora,embedded"
+# GB/s of memory bandwidth by GPU name (the makers' figures); a GPU not listed is measured (`_bandwidth_gbs`)
+BANDWIDTH_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 80GB HBM3": 3350, "H100 NVL": 3900, "H100 PCIe": 2000,
+                 "A100-SXM4-80GB": 2039, "A100 80GB PCIe": 1935, "A100-SXM4-40GB": 1555, "A100-PCIE-40GB": 1555,
+                 "L40S": 864, "L4": 300, "A10G": 600, "RTX 4090": 1008}
+
+
+def _bandwidth_gbs(name: str) -> tuple[float, str]:
+    """(GB/s, source): the table's figure for the first key in `name`, else a timed 1 GiB device-to-device copy
+    (bytes read plus written over the median of 5 copies)."""
+    import torch
+    for key, gbs in BANDWIDTH_GBS.items():
+        if key in name:
+            return float(gbs), f"table ({key})"
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst, times = torch.empty_like(src), []
+    for _ in range(6):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return 2 * 2**30 / sorted(times[1:])[2] / 1e9, "measured (1 GiB copy)"
+
+
+def _bandwidth_bound(model, rows: int, gbs: float) -> dict:
+    """The memory-bandwidth bound of decoding: each step reads every weight once (base and LoRA; the KV cache and
+    activations left out, small at this size), so at most rows * bandwidth / weight bytes tokens/s."""
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"weight_gb": round(nbytes / 1e9, 3), "bandwidth_gbs": round(gbs), "rows": rows,
+            "bound_tokens_per_s": round(rows * gbs * 1e9 / nbytes)}
+
+
+def generation(dev: str) -> dict:
+    """Today's transformers decoding loop vs the static path, on the same workload in this process: the median
+    tokens/s of 3 rounds after one warm-up round (twin: 1 round, none), the peak CUDA memory of each, and the
+    static path's tokens/s over the bandwidth bound. Variants that would start past 60 % of the section's bound
+    are skipped (recorded) so that the section's figures come back."""
+    import gc
+    import statistics
+    from dataclasses import replace
+
+    import torch
+
+    from minirl.data.rows import to_prompts
+    from minirl.generation.hf import HFGenerator
+    from minirl.training.trainer import Trainer
+    from minirl.types import SamplingParams
+    cuda, start = dev == "cuda", time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="minirl-gpucheck-"))
+    try:
+        trainer = Trainer(_config(dev, _model(dev, tmp), tmp / "run"), device=dev)
+        prompts = to_prompts([{"prompt": f"What is {a} + {a + 3} ?"} for a in range(8)], trainer.tokenizer)
+        n, rounds = 8, 3 if cuda else 1
+        params = SamplingParams(temperature=1.0, max_tokens=64 if cuda else 8, seed=0)
+        res = {"model": trainer.model_path, "prompts": len(prompts), "samples": n, "max_tokens": params.max_tokens,
+               "rounds": rounds}
+        variants = {"fast": dict(decode_mode="static"), "baseline": dict(decode_mode="loop"),
+                    "fast_merged": dict(decode_mode="static", merge=True)}  # the slow baseline second
+
+        def late(share: float) -> bool:
+            return time.perf_counter() - start > share * BOUNDS["generation"]
+        for name, kw in variants.items():
+            if late(0.6):
+                res[name] = {"skipped": "time: the section's bound would be passed"}
+                continue
+            gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, **kw)
+            if cuda:
+                gen.generate(prompts, n, replace(params, max_tokens=8))  # warm-up: kernels chosen, graph captured
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            tps, tokens = [], 0
+            for _ in range(rounds):
+                if tps and late(0.8):  # fewer rounds rather than no figure
+                    break
+                if cuda:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                groups = gen.generate(prompts, n, params)
+                if cuda:
+                    torch.cuda.synchronize()
+                tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+                tps.append(tokens / (time.perf_counter() - t))
+            res[name] = {"tokens_per_s": round(statistics.median(tps), 1), "rounds": [round(x) for x in tps],
+                         "tokens": tokens, "merge": gen.merge, "decode": gen.last_decode or {"decode": "loop"}}
+            if cuda:
+                res[name]["peak_cuda_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if cuda:
+            gbs, source = _bandwidth_gbs(torch.cuda.get_device_name(0))
+            res["bound"] = {**_bandwidth_bound(trainer.model, len(prompts) * n, gbs), "bandwidth_source": source}
+            for name in ("fast", "fast_merged"):
+                if "tokens_per_s" in res[name]:
+                    res[name]["of_bound"] = round(res[name]["tokens_per_s"] / res["bound"]["bound_tokens_per_s"], 3)
+        if "tokens_per_s" in res["fast"]:
+            res["fast_vs_baseline"] = round(res["fast"]["tokens_per_s"] / res["baseline"]["tokens_per_s"], 2)
+        return res
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+SECTIONS = "env,placement,train,ipc,collective,vllm,qlora,embedded,generation"
 # Each section's time bound (s): one that hangs is stopped there and recorded, and the others still run. Their sum
 # stays inside gpu_check.sh's 480 s (8 minutes); the H200 took 0 / 0.2 / 78 / 13 s for the first four (BENCHMARKS.md).
-BOUNDS = {"env": 15, "placement": 20, "train": 150, "ipc": 45, "collective": 45, "vllm": 130, "qlora": 55,
-          "embedded": 15}
+# generation's 80 s came from train (150 -> 140), vllm (130 -> 80: the GPU image has no vllm) and qlora (55 -> 40).
+BOUNDS = {"env": 15, "placement": 20, "train": 140, "ipc": 45, "collective": 45, "vllm": 80, "qlora": 40,
+          "embedded": 15, "generation": 80}
 
 
 class SectionTimeout(Exception):

@@ -32,6 +32,9 @@ def test_gpu_check_cpu_twin_without_the_images_missing_packages(tmp_path):
         assert run["steps"] == 3 and run["adapter_finite"] and run["losses"]
     assert res["ipc"]["receiver_copy_equals_trainer"] and res["collective"]["equal"]
     assert res["collective"]["killed_peer"].startswith("SyncTimeout after")  # minirl's open_group, its gloo twin
+    gen = res["generation"]  # the loop vs the static path on the tiny model, the CPU twin of the GPU figures
+    assert gen["fast"]["decode"]["decode"] == "static" and gen["baseline"]["decode"] == {"decode": "loop"}
+    assert gen["fast"]["tokens"] > 0 and gen["fast"]["tokens_per_s"] > 0 and gen["baseline"]["tokens_per_s"] > 0
 
 
 def test_gpu_check_reports_a_failing_section(tmp_path):

@@ -108,6 +108,9 @@ class Config(metaclass=Coercing):
     """Generator: 'vllm' (an in-process engine), 'vllm-server' (vLLM OpenAI-compatible servers: num_servers that
     minirl starts, or your own at server_urls), 'hf' (transformers), or 'auto' (vLLM on GPUs, else transformers; on
     3+ GPUs a vLLM server on each GPU the trainer leaves, where servers do all the run asks: docs/gpu.md)."""
+    hf_decode: str = "auto"
+    """The transformers generator's decoding: 'loop' (`hf.decode`), 'static' (a static KV cache, the step in a CUDA
+    graph on GPU: `generation/fast_decode.py`), 'auto' (the loop for now; static on CUDA once measured)."""
     prompts_per_step: int = 8
     """Prompts per optimizer step."""
     group_size: int = 8

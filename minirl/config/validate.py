@@ -161,6 +161,7 @@ def validate(cfg) -> None:
          f"loss_fn={cfg.loss_fn!r}: give 'module:function' (e.g. 'my_losses:clipped'), or none for the built-in loss")
     need(cfg.backend in ("auto", "vllm", "vllm-server", "hf"),
          f"backend={cfg.backend!r}: use 'auto', 'vllm', 'vllm-server' or 'hf'")
+    need(cfg.hf_decode in ("auto", "loop", "static"), f"hf_decode={cfg.hf_decode!r}: use 'auto', 'loop' or 'static'")
     for i, url in enumerate(cfg.server_urls):
         need(re.fullmatch(r"https?://[^/\s:]+(:\d+)?/?", url) is not None,
              f"server_urls[{i}]={url!r}: give the server's address as http://HOST:PORT")

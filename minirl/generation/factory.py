@@ -106,7 +106,7 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
         device = f"cuda:{gen_devices.split(',')[0]}" if gen_devices and on_gpu else trainer.device
         gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=cores, device=device)
         return gen, ShmSync(), "transformers generator process: the adapter goes through one shared-memory buffer"
-    gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version)
+    gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, decode_mode=cfg.hf_decode)
     return gen, SharedSync(), "synchronous transformers loop: the generator uses the trainer's own model"
 
 

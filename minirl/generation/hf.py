@@ -18,6 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from minirl.core.logits import Processing, min_p_cut, penalise, seen_tokens
+from minirl.generation.fast_decode import resolve_decode, static_decode
 from minirl.sync.vllm_compat import tensor_version
 from minirl.training.batch import sequence_logprobs
 from minirl.types import AdapterUpdate, Completion, Group, Prompt, SamplingParams
@@ -175,13 +176,16 @@ class HFGenerator(LocalEngine):
     merged into a copy of the base weights (`merged_lora`: faster; on the trainer's own model the copy is dropped
     after each call, so it never sits beside a training step's activations); on a GPU it runs unmerged by default,
     since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
-    runs unmerged, as the trainer does.
+    runs unmerged, as the trainer does. `decode_mode` (Config.hf_decode): 'static' decodes through
+    `fast_decode.static_decode` (a static KV cache, the step in a CUDA graph on GPU); 'loop'/'auto': `decode`.
     Slower than vLLM; the fallback and the reference."""
 
     same_numerics = True   # the trainer's own model code
 
-    def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None, compact: bool = True):
+    def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None, compact: bool = True,
+                 decode_mode: str = "auto"):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
+        self.decode_mode, self.last_decode = resolve_decode(decode_mode, model.device), {}
         self.compact = compact  # `decode` (finished rows leave the batch); False: transformers' `generate`
         self._version = 0
         self.merge = model.device.type == "cpu" if merge is None else merge
@@ -233,7 +237,11 @@ class HFGenerator(LocalEngine):
         eos = self.tok.eos_token_id
         try:
             with merged_lora(self.model, self._merge_cache, version) if self.merge else nullcontext():
-                if compact:
+                if compact and self.decode_mode == "static":
+                    self.last_decode = {}
+                    rows, row_lp = static_decode(self.model, input_ids, attn, params, eos, n,
+                                                 self._stopper(params.stop), report=self.last_decode)
+                elif compact:
                     rows, row_lp = decode(self.model, input_ids, attn, params, eos, n, self._stopper(params.stop))
                 else:
                     rows, row_lp = self._generate(input_ids, attn, params)

@@ -78,7 +78,7 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
 
     try:
         model = build_model(cfg, device).eval()
-        gen = HFGenerator(model, load_tokenizer(cfg.model))
+        gen = HFGenerator(model, load_tokenizer(cfg.model), decode_mode=cfg.hf_decode)
         dtype = getattr(torch, layout["dtype"].removeprefix("torch."))
         shared = torch.from_file(shm_path, shared=True, size=layout["nbytes"], dtype=torch.uint8).view(dtype)
         staging = shared.clone()
