@@ -337,8 +337,8 @@ def generation(dev: str) -> dict:
         prompts = to_prompts([{"prompt": f"What is {a} + {a + 3} ?"} for a in range(8)], trainer.tokenizer)
         n, rounds = 8, 3 if cuda else 1
         params = SamplingParams(temperature=1.0, max_tokens=64 if cuda else 8, seed=0)
-        res = {"model": Path(trainer.model_path).name, "prompts": len(prompts), "samples": n, "max_tokens": params.max_tokens,
-               "rounds": rounds}
+        res = {"model": Path(trainer.model_path).name, "prompts": len(prompts), "samples": n,
+               "max_tokens": params.max_tokens, "rounds": rounds}
         variants = {"fast": dict(decode_mode="static"), "baseline": dict(decode_mode="loop"),
                     "fast_merged": dict(decode_mode="static", merge=True)}  # the slow baseline second
 
