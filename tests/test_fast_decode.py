@@ -245,3 +245,25 @@ def test_hf_decode_is_a_config_choice(trainer, tiny_model):
     assert gen.decode_mode == "loop" and F.resolve_decode("auto", "cuda") == "loop"
     with pytest.raises(Exception, match="hf_decode='fast': use 'auto', 'loop' or 'static'"):
         Config(model=tiny_model, hf_decode="fast")
+
+
+def test_the_step_traces_as_one_graph_without_a_host_sync(trainer, monkeypatch):
+    """What a CUDA graph needs of the step, checked on CPU: dynamo traces it whole, with every knob on (fullgraph:
+    Python branching on a tensor's value, e.g. `if live.any():` in the step, breaks the graph and fails here --
+    injected once by hand; a value read back and left unused is not caught), and the traced step decodes the
+    eager step's tokens."""
+    def compiled(step, report):
+        report["graphs"] = "traced"
+        return torch.compile(step, fullgraph=True, backend="eager")
+    monkeypatch.setattr(F, "capture_step", compiled)
+    ids = torch.tensor([list(_prompts(trainer)[0].token_ids)])
+    model = trainer.model.eval()
+    for params in (SamplingParams(temperature=0, max_tokens=6, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.7, max_tokens=6, top_k=8, top_p=0.9, min_p=0.1, seed=0)):
+        report, outs = {}, []
+        for graphs in (True, False):
+            torch.manual_seed(0)
+            outs.append(F.static_decode(model, ids, torch.ones_like(ids), params, eos=-1, graphs=graphs,
+                                        report=report if graphs else None))
+        assert report["graphs"] == "traced" and outs[0][0] == outs[1][0]
+        assert outs[0][1][0] == pytest.approx(outs[1][1][0], abs=1e-5)

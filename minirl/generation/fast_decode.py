@@ -119,7 +119,7 @@ def _first_stop(row: list[int], start: int, stopped: Callable[[list[int]], bool]
     return next((k for k in range(start + 1, len(row) + 1) if stopped(row[:k])), None)
 
 
-def _capture(step: Callable[[], None], report: dict) -> Callable[[], None]:
+def capture_step(step: Callable[[], None], report: dict) -> Callable[[], None]:
     """`step` captured in a CUDA graph (recorded, not run: the caller replays it for this step too); on failure
     the eager step, with the reason in `report['graphs']`."""
     try:
@@ -190,7 +190,7 @@ def static_decode(model, input_ids, attn, params: SamplingParams, eos: int, n: i
             if _look(st, steps, stopped, stop_at, scanned):
                 break
         if graphs and steps == 1 + WARMUP:
-            run = _capture(step, report)
+            run = capture_step(step, report)
         run()
         steps += 1
     report.update(decode="static", steps=steps, host_looks=looks)
