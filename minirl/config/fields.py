@@ -109,8 +109,7 @@ class Config(metaclass=Coercing):
     minirl starts, or your own at server_urls), 'hf' (transformers), or 'auto' (vLLM on GPUs, else transformers; on
     3+ GPUs a vLLM server on each GPU the trainer leaves, where servers do all the run asks: docs/gpu.md)."""
     hf_decode: str = "auto"
-    """The transformers generator's decoding: 'loop' (`hf.decode`), 'static' (a static KV cache, the step in a CUDA
-    graph on GPU: `generation/fast_decode.py`), 'auto' (the loop for now; static on CUDA once measured)."""
+    """hf generator decoding: 'loop', 'static' (static KV cache, CUDA-graph step: fast_decode.py), 'auto' (loop)."""
     prompts_per_step: int = 8
     """Prompts per optimizer step."""
     group_size: int = 8
@@ -348,8 +347,7 @@ class Config(metaclass=Coercing):
     """Evaluate held-out accuracy every N steps (0 = only before and after)."""
     checkpoint_every: int = 10
     """Write a checkpoint (adapter, optimizer, scheduler, data position, RNG states) every N steps, 0 = only at
-    the end and on stop or error. `minirl train CONFIG --resume` / `Run(cfg, resume=True)` continues from the
-    latest."""
+    the end and on stop or error. `minirl train CONFIG --resume` / `Run(cfg, resume=True)` continues from the latest."""
     keep_checkpoints: int = 2
     """How many of the latest checkpoints are kept in out_dir/checkpoints (older ones are deleted)."""
     report_to: str | None = None
