@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - `trainer` is test_decode's fixture, imported and taken as an argument
 """The transformers generator's static decoding path (`hf_decode: static`, minirl/generation/fast_decode.py), on
 CPU (the CUDA graph's twin: the same step, eager): greedy tokens equal the loop's (`hf.decode`), sampled tokens
 carry the trainer's own logprobs, and every knob, stop strings, max_tokens and the end of sequence end rows
@@ -6,31 +7,13 @@ import math
 
 import pytest
 import torch
+from test_decode import _prompts, trainer  # noqa: F401 - the same adapter and prompts as the loop's tests
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from minirl.core.logits import min_p_cut, penalise, seen_tokens
 from minirl.generation import fast_decode as F
 from minirl.generation.hf import HFGenerator, merged_lora
-from minirl.training.trainer import Trainer
 from minirl.types import SamplingParams
-
-
-@pytest.fixture(scope="module")
-def trainer(tiny_model, tmp_path_factory):
-    from minirl.config import Config
-    t = Trainer(Config(model=tiny_model, lora_rank=8, lora_alpha=16, out_dir=str(tmp_path_factory.mktemp("d"))))
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # a trained-looking adapter, so the LoRA path matters
-        for n, p in t.model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return t
-
-
-def _prompts(trainer):
-    from minirl.data.rows import to_prompts  # different lengths: rows are left-padded
-    rows = ["What is 1 + 1 ?", "What is 12 + 30 and then what is 7 + 5 ?", "3 + 4 ?", "What is 9 + 9 ?"]
-    return to_prompts([{"prompt": r} for r in rows], trainer.tokenizer)
 
 
 def _gens(trainer):
