@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from test_decode import _prompts, trainer  # noqa: F401 - the same adapter and prompts as the loop's tests
+from test_decode import _eos_that_splits, _prompts, _Tok, trainer  # noqa: F401 - the loop's tests' own
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from minirl.core.logits import min_p_cut, penalise, seen_tokens
@@ -19,27 +19,6 @@ from minirl.types import SamplingParams
 def _gens(trainer):
     return (HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, decode_mode="static"),
             HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, decode_mode="loop"))
-
-
-class _Tok:
-    """The tokenizer, with another token as its end of sequence."""
-    def __init__(self, tok, eos):
-        self._tok, self.eos_token_id = tok, eos
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-
-def _eos_that_splits(gen, prompts, n):
-    """A token id greedy decoding emits early in some rows and never in others: as the end of sequence, rows end
-    at different steps (a random tiny model rarely emits its real eos)."""
-    rows = [c.token_ids for g in gen.generate(prompts, n, SamplingParams(temperature=0, max_tokens=10))
-            for c in g.completions]
-    for tok in {t for r in rows for t in r[1:5]}:
-        ends = [r.index(tok) if tok in r else None for r in rows]
-        if any(e is None for e in ends) and any(e is not None and 0 < e < 5 for e in ends):
-            return tok
-    pytest.skip("no token splits the rows on this tiny model")
 
 
 def _out(groups):
