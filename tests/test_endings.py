@@ -10,6 +10,7 @@ one of them maps or holds open, or that is named after the trainer's pid.
 """
 import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,7 +60,9 @@ class Watch:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             self.files.update(f for f in held if f.startswith(str(SHM) + "/"))
-        self.files.update(str(SHM / n) for n in os.listdir(SHM) if n.startswith("minirl-") and f"-{self.root}" in n)
+        # the run's own: '-<root pid>' as a whole field (a substring test took pid 15813's folders for pid 1581's)
+        self.files.update(str(SHM / n) for n in os.listdir(SHM)
+                          if n.startswith("minirl-") and re.search(rf"-{self.root}(-|$)", n))
 
     def left(self, but: tuple[int, ...] = ()) -> list:
         alive = []
