@@ -1,20 +1,18 @@
 """The run configuration: one dataclass, one docstring per field. It is the same object as notebook kwargs
 (`Config(steps=20)`), YAML (`Config.from_yaml(path)` / `.to_yaml()`) and CLI flags (`--steps 20`). The field
-docstrings are the config reference (`cli.field_docs`); checks live in `validate.py`, conversions in `io.py`."""
+docstrings are the config reference (`cli.field_docs`). Its methods are `base.ConfigMethods`; checks live in
+`validate.py`, conversions in `io.py`."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from minirl.config.io import Coercing, from_dict, from_yaml, to_yaml, translate_aliases
-from minirl.config.presets import LOSS_FIELDS, Recipe, resolve
-from minirl.config.validate import validate
+from minirl.config.base import ConfigMethods
+from minirl.config.io import Coercing
 
 
 @dataclass(frozen=True)
-class Config(metaclass=Coercing):
+class Config(ConfigMethods, metaclass=Coercing):
     # --- model -------------------------------------------------------------------------------------------
     model: str = "smollm2-135m-instruct"
     """Base model: the embedded default 'smollm2-135m-instruct', a Hugging Face id, or a local folder."""
@@ -356,45 +354,3 @@ class Config(metaclass=Coercing):
     settings, e.g. WANDB_MODE=offline, WANDB_PROJECT). None = metrics.jsonl only."""
     log_samples: int = 4
     """Completions per step written to the log for the sample panel."""
-
-    # ------------------------------------------------------------------------------------------------------
-    def __post_init__(self) -> None:
-        self.validate()
-
-    @property
-    def recipe(self) -> Recipe:
-        """The loss settings this config resolves to: the loss fields as set, the rest from `loss_type`'s preset (an
-        unset scale_rewards may follow the advantage settings instead: `presets.scale_by_advantages`)."""
-        return resolve(self.loss_type, {k: getattr(self, k) for k in LOSS_FIELDS}, self.advantage_estimator,
-                       self.reward_normalization)
-
-    @property
-    def scale_adv_by_std(self) -> bool:
-        """The old name: whether advantages are divided by the group std (scale_rewards == 'group')."""
-        return self.recipe.scale_rewards == "group"
-
-    def validate(self) -> None:
-        """Raise one `ConfigError` naming the field and the fix for a bad setting (`validate.py`)."""
-        validate(self)
-
-    # --- conversions ----------------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
-
-    def to_yaml(self, path: str | Path | None = None) -> str:
-        return to_yaml(self, path)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Config":
-        """A Config from a mapping; an unknown field is one ConfigError with the closest known name."""
-        return from_dict(cls, d)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> "Config":
-        """Read a YAML file of `field: value` lines; every problem is one ConfigError naming the file."""
-        return from_yaml(cls, path)
-
-    def replace(self, **kw: Any) -> "Config":
-        """A copy with `kw` changed (old field names accepted). The loss fields left to the preset stay so: they
-        follow a new loss_type."""
-        return dataclasses.replace(self, **translate_aliases(kw))
