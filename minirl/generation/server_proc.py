@@ -19,7 +19,6 @@ looks for package metadata named 'vllm'). Its flags:
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from minirl.core import lifecycle
+from minirl.core.environ import environ
 
 GiB = 1 << 30
 PR_SET_PDEATHSIG = 1
@@ -69,20 +69,10 @@ def visible_devices(ids: str) -> str:
     return ",".join(seen[i] for i in idx)
 
 
-@contextlib.contextmanager
 def child_environ(env: dict[str, str]):
     """`env` in os.environ while the block runs (the processes it starts inherit it), then the variables as they
     were: the trainer's own CUDA_VISIBLE_DEVICES never changes."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return environ(env)
 
 
 def lora_rank_slot(rank: int) -> int:

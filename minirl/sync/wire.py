@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from minirl.core import lifecycle
+from minirl.core.environ import environ
 from minirl.sync import vllm_compat as compat
 from minirl.sync.base import CollectiveError
 
@@ -76,23 +76,9 @@ def rendezvous_dir() -> str:
 
 # What an NCCL group of minirl's is built with (a value the user set is left as it is): its bootstrap on the loopback
 # interface, and blocking waits, so that a send to a dead or stuck peer raises in `finish` within its timeout (then
-# `SyncTimeout`) instead of torch's NCCL watchdog tearing the whole process down (its default error handling).
+# `SyncTimeout`) instead of torch's NCCL watchdog tearing the whole process down (its default error handling). Set
+# only while the communicator is built (NCCL and ProcessGroupNCCL read them then), not for the process's life.
 NCCL_BUILD_ENV = {"NCCL_SOCKET_IFNAME": "lo", "TORCH_NCCL_BLOCKING_WAIT": "1"}
-
-
-@contextmanager
-def _nccl_env():
-    """NCCL_BUILD_ENV set while this group's NCCL communicator is built (eagerly, inside the block), then removed:
-    NCCL and torch's ProcessGroupNCCL read these only from the environment, and only when a communicator or group
-    is made, so they are set for that moment instead of for the rest of the process's life. (NCCL keeps the
-    interface it chose for later communicators of the process; nothing else sees the variables.)"""
-    added = [k for k in NCCL_BUILD_ENV if k not in os.environ]
-    os.environ.update({k: NCCL_BUILD_ENV[k] for k in added})
-    try:
-        yield
-    finally:
-        for k in added:
-            os.environ.pop(k, None)
 
 
 def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str = "minirl"):
@@ -108,7 +94,7 @@ def open_group(rdv_dir: str, rank: int, backend: str, timeout_s: float, tag: str
         if backend == "gloo":
             pg = compat.gloo_group(store, rank, 2, timeout)
         elif backend == "nccl":
-            with _nccl_env():
+            with environ(NCCL_BUILD_ENV, keep_set=True):  # read only while a communicator is built
                 pg = compat.nccl_group(store, rank, 2, timeout)
                 store.set("joined", "1") if rank == 0 else store.get("joined")  # meet here, then connect
                 pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
