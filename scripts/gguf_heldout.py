@@ -60,7 +60,12 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(root, gguf_file=f"model-{kind}.gguf", dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(root, gguf_file=f"model-{kind}.gguf")
         assert tok.chat_template, f"the {kind} GGUF carries no chat template"
-        model.save_pretrained(root / f"gguf-{kind}")
+        # transformers will not save a model it read from GGUF: the same weights into a plain model of its config
+        config = model.config
+        del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain.save_pretrained(root / f"gguf-{kind}")
         tok.save_pretrained(root / f"gguf-{kind}")
         folders[f"gguf-{kind}"] = root / f"gguf-{kind}"
     cfg = cfg.replace(out_dir=str(root / "eval-run"))
