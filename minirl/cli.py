@@ -248,8 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (learning; "
                        "default 5)")
     bench.add_argument("--presets", type=_names, default=None, help="learning: compare these settings, paired "
-                       "against the first: loss_type presets at K = 0 (e.g. dapo,grpo,gspo,cispo) or gspo-k1, "
-                       "gspo-epochs2, grpo-epochs2, dapo-k1, rloo, reinforce++, dapo-entropy (benchmarks/learning.py)")
+                       "against the first: loss_type presets at K = 0 (e.g. dapo,grpo,gspo,cispo), <preset>-k1 and "
+                       "<preset>-epochs2 (grpo, dapo, cispo, gspo), rloo, reinforce++, dapo-entropy "
+                       "(benchmarks/learning.py)")
     bench.add_argument("--save-every", type=int, default=None, help="steps between saved, scored adapters (trl; "
                        "default 2)")
     bench.add_argument("--minirl-overrides", type=_settings, default=None, metavar="KEY=VALUE,...", help="trl: "

@@ -135,14 +135,13 @@ def compare_presets(files: dict[str, list[Path]]) -> dict:
 
 
 # Settings `minirl bench learning --presets` takes besides the loss_type presets: name -> (K, Config overrides).
-# Issue 55's table: GSPO off-policy (K = 1, or two epochs per batch), the RLOO and REINFORCE++ baselines, and the
-# default with an entropy bonus (0.01: within the 1e-3 .. 1e-2 that verl's and SkyRL's examples use).
+# Issue 55's table: each ratio-based preset off-policy, one step behind (K = 1) or two epochs per batch (at K = 0
+# with one epoch every ratio is 1, and grpo = gspo, dapo = cispo exactly), the RLOO and REINFORCE++ baselines, and
+# the default with an entropy bonus (0.01: within the 1e-3 .. 1e-2 of verl's and SkyRL's examples).
 SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
     **{p: (0, {"loss_type": p}) for p in PRESETS},
-    "gspo-k1": (1, {"loss_type": "gspo"}),
-    "gspo-epochs2": (0, {"loss_type": "gspo", "ppo_epochs": 2}),
-    "grpo-epochs2": (0, {"loss_type": "grpo", "ppo_epochs": 2}),
-    "dapo-k1": (1, {"loss_type": "dapo"}),
+    **{f"{p}-k1": (1, {"loss_type": p}) for p in ("grpo", "dapo", "cispo", "gspo")},
+    **{f"{p}-epochs2": (0, {"loss_type": p, "ppo_epochs": 2}) for p in ("grpo", "dapo", "cispo", "gspo")},
     "rloo": (0, {"loss_type": "dapo", "advantage_estimator": "rloo"}),
     "reinforce++": (0, {"loss_type": "dapo", "advantage_estimator": "reinforce++"}),
     "dapo-entropy": (0, {"loss_type": "dapo", "entropy_coef": 0.01}),
