@@ -247,8 +247,10 @@ def main(argv: list[str] | None = None) -> int:
                        "64; learning: 128, with --presets 256)")
     bench.add_argument("--eval-every", type=int, default=None, help="steps between held-out evaluations (learning; "
                        "default 5)")
-    bench.add_argument("--presets", type=_names, default=None, help="learning: compare these loss_type presets "
-                       "(e.g. grpo,dr_grpo,dapo,gspo) at K = 0 instead of K")
+    bench.add_argument("--presets", type=_names, default=None, help="learning: compare these settings, paired "
+                       "against the first: loss_type presets at K = 0 (e.g. dapo,grpo,gspo,cispo), <preset>-k1 and "
+                       "<preset>-epochs2 (grpo, dapo, cispo, gspo), rloo, reinforce++, dapo-entropy "
+                       "(benchmarks/learning.py)")
     bench.add_argument("--save-every", type=int, default=None, help="steps between saved, scored adapters (trl; "
                        "default 2)")
     bench.add_argument("--minirl-overrides", type=_settings, default=None, metavar="KEY=VALUE,...", help="trl: "

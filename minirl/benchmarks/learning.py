@@ -94,12 +94,15 @@ def bench_learning(out: str | Path, seeds=(0, 1, 2), eval_size: int = 128, eval_
 
 
 def _runs(paths: list[Path]) -> dict[str, dict]:
-    """The K = 0 runs of one or more learning.json files, by seed."""
+    """The runs of one or more learning.json files, by seed: each file holds one setting, run at one K (a setting
+    with K = 1 is compared by its K = 1 runs); a file with several K gives its K = 0 runs."""
     runs: dict[str, dict] = {}
     for p in paths:
-        for key, r in json.loads(Path(p).read_text())["runs"].items():
+        found = json.loads(Path(p).read_text())["runs"]
+        ks = {key.split("_k")[1] for key in found}
+        for key, r in found.items():
             seed, k = key[1:].split("_k")
-            if k == "0":
+            if k == "0" or len(ks) == 1:
                 runs[seed] = r
     return runs
 
@@ -131,16 +134,32 @@ def compare_presets(files: dict[str, list[Path]]) -> dict:
     return out
 
 
+# Settings `minirl bench learning --presets` takes besides the loss_type presets: name -> (K, Config overrides).
+# Issue 55's table: each ratio-based preset off-policy, one step behind (K = 1) or two epochs per batch (at K = 0
+# with one epoch every ratio is 1, and grpo = gspo, dapo = cispo exactly), the RLOO and REINFORCE++ baselines, and
+# the default with an entropy bonus (0.01: within the 1e-3 .. 1e-2 of verl's and SkyRL's examples).
+SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
+    **{p: (0, {"loss_type": p}) for p in PRESETS},
+    **{f"{p}-k1": (1, {"loss_type": p}) for p in ("grpo", "dapo", "cispo", "gspo")},
+    **{f"{p}-epochs2": (0, {"loss_type": p, "ppo_epochs": 2}) for p in ("grpo", "dapo", "cispo", "gspo")},
+    "rloo": (0, {"loss_type": "dapo", "advantage_estimator": "rloo"}),
+    "reinforce++": (0, {"loss_type": "dapo", "advantage_estimator": "reinforce++"}),
+    "dapo-entropy": (0, {"loss_type": "dapo", "entropy_coef": 0.01}),
+}
+
+
 def bench_presets(out: str | Path, presets=("grpo", "dr_grpo", "dapo", "gspo"), seeds=(0, 1, 2),
                   eval_size: int = 256, eval_every: int = 5, **overrides: Any) -> dict:
-    """`minirl bench learning --presets ...`: the demo with each `loss_type` preset (K = 0, DIR/<preset>/, through
-    `bench_learning`), the presets' order rotating by seed, then `compare_presets` over them in DIR/presets.json.
-    Interrupted runs resume as `bench_learning`'s do."""
-    unknown = [p for p in presets if p not in PRESETS]
+    """`minirl bench learning --presets ...`: the demo with each setting (a `loss_type` preset, or a name of
+    SETTINGS: its K and fields; DIR/<name>/, through `bench_learning`), the settings' order rotating by seed, then
+    `compare_presets` over them in DIR/presets.json, paired against the first. Interrupted runs resume as
+    `bench_learning`'s do."""
+    unknown = [p for p in presets if p not in SETTINGS]
     if unknown:
-        raise ValueError(f"unknown preset {unknown[0]!r}: choose from {', '.join(PRESETS)}")
+        raise ValueError(f"unknown preset {unknown[0]!r}: choose from {', '.join(SETTINGS)}")
     for i, seed in enumerate(seeds):
         for p in presets[i % len(presets):] + presets[:i % len(presets)]:
-            bench_learning(Path(out) / p, seeds=(seed,), ks=(0,), eval_size=eval_size, eval_every=eval_every,
-                           loss_type=p, **overrides)
+            k, fields = SETTINGS[p]
+            bench_learning(Path(out) / p, seeds=(seed,), ks=(k,), eval_size=eval_size, eval_every=eval_every,
+                           **{**fields, **overrides})
     return write_json(out, "presets.json", compare_presets({p: [Path(out) / p / "learning.json"] for p in presets}))
