@@ -166,6 +166,18 @@ class XrayView:
         return (f"XrayView(step={self.step}, sample={self.sample}, tokens={len(x)}, advantage={x.advantage}, "
                 f"trained={x.trained}{', ' + repr(x.note) if x.note else ''})")
 
+    def text(self) -> str:
+        """The table as aligned text (the CLI's output without --out)."""
+        x = self.record
+        cols = ("t", "piece", "weight", "ratio", "clipped", "is_weight", "masked", "mismatch", "version")
+        lines = [f"step {self.step} sample {self.sample}: advantage {_fmt(x.advantage, '+.3g')}, policy version "
+                 f"{x.trainer_version}" + (f"; {x.note}" if x.note else ""),
+                 "  ".join(f"{c:>10}" for c in cols)]
+        for r in self._rows:
+            vals = {**r, "piece": repr(r["piece"])[:10]}
+            lines.append("  ".join(f"{_fmt(vals[c]):>10}" for c in cols))
+        return "\n".join(lines)
+
     def figure(self, width: float = 12.0, cols: int = 16, dpi: int = 100):
         """A matplotlib Figure: the tokens in a grid coloured as in the HTML, then per-token strips of the ratio
         (orange: clipped) and of the trainer - behaviour mismatch."""
