@@ -173,7 +173,7 @@ def episode_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
 def sample_rows(groups: Sequence[ScoredGroup], n: int, xrays: Sequence[TokenXray] = ()) -> list[dict]:
     """The first completion of the first `n` groups, with its scores (a "samples" event, for the sample panel); a
     conversational prompt's messages too (`rescore` gives them to batched rewards); its token X-ray as "xray" where
-    `xrays` has one (`Trainer.step_xray`'s, in the same order: `minirl.xray` shows it)."""
+    `xrays` has one of its tokens (`Trainer.xrays`, in the same order: `minirl.xray` shows it)."""
     rows = []
     for k, g in enumerate(groups[:n]):
         c, msgs = g.group.completions[0], g.group.prompt.messages
@@ -181,7 +181,8 @@ def sample_rows(groups: Sequence[ScoredGroup], n: int, xrays: Sequence[TokenXray
                      "reward": g.rewards[0], "per_reward": {k: v[0] for k, v in g.per_reward.items()},
                      "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures],
                      **({"messages": [dict(m) for m in msgs]} if msgs is not None else {}),
-                     **({"xray": xrays[k].to_row()} if k < len(xrays) else {})})
+                     **({"xray": xrays[k].to_row()} if k < len(xrays) and xrays[k].token_ids_T == c.token_ids
+                        else {})})
     return rows
 
 

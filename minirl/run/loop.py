@@ -169,7 +169,7 @@ class Run(Background):
             if sleeper := self.parts.sleeper:  # one GPU shared with vLLM: the engine sleeps while the trainer works
                 sleeper.sleep()
                 slept["time/sleep_s"] = time.perf_counter() - t1
-            tm, xrays = self.trainer.step_xray(scored, c.log_samples)  # the logged samples' token X-rays
+            tm = self.trainer.step(scored)
             if sleeper:
                 t_wake = time.perf_counter()
                 sleeper.wake()  # before the push: a woken engine gets the new adapter and its check
@@ -191,7 +191,7 @@ class Run(Background):
             self.history.append(log.log("step", **rec))
             if self.tracker is not None:
                 self.tracker.log(scalars(rec), step)
-            rows = sample_rows(scored, c.log_samples, xrays)
+            rows = sample_rows(scored, c.log_samples, self.trainer.xrays)  # with their token X-rays
             samples = log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
             if self.tracker is not None and rows:
                 self.tracker.samples(rows, step)

@@ -77,6 +77,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.version = 0
+        self.xrays: list[TokenXray] = []  # the last step's (`step`)
         memory_metrics()  # the first step's memory window starts here, after the model loaded
 
     def _lr_factor(self, step: int) -> float:
@@ -106,8 +107,10 @@ class Trainer:
 
     def step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
         """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics. Logprobs are
-        computed at the temperature each group was sampled with (it travels with the group)."""
-        return self.step_xray(groups, 0)[0]
+        computed at the temperature each group was sampled with (it travels with the group). Sets `xrays`: the
+        token X-rays of the completions `metrics.sample_rows` logs (cfg.log_samples; `step_xray`)."""
+        m, self.xrays = self.step_xray(groups, self.cfg.log_samples)
+        return m
 
     def step_xray(self, groups: Sequence[ScoredGroup], n: int) -> tuple[dict[str, float], list[TokenXray]]:
         """`step`, plus the token X-ray of the first completion of each of the first `n` groups (those
