@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                     "machine's, or its RAM on CPU)")
     pl.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs, vLLM installed (default: "
                     "this machine's; one with --gpu-gb where it has none; 0: the CPU); the run's placement follows them")
-    xr = sub.add_parser("xray", help="a logged sample token by token as the loss saw it (docs/metrics.md)")
+    xr = sub.add_parser("xray", help="a logged sample token by token as the loss saw it (docs/runs.md)")
     xr.add_argument("run_dir", help="the run's out_dir (or its metrics.jsonl)")
     xr.add_argument("--step", type=int, default=None, help="the step (default: the last logged)")
     xr.add_argument("--sample", type=int, default=0, help="the sample of that step (default 0)")

@@ -14,6 +14,7 @@ import minirl
 from minirl import Config, Run
 from minirl.benchmarks.trainer_step import load_batches
 from minirl.cli import main
+from minirl.core.metrics import sample_rows
 from minirl.core.xray import TokenXray
 from minirl.training.trainer import Trainer
 from minirl.types import Completion, Group, Prompt, ScoredGroup
@@ -213,3 +214,15 @@ def test_html_escapes_what_the_log_holds_and_marks_clip_and_masks():
     assert "environment token" in v.hover(2)
     assert TokenXray.from_row(json.loads(json.dumps(x.to_row()))) == x
     assert torch.tensor(v.colour(0)).tolist()[1] > torch.tensor(v.colour(1)).tolist()[1]  # green up, red down
+
+
+def test_sample_rows_attach_an_xray_only_to_the_completion_it_describes():
+    """A stale record (another completion's tokens, e.g. a step that did not make X-rays) is never shown as this
+    step's: the row then has no "xray"."""
+    comps = [Completion((5, 6), (-1.0, -1.0), (0, 0), "a b", "stop"), Completion((7,), (-1.0,), (0,), "c", "stop")]
+    groups = [_group(0, (1, 2), [comps[0]], [1.0]), _group(1, (3,), [comps[1]], [-1.0])]
+    mine = TokenXray((5, 6), ("a", "b"), (1, 1), (0, 0), (-1.0, -1.0), weight_T=(0.0, 0.0))
+    stale = TokenXray((8,), ("d",), (1,), (0,), (-1.0,), weight_T=(0.0,))
+    rows = sample_rows(groups, 2, [mine, stale])
+    assert rows[0]["xray"] == mine.to_row() and "xray" not in rows[1]
+    assert all("xray" not in r for r in sample_rows(groups, 2))

@@ -52,16 +52,16 @@ class XrayProbe:
             c = g.group.completions[0]
             mask = c.mask if c.mask is not None else (True,) * len(c.token_ids)
             self.records.append(TokenXray(
-                tuple(c.token_ids), tuple(tokenizer.decode([t]) for t in c.token_ids), tuple(int(m) for m in mask),
+                tuple(c.token_ids), tuple(tokenizer.batch_decode([[t] for t in c.token_ids])), tuple(map(int, mask)),
                 tuple(c.versions), tuple(sig(x) for x in c.logprobs), weight_T=(0.0,) * len(c.token_ids),
                 advantage=sig(g.advantages[0]) if g.advantages else 0.0, trainer_version=version,
                 note=_why_not(g, cfg)))
             if (i := by_origin.get((k, 0))) is not None:
                 self.want[i] = k
 
-    def see(self, inp: LossInputs, index_B: torch.Tensor) -> None:
+    def see(self, inp: LossInputs, index_B: torch.Tensor | None) -> None:
         """Take the wanted rows of one micro-batch (`index_B`: each row's sample index)."""
-        if not self.want:
+        if not self.want or index_B is None:
             return
         hits = [(r, i) for r, i in enumerate(index_B.tolist()) if i in self.want]
         if not hits:
@@ -79,19 +79,20 @@ class XrayProbe:
             old, behav = sub.old_logp_B_T.float().cpu(), sub.behav_logp_B_T.float().cpu()
             cols = {"ratio": t.ratio.float().cpu(), "is_w": t.is_w.float().cpu(),
                     "clipped": (t.clipped & mask).cpu(), "w": (sub.weight_B_T * sub.adv_B[:, None]).float().cpu()}
+        mask = mask.cpu()
         for j, (_, i) in enumerate(hits):
             s = self.samples[i]
             p = len(s.prompt_ids)
             span = slice(p, p + len(s.completion_ids))
-            on = mask[j, span].cpu().tolist()
+            on = mask[j, span].tolist()
 
-            def vals(x: torch.Tensor, keep: bool = False) -> tuple[float, ...]:
-                return tuple(sig(v) if m or keep else 0.0 for v, m in zip(x[j, span].tolist(), on))
+            def vals(x: torch.Tensor, off: float = 0.0) -> tuple[float, ...]:  # environment tokens: `off`
+                return tuple(sig(v) if m else off for v, m in zip(x[j, span].tolist(), on))
             fl = {c: f[j, span].tolist() for c, f in flags.items()}
             k = self.want.pop(i)
             self.records[k] = dataclasses.replace(
                 self.records[k], trainer_logp_T=vals(old), mismatch_T=vals(old - behav),
-                ratio_T=tuple(sig(v) if m else 1.0 for v, m in zip(cols["ratio"][j, span].tolist(), on)),
-                is_weight_T=vals(cols["is_w"]), clipped_T=tuple(int(v) for v in cols["clipped"][j, span].tolist()),
+                ratio_T=vals(cols["ratio"], 1.0), is_weight_T=vals(cols["is_w"]),
+                clipped_T=tuple(int(v) for v in cols["clipped"][j, span].tolist()),
                 masked_T=tuple("+".join(c for c, f in fl.items() if f[t]) for t in range(len(on))),
                 weight_T=vals(cols["w"]), advantage=sig(s.advantage), note="")
