@@ -8,10 +8,10 @@ from minirl.generation.envs import Env, EnvStep, tool, tools
 from minirl.rewards import REGISTRY, Scorer, reward
 from minirl.run import Run, compare
 from minirl.run.plan import plan
-from minirl.ui import Dashboard, check, doctor, preview, preview_episodes, render, rescore
+from minirl.ui import Dashboard, check, doctor, preview, preview_episodes, render, rescore, xray
 from minirl.ui import render as plot  # minirl.plot(out_dir or metrics.jsonl): the dashboard's panels from a saved run
 
 __all__ = ["Config", "ConfigError", "Run", "Scorer", "reward", "REGISTRY", "Dashboard", "doctor", "render", "plot",
            "check", "preview", "rescore", "sandbox", "Env", "EnvStep", "tool", "tools",
-           "preview_episodes", "plan", "compare"]
+           "preview_episodes", "plan", "compare", "xray"]
 __version__ = "0.1.0"

@@ -1,5 +1,5 @@
 """Command line: `minirl demo`, `minirl train CONFIG.yaml`, `minirl eval`, `minirl export`, `minirl bench ...`,
-`minirl plan CONFIG`.
+`minirl plan CONFIG`, `minirl xray RUN`.
 
 A bad input is one line on stderr (`minirl: error: ...`, exit code 2), never a traceback. `module:function`
 rewards are imported from the current directory, as a script's imports would be.
@@ -28,7 +28,7 @@ from minirl.run.export import export_merged
 from minirl.run.gguf_export import export_gguf
 from minirl.run.loop import Run
 from minirl.run.plan import plan
-from minirl.ui import render
+from minirl.ui import render, xray
 
 
 class _Parser(argparse.ArgumentParser):
@@ -263,7 +263,12 @@ def main(argv: list[str] | None = None) -> int:
                     "machine's, or its RAM on CPU)")
     pl.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs, vLLM installed (default: "
                     "this machine's; one with --gpu-gb where it has none; 0: the CPU); the run's placement follows them")
-    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl, "export": export}
+    xr = sub.add_parser("xray", help="a logged sample token by token as the loss saw it (docs/runs.md)")
+    xr.add_argument("run_dir", help="the run's out_dir (or its metrics.jsonl)")
+    xr.add_argument("--step", type=int, default=None, help="the step (default: the last logged)")
+    xr.add_argument("--sample", type=int, default=0, help="the sample of that step (default 0)")
+    xr.add_argument("--out", default=None, help="write a .png or .html there (default: print a table)")
+    parsers = {"demo": demo, "train": train, "eval": ev, "bench": bench, "plan": pl, "export": export, "xray": xr}
     p.commands = tuple(parsers)
     args, extra = p.parse_known_args(dashed(sys.argv[1:] if argv is None else argv))
     if extra:  # named by the subcommand's parser, so the hint points at its --help
@@ -305,6 +310,9 @@ def _command(args: argparse.Namespace) -> int:
         info = export_merged(args.run_dir, args.merged) if args.merged else \
             export_gguf(args.run_dir, args.gguf, args.type or "f16")
         print(json.dumps(info, indent=2))
+    elif args.cmd == "xray":
+        x = xray(args.run_dir, args.step, args.sample)
+        print(f"wrote {x.save(args.out)}" if args.out else x.text())
     elif args.cmd == "bench":
         sizes = {k: v for k in ("workloads", "variants", "steps", "rounds", "lr", "task", "eval_size", "save_every",
                                 "eval_every", "presets", "minirl_overrides", "trl_from")

@@ -12,6 +12,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
+from minirl.core.xray import TokenXray
 from minirl.types import RunView, ScoredGroup
 
 # name -> meaning. Every "step" event carries these keys (those that apply to the run).
@@ -169,16 +170,19 @@ def episode_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
             "episode/sampled_frac": sum(sum(c.mask or ()) for c in comps) / max(1, tokens)}
 
 
-def sample_rows(groups: Sequence[ScoredGroup], n: int) -> list[dict]:
+def sample_rows(groups: Sequence[ScoredGroup], n: int, xrays: Sequence[TokenXray] = ()) -> list[dict]:
     """The first completion of the first `n` groups, with its scores (a "samples" event, for the sample panel); a
-    conversational prompt's messages too (`rescore` gives them to batched rewards)."""
+    conversational prompt's messages too (`rescore` gives them to batched rewards); its token X-ray as "xray" where
+    `xrays` has one of its tokens (`Trainer.xrays`, in the same order: `minirl.xray` shows it)."""
     rows = []
-    for g in groups[:n]:
+    for k, g in enumerate(groups[:n]):
         c, msgs = g.group.completions[0], g.group.prompt.messages
         rows.append({"prompt": g.group.prompt.text, "columns": g.group.prompt.columns, "completion": c.text,
                      "reward": g.rewards[0], "per_reward": {k: v[0] for k, v in g.per_reward.items()},
                      "advantage": g.advantages[0], "failures": [f.__dict__ for f in g.failures],
-                     **({"messages": [dict(m) for m in msgs]} if msgs is not None else {})})
+                     **({"messages": [dict(m) for m in msgs]} if msgs is not None else {}),
+                     **({"xray": xrays[k].to_row()} if k < len(xrays) and xrays[k].token_ids_T == c.token_ids
+                        else {})})
     return rows
 
 

@@ -191,7 +191,7 @@ class Run(Background):
             self.history.append(log.log("step", **rec))
             if self.tracker is not None:
                 self.tracker.log(scalars(rec), step)
-            rows = sample_rows(scored, c.log_samples)
+            rows = sample_rows(scored, c.log_samples, self.trainer.xrays)  # with their token X-rays
             samples = log.log("samples", step=step, samples=rows, reward_versions=self.scorer.versions)
             if self.tracker is not None and rows:
                 self.tracker.samples(rows, step)

@@ -31,6 +31,7 @@ class Sample:
     advantage: float
     temperature: float = 1.0  # the temperature the completion was sampled at: its logprobs are taken at it
     mask: tuple[bool, ...] | None = None  # episodes: which completion tokens were sampled (None: all)
+    origin: tuple[int, int] | None = None  # (group, completion) index in the step's groups (the token X-ray's key)
 
 
 @dataclass
@@ -46,13 +47,14 @@ class Batch:
     adv_B: torch.Tensor
     weight_B_L: torch.Tensor  # aggregation weights over the whole batch
     temp_B: torch.Tensor      # sampling temperature of each row
+    index_B: torch.Tensor | None = None  # each row's sample index in the step (micro-batches keep it)
 
     @property
     def n_tokens(self) -> int:
         return int(self.tgt_mask_B_L.sum())
 
     def _map(self, fn) -> "Batch":
-        return Batch(**{f.name: fn(getattr(self, f.name)) for f in fields(self)})
+        return Batch(**{f.name: None if (v := getattr(self, f.name)) is None else fn(v) for f in fields(self)})
 
     def to(self, device) -> "Batch":
         return self._map(lambda t: t.to(device))
@@ -82,12 +84,12 @@ def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = Fal
     completions cut by a length cap (finish_reason 'length'): no loss at all, while their rewards still counted
     in their group's baseline (DAPO's overlong filtering)."""
     out = []
-    for g in groups:
-        for c, r, a in zip(g.group.completions, g.rewards, g.advantages):
+    for gi, g in enumerate(groups):
+        for ci, (c, r, a) in enumerate(zip(g.group.completions, g.rewards, g.advantages)):
             if r is None or not c.token_ids or (a == 0.0 and not keep_zero_adv) or (drop_truncated and c.truncated):
                 continue
             out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a, g.group.temperature,
-                              c.mask))
+                              c.mask, (gi, ci)))
     return out
 
 
@@ -108,7 +110,7 @@ def make_batch(samples: Sequence[Sample], pad_id: int, agg: str, max_tokens: int
         ver[b, p: p + c] = torch.tensor(s.versions)
     adv = torch.tensor([s.advantage for s in samples], dtype=torch.float32)
     temp = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
-    return Batch(ids, attn, tgt, behav, ver, adv, token_weights(tgt, agg, max_tokens), temp)
+    return Batch(ids, attn, tgt, behav, ver, adv, token_weights(tgt, agg, max_tokens), temp, torch.arange(B))
 
 
 def completion_logprobs(model, batch: Batch, temperature: float | None = None, with_entropy: bool | str = False,

@@ -151,17 +151,25 @@ def policy_loss(
                                      ref_logp_B_T, entropy_B_T, top_entropy_B_T))
 
 
-def decoupled_loss(inp: LossInputs) -> LossOut:
-    """The built-in loss_fn: the decoupled objective ('ppo-clip' or 'cispo') with truncated or masked IS, optional
-    k3 KL to a reference, OPSM, behav_clip, the top-entropy mask and the entropy bonus (module docstring).
+@dataclass(frozen=True)
+class TokenTerms:
+    """`decoupled_loss`'s per-token pieces before aggregation (B, T), also read by the token X-ray
+    (`training/xray.py`). ratio: pi / pi_prox (at sequence level the sequence's, on each token); surr: the
+    objective's surrogate; clipped: the clip bound (ppo-clip's clipped branch, cispo's bound); is_raw / is_w: the IS
+    weight pi_prox / pi_behav before and after tis_cap and the is_mask band; band: outside that band (IS weight 0);
+    out: behav_clip's tokens; drop: those and OPSM's sequences (no term at all)."""
+    ratio: torch.Tensor
+    surr: torch.Tensor
+    clipped: torch.Tensor
+    is_raw: torch.Tensor
+    is_w: torch.Tensor
+    band: torch.Tensor
+    out: torch.Tensor
+    drop: torch.Tensor
 
-    OPSM (off-policy sequence masking): a sequence with negative advantage whose mean |log ratio| to the
-    behaviour policy exceeds `opsm_delta` is masked out.
-    `behav_clip`: tokens whose pi_trainer / pi_behaviour is already above 1 + clip_high with a positive advantage,
-    or below 1 - clip_low with a negative one, are masked out (PPO's clip against the sampling policy).
-    `importance_level="sequence"` (GSPO): each of those ratios is its sequence's geometric mean (module
-    docstring), so a sequence is clipped, capped or masked whole; OPSM is per sequence at either level.
-    """
+
+def token_terms(inp: LossInputs) -> TokenTerms:
+    """The per-token terms of `decoupled_loss` (its docstring); no aggregation, no KL, no entropy."""
     s = inp.settings
     logp_B_T, old_logp_B_T, behav_logp_B_T = inp.logp_B_T, inp.old_logp_B_T, inp.behav_logp_B_T
     clip_low, clip_high, tis_cap = s.clip_low, s.clip_high, s.tis_cap
@@ -201,10 +209,6 @@ def decoupled_loss(inp: LossInputs) -> LossOut:
     if s.is_mask_high is not None:
         band_B_T = band_B_T | (is_raw > s.is_mask_high)
     is_w = is_w.masked_fill(band_B_T, 0.0)  # masked, not truncated
-    per_tok = -is_w * surr
-    if inp.top_entropy_B_T is not None:
-        per_tok = per_tok * inp.top_entropy_B_T
-    w = inp.weight_B_T.to(logp_B_T.dtype)
     out_B_T = torch.zeros_like(mask)
     if s.behav_clip:
         r_b = torch.exp(log_rb)
@@ -214,13 +218,35 @@ def decoupled_loss(inp: LossInputs) -> LossOut:
         n = mask.sum(1).clamp(min=1)
         seq_gap = ((old_logp_B_T - behav_logp_B_T).detach().abs() * mask).sum(1) / n  # token gaps, either level
         drop_B_T = out_B_T | ((adv_B < 0) & (seq_gap > s.opsm_delta))[:, None]
+    return TokenTerms(ratio, surr, clipped_B_T, is_raw, is_w, band_B_T, out_B_T, drop_B_T)
+
+
+def decoupled_loss(inp: LossInputs) -> LossOut:
+    """The built-in loss_fn: the decoupled objective ('ppo-clip' or 'cispo') with truncated or masked IS, optional
+    k3 KL to a reference, OPSM, behav_clip, the top-entropy mask and the entropy bonus (module docstring).
+
+    OPSM (off-policy sequence masking): a sequence with negative advantage whose mean |log ratio| to the
+    behaviour policy exceeds `opsm_delta` is masked out.
+    `behav_clip`: tokens whose pi_trainer / pi_behaviour is already above 1 + clip_high with a positive advantage,
+    or below 1 - clip_low with a negative one, are masked out (PPO's clip against the sampling policy).
+    `importance_level="sequence"` (GSPO): each of those ratios is its sequence's geometric mean (module
+    docstring), so a sequence is clipped, capped or masked whole; OPSM is per sequence at either level.
+    """
+    s = inp.settings
+    logp_B_T, behav_logp_B_T, tis_cap = inp.logp_B_T, inp.behav_logp_B_T, s.tis_cap
+    mask = inp.mask_B_T.bool()
+    t = token_terms(inp)
+    per_tok = -t.is_w * t.surr
+    if inp.top_entropy_B_T is not None:
+        per_tok = per_tok * inp.top_entropy_B_T
+    w = inp.weight_B_T.to(logp_B_T.dtype)
     kl_ref = torch.zeros((), dtype=logp_B_T.dtype)
     if inp.ref_logp_B_T is not None:
         d = inp.ref_logp_B_T - logp_B_T
         k3 = torch.exp(d) - d - 1
         per_tok = per_tok + s.kl_coef * k3
         kl_ref = (k3.detach() * mask).sum()
-    loss = (per_tok * w * ~drop_B_T * mask).sum()
+    loss = (per_tok * w * ~t.drop * mask).sum()
     if s.entropy_coef:
         if inp.entropy_B_T is None:
             raise ValueError("entropy_coef > 0 needs the token entropies (LossInputs.entropy_B_T)")
@@ -231,11 +257,11 @@ def decoupled_loss(inp: LossInputs) -> LossOut:
         return LossOut(
             loss=loss,
             n_tokens=int(mask.sum()),
-            clipped=float((clipped_B_T & mask).sum()),
-            behav_clipped=float((out_B_T & mask).sum()),
-            is_truncated=float(((is_raw > tis_cap) & ~band_B_T & mask).sum()) if tis_cap is not None else 0.0,
-            is_masked=float((band_B_T & mask).sum()),
-            is_weight_sum=float((is_w * mask).sum()),
+            clipped=float((t.clipped & mask).sum()),
+            behav_clipped=float((t.out & mask).sum()),
+            is_truncated=float(((t.is_raw > tis_cap) & ~t.band & mask).sum()) if tis_cap is not None else 0.0,
+            is_masked=float((t.band & mask).sum()),
+            is_weight_sum=float((t.is_w * mask).sum()),
             kl_behav_sum=float(((torch.exp(d_b) - d_b - 1) * mask).sum()),
             kl_ref_sum=float(kl_ref),
             mismatch_sum=float(((logp_B_T - behav_logp_B_T).abs() * mask).sum()),

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from minirl.config import Config
 from minirl.core.logits import Processing
 from minirl.core.metrics import memory_metrics
+from minirl.core.xray import TokenXray
 from minirl.training.batch import (
     Batch,
     Sample,
@@ -29,6 +30,7 @@ from minirl.training.loss_fn import resolve_loss_fn, run_loss, top_entropy_masks
 from minirl.training.models import build_model, checkpointing_on, load_tokenizer, resolve_model
 from minirl.training.packing import MASKABLE_ATTENTION, PackedMicroBatch, pack, packed_completion_logprobs
 from minirl.training.plan import resolve_token_budget
+from minirl.training.xray import XrayProbe
 from minirl.types import ScoredGroup
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -75,6 +77,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, self._lr_factor)
         self.version = 0
+        self.xrays: list[TokenXray] = []  # the last step's (`step`)
         memory_metrics()  # the first step's memory window starts here, after the model loaded
 
     def _lr_factor(self, step: int) -> float:
@@ -104,7 +107,14 @@ class Trainer:
 
     def step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
         """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics. Logprobs are
-        computed at the temperature each group was sampled with (it travels with the group)."""
+        computed at the temperature each group was sampled with (it travels with the group). Sets `xrays`: the
+        token X-rays of the completions `metrics.sample_rows` logs (cfg.log_samples; `step_xray`)."""
+        m, self.xrays = self.step_xray(groups, self.cfg.log_samples)
+        return m
+
+    def step_xray(self, groups: Sequence[ScoredGroup], n: int) -> tuple[dict[str, float], list[TokenXray]]:
+        """`step`, plus the token X-ray of the first completion of each of the first `n` groups (those
+        `metrics.sample_rows` logs), copied off the step's own tensors (`training/xray.py`)."""
         c = self.cfg
         loss_settings = LossSettings.from_config(c)
         t0 = time.perf_counter()
@@ -112,12 +122,13 @@ class Trainer:
             raise ValueError("Trainer.step needs the step's advantages: pass the groups through "
                              "minirl.rewards.advantages.step_advantages(groups, AdvantageSettings.from_config(cfg))")
         samples = self.samples(groups)
+        probe = XrayProbe(groups, samples, n, self.tokenizer, self.version, c)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1
             m.update({"train/tokens": 0, "time/train_s": time.perf_counter() - t0, "version": self.version,
                       "train/skipped_nonfinite": 0, **memory_metrics()})
-            return m
+            return m, probe.records
         batch = make_batch(samples, self.tokenizer.pad_token_id, c.recipe.loss_agg, c.max_tokens)
         if self.packing == "shared-prefix":
             micro = [mb.to(self.device) for mb in pack(samples, batch, self.token_budget)]
@@ -146,9 +157,11 @@ class Trainer:
                 if c.kl_coef > 0:
                     with torch.no_grad(), self.model.disable_adapter():
                         ref, _ = self._logprobs(mb)
-                out = run_loss(self.loss_fn, LossInputs(
-                    logp, olds[i], rows.behav_logp_B_L, rows.adv_B, rows.weight_B_L, rows.tgt_mask_B_L, loss_settings,
-                    ref, ent_B_L, tops[i]))
+                inputs = LossInputs(logp, olds[i], rows.behav_logp_B_L, rows.adv_B, rows.weight_B_L,
+                                    rows.tgt_mask_B_L, loss_settings, ref, ent_B_L, tops[i])
+                out = run_loss(self.loss_fn, inputs)
+                if epoch == c.ppo_epochs - 1:
+                    probe.see(inputs, rows.index_B)
                 out.loss.backward()
                 epoch_loss += out.loss.item()
                 if epoch == 0:
@@ -185,7 +198,7 @@ class Trainer:
             "time/train_s": time.perf_counter() - t0, "version": self.version, "train/skipped_nonfinite": skipped,
             **memory_metrics(),
         })
-        return m
+        return m, probe.records
 
     def _top_entropy(self, micro: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each micro-batch's token entropies at the start of the step and top_entropy_quantile's mask from them,

@@ -24,6 +24,7 @@ from minirl.types import RunView
 from minirl.ui.doctor import Alert, doctor
 from minirl.ui.panels import PANELS, View, figure, png_bytes
 from minirl.ui.saved import SavedRun
+from minirl.ui.xray import choices, xray
 
 # --- HTML pieces (shared by the widget and by notebooks) ----------------------------------------------------
 
@@ -128,11 +129,16 @@ class Dashboard:
         self.doctor_box = W.HTML()
         self.image = W.Image(format="png", layout=W.Layout(width="100%", max_width="1150px"))
         self.samples_box = W.HTML()
+        self._samples: list[dict] = []  # the "samples" events last drawn (the X-ray picker reads them)
+        self.xray_pick = W.Dropdown(description="token X-ray", options=[("(pick a logged sample)", None)],
+                                    layout=W.Layout(width="640px"), style={"description_width": "initial"})
+        self.xray_box = W.HTML()
+        self.xray_pick.observe(lambda _: self.show_xray(), "value")
         children = [self.status, self.doctor_box, self.image]
         if controls and self.run.controllable:
             children.append(self._controls(W))
         children.append(W.HTML("<b style='font-size:12px'>recent samples</b>"))
-        children.append(self.samples_box)
+        children += [self.samples_box, self.xray_pick, self.xray_box]
         self.widget = W.VBox(children)
         self.refresh(force=True)
         self._start_timer()
@@ -203,9 +209,21 @@ class Dashboard:
         fig = figure(v, self.panels, dpi=self.dpi)
         self.image.value = png_bytes(fig)
         self.samples_box.value = samples_html(v.samples, self.n_samples)
+        self._samples = v.samples
+        opts = [("(pick a logged sample)", None)] + choices(v.samples)
+        if [o[1] for o in opts] != [o[1] for o in self.xray_pick.options]:
+            keep = self.xray_pick.value if self.xray_pick.value in [o[1] for o in opts] else None
+            self.xray_pick.options, self.xray_pick.value = opts, keep
         self._last_steps = len(v.steps)
         self.refreshes += 1
         return True
+
+    def show_xray(self, pick: tuple | None = None) -> str:
+        """Show the token X-ray (`minirl.xray`) of a logged sample, (step, sample) as `xray_pick` offers them
+        (default: its current value), under the samples; returns its HTML ('' for none)."""
+        pick = self.xray_pick.value if pick is None else pick
+        self.xray_box.value = "" if pick is None else xray(self._samples, *pick).html()
+        return self.xray_box.value
 
     def _status_html(self, v: View | None) -> str:
         n = self._last_steps if v is None else len(v.steps)
