@@ -22,6 +22,7 @@ import torch
 from minirl.generation.server_fleet import Fleet
 from minirl.generation.server_proc import ServerOptions
 from minirl.rewards.llm_judge import set_server_starter
+from minirl.training.models import resolve_model
 
 MAX_MODEL_LEN = 2048     # the judge's question and reply, in tokens
 START_TIMEOUT_S = 900.0  # importing vLLM and loading the model: ~2 min on a busy 2-core CPU here
@@ -63,4 +64,4 @@ def _hold(fleet: Fleet, up: cf.Future) -> None:
     threading.Event().wait()
 
 
-set_server_starter(start_judge_server)
+set_server_starter(start_judge_server, resolve_model)

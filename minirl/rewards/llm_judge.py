@@ -7,10 +7,10 @@ in a config (literal values, as every reward's `name(key=value)`; `parse` then a
   its contents, one per line), sent as one user message, greedy (temperature 0), at most `max_tokens`.
 - The model: exactly one of `url` (an OpenAI-compatible base URL, as the OpenAI client takes it, e.g.
   'https://api.openai.com/v1'; the key is read from the environment variable `api_key_env` at each call, never
-  stored; a URL off this machine needs it set), `serve` (a model folder or Hub id: minirl starts one vLLM server
-  for it on 127.0.0.1 with a random key, once per process, before the reward workers, and stops it at exit:
-  `minirl.generation.judge_server`), or `local` (transformers in the process that scores, loaded once per process:
-  with `reward_workers: 0`, one copy).
+  stored; a URL off this machine needs it set), `serve` (a model folder, Hub id or the embedded model's name:
+  minirl starts one vLLM server for it on 127.0.0.1 with a random key, once per process, before the reward
+  workers, and stops it at exit: `minirl.generation.judge_server`), or `local` (the same names; transformers in
+  the process that scores, loaded once per process: with `reward_workers: 0`, one copy).
 - `parse`: 'score' (the last number in the reply), 'yes_no' (1.0 for yes, 0.0 for no, the first of them), or a
   callable `reply -> float | None`.
 - A group's questions go out together, at most `concurrency` at a time, each bounded by `timeout_s`; a reply is
@@ -63,6 +63,7 @@ class ProcessState:
         self.models: dict[str, str] = {}
         self.lock = threading.Lock()
         self.starter: Callable[[str], tuple[str, str]] | None = None
+        self.resolve: Callable[[str], str] = str
 
     def __reduce__(self):
         return ProcessState, ()
@@ -71,9 +72,10 @@ class ProcessState:
 STATE = ProcessState()
 
 
-def set_server_starter(start: Callable[[str], tuple[str, str]]) -> None:
-    """`start(model) -> (base URL, API key)` for `serve=` (set by minirl.generation.judge_server)."""
-    STATE.starter = start
+def set_server_starter(start: Callable[[str], tuple[str, str]], resolve: Callable[[str], str]) -> None:
+    """`start(model) -> (base URL, API key)` for `serve=`, and `resolve(model) -> folder or Hub id` for `serve=` and
+    `local=` (the embedded model's name: its folder), in the trainer (set by minirl.generation.judge_server)."""
+    STATE.starter, STATE.resolve = start, resolve
 
 
 def last_number(reply: str) -> float | None:
@@ -320,7 +322,15 @@ def judge(template: str, parse: str | Callable = "score", *, url: str | None = N
     params = dict(template=template, parse=parse, url=url, model=model, api_key_env=api_key_env, serve=serve,
                   local=local, max_tokens=max_tokens, timeout_s=timeout_s, concurrency=concurrency)
     check_params(template, parse, url, serve, local, api_key_env, max_tokens, timeout_s, concurrency)
+    resolve_models(params)
     return BoundReward(judge_reward, params, name)
+
+
+def resolve_models(params: dict) -> None:
+    """`serve` and `local` as a folder or Hub id ('smollm2-135m-instruct': the embedded model's folder), in place."""
+    for k in ("serve", "local"):
+        if params.get(k):
+            params[k] = STATE.resolve(params[k])
 
 
 def judge_params(fn: Callable) -> dict | None:
@@ -341,6 +351,8 @@ def start_judges(rewards: Sequence[tuple[str, Callable]]) -> None:
             check_params(**p)
         except ValueError as e:
             raise ValueError(f"reward {name!r}: {e}") from None
+        resolve_models(params)
+        p.update({k: params[k] for k in ("serve", "local") if params.get(k)})
         if p["serve"] and served_env(p["serve"])[0] not in os.environ:
             if STATE.starter is None:
                 raise RuntimeError(f"reward {name!r}: serve= needs minirl.generation (import minirl)")
