@@ -103,6 +103,9 @@ def test_http_judge_scores_caches_and_records_an_unreadable_reply(fake):
     assert again.per_reward["grade"] == (7.0, 1.0, None, 4.0) and len(fake.chats()) == 4
     other = scorer.score_group(_group("3", answer=4))  # another column value: another question
     assert other.per_reward["grade"] == (1.0,) and len(fake.chats()) == 5
+    import minirl  # minirl.check shows the unreadable reply as the case's reason
+    rep = minirl.check(j, [dict(prompt="What is 1 + 2 ?", completion="hmm", answer=3, expect=None)])
+    assert not rep.results[0]["ok"] and "first line: 'I cannot grade this.'" in rep.results[0]["why"]
     # the built-in parsers, by name: 'score' (the last number: the /10) and 'yes_no' on the same replies
     s = Scorer.from_config([judge(TEMPLATE, "score", url=fake.url, name="last")], None, 60.0, workers=0)
     assert s.score_group(_group("3", "it is 3")).per_reward["last"] == (10.0, 10.0)
