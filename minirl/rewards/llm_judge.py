@@ -185,13 +185,14 @@ def judge_reward(prompts: Sequence, completions: Sequence, *, template: str | No
     each = {k: v for k, v in columns.items() if isinstance(v, list) and len(v) == len(completions)}
     questions = [fill(template, p, c, {k: v[i] for k, v in each.items()})
                  for i, (p, c) in enumerate(zip(prompts, completions))]
-    if local:
-        where, ask = f"local:{local}", lambda qs: local_replies(local, qs, max_tokens, concurrency)
-    else:
-        base, key = (url.rstrip("/"), os.environ.get(api_key_env)) if url else endpoint(serve)
-        where = base
-        ask = lambda qs: in_a_loop(lambda: http_replies(base, key, model or serve, qs, max_tokens, timeout_s,  # noqa: E731
-                                                        concurrency, api_key_env if url else None))
+    where = f"local:{local}" if local else url.rstrip("/") if url else endpoint(serve)[0]
+
+    def ask(qs: list[str]) -> list:
+        if local:
+            return local_replies(local, qs, max_tokens, concurrency)
+        key = os.environ.get(api_key_env) if url else endpoint(serve)[1]
+        return in_a_loop(lambda: http_replies(where, key, model or serve, qs, max_tokens, timeout_s, concurrency,
+                                              api_key_env if url else None))
     keys = [(where, model, max_tokens, q) for q in questions]
     replies = {k: STATE.cache[k] for k in keys if k in STATE.cache}
     todo = list(dict.fromkeys(k for k in keys if k not in replies))
@@ -253,7 +254,7 @@ async def http_replies(base: str, key: str | None, model: str | None, questions:
             body = dict(model=name, messages=[{"role": "user", "content": q}], temperature=0.0, max_tokens=max_tokens)
             async with gate:
                 try:
-                    r = await asyncio.wait_for(post(client, f"{base}/chat/completions", body), timeout_s)
+                    r = await asyncio.wait_for(request(client, f"{base}/chat/completions", body), timeout_s)
                     return str(r["choices"][0]["message"]["content"] or "")
                 except Exception as e:  # noqa: BLE001 - this question's failure, named
                     return failed(e, f"{base}/chat/completions", timeout_s, key_var)
@@ -262,7 +263,7 @@ async def http_replies(base: str, key: str | None, model: str | None, questions:
 
 async def first_model(client, base: str) -> str:
     if base not in STATE.models:
-        data = (await post(client, f"{base}/models", None))["data"]
+        data = (await request(client, f"{base}/models", None))["data"]
         STATE.models[base] = data[0]["id"]
     return STATE.models[base]
 
@@ -273,7 +274,8 @@ class Status(Exception):
         self.code = code
 
 
-async def post(client, url: str, body: dict | None) -> dict:
+async def request(client, url: str, body: dict | None) -> dict:
+    """POST `body` (GET without one); an error status raises Status."""
     r = await (client.post(url, json=body) if body is not None else client.get(url))
     if r.status_code >= 400:
         raise Status(r.status_code, r.text)
