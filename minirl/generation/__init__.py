@@ -6,6 +6,7 @@ applied: the distribution actually sampled from) and the policy version that pro
   hf_process.py  `ProcGenerator`: an `HFGenerator` in a process of its own (the asynchronous CPU pipeline)
   vllm.py        `VLLMGenerator`: vLLM `AsyncLLM` in a thread of its own (the only module importing vllm)
   engine_thread.py  that thread: its event loop, calls from other threads, shutdown
+  judge_server.py the vLLM server of a `judge(serve=...)` reward (registered with minirl.rewards.llm_judge)
   vllm_server.py `ServerGenerator`: vLLM OpenAI-compatible servers over HTTP, started by minirl
                  (server_proc.py; server_auth.py guards them) or by you; server_api.py: the requests
   swaps.py       exact per-token versions across in-place adapter swaps (vLLM `inflight` policy)
@@ -17,6 +18,7 @@ applied: the distribution actually sampled from) and the policy version that pro
 Every generator meets `minirl.types.Generator` (the members callers use); those on a loop of their own meet
 `AsyncGenerator`.
 """
+from minirl.generation import judge_server  # noqa: F401 - lets judge(serve=...) start its server
 from minirl.generation.factory import make_generator, pick_backend, split_devices, vllm_available
 from minirl.types import AsyncGenerator, Generator
 

@@ -11,7 +11,7 @@ call that raises (SystemExit and KeyboardInterrupt included), ends or crashes it
 flood, or returns something that is not a finite number within `reward_clip` is a *failure*: recorded with its
 reason, its sample excluded from the group's baseline and the loss, and the run goes on. Nothing is turned silently
 into 0.0. A batched call that fails as a whole fails each of its samples; an entry that is not a usable number fails
-its sample only.
+its sample only (an exception given as the entry fails it with that exception's reason: `llm_judge`).
 
 With `workers > 0` the calls run in reward worker processes (`workers.py`): a group's calls in parallel, each with
 its own timeout, a hung or crashed worker killed and replaced (`score_groups`: several groups' calls at once). `workers=0` runs them in this process, one after
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
+from minirl.rewards.llm_judge import start_judges
 from minirl.rewards.registry import BATCH_NAMES, accepted_keywords, is_batched, resolve_reward, reward_form, source_hash
 from minirl.rewards.sandbox.process import ENABLE_SANDBOX
 from minirl.rewards.worker_main import number
@@ -73,6 +74,7 @@ class Scorer:
     def pool(self) -> RewardWorkers:
         """The reward workers, started on first use (a reward that cannot reach a worker fails here, by name)."""
         if self._pool is None:
+            start_judges(self.rewards)  # judges' arguments checked, their servers started: the workers inherit them
             self._pool = RewardWorkers(self.rewards, self.workers, self.timeout_s, memory_mb=self.memory_mb)
         return self._pool
 

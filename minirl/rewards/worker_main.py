@@ -116,10 +116,14 @@ def call_batched(fn: Callable, prompts: list, completions: list, kwargs: dict) -
 
 def number(v: Any) -> tuple[float | None, str | None]:
     """(float(v), None); (None, None) for None (a skip); (None, why) for a value that is not an int, float or numpy
-    number, or that float() cannot take. A value's own methods can run here (a subclass's __float__, __class__ in
-    isinstance) but never its __repr__; on an exact float or None no code of the value's runs."""
+    number, or that float() cannot take. An exception given as a value (a batched reward's entry: `judge`'s
+    unreadable reply) is that sample's failure, its reason as if raised. A value's own methods can run here (a
+    subclass's __float__, __class__ in isinstance) but never its __repr__; on an exact float or None no code of the
+    value's runs."""
     if v is None:
         return None, None
+    if isinstance(v, BaseException):
+        return None, reason(v)
     try:
         if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
             return None, f"returned {shown(v)}, expected a float or None"
