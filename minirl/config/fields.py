@@ -187,7 +187,8 @@ class Config(ConfigMethods, metaclass=Coercing):
     (generation too, as it shares the process; BENCHMARKS.md, "Training speed"). Turn on when RAM, not time, is
     the limit. No effect on GPU."""
     ppo_epochs: int = 1
-    """Passes over each batch; each pass is one optimizer step. >1 makes the clip ratio active."""
+    """Passes over each batch; each pass is one optimizer step (all at the step's learning rate; the adapter's
+    version, staleness and the schedule count run steps). >1 makes the clip ratio active."""
 
     # --- loss ----------------------------------------------------------------------------------------------
     loss_type: str | None = None

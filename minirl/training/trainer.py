@@ -48,7 +48,8 @@ def fix_malloc_threshold(nbytes: int = 128 * 1024) -> bool:
 
 
 class Trainer:
-    """Owns the peft model and the optimizer. `step(groups)` runs one update and bumps `version`.
+    """Owns the peft model and the optimizer. `step(groups)` runs one update (`ppo_epochs` optimizer steps) and
+    bumps `version` by one.
 
     `packing` is the layout the trainer uses: `cfg.packing`, except that 'shared-prefix' falls back to 'padded'
     (with one printed line) where the model's attention implementation cannot take a custom mask."""
@@ -180,10 +181,13 @@ class Trainer:
             else:  # a NaN/inf loss or gradient: no update (the adapter and AdamW's moments stay as they were)
                 self.opt.zero_grad(set_to_none=True)
                 skipped += 1
-            with warnings.catch_warnings():  # the schedule follows versions, skipped updates included
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
-                self.sched.step()
-            self.version += 1
+        # One version and one schedule step per trainer step, whatever ppo_epochs is: a version is an adapter the
+        # generator can be given (the pipeline's depth bound and staleness count them), and `steps`, `warmup_steps`
+        # and the cosine are in run steps. Skipped updates count.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()`")
+            self.sched.step()
+        self.version += 1
         n = max(1, tot["n"])
         m.update({
             "loss": tot["loss"], "clip_frac": tot["clipped"] / n, "clip_frac/behav": tot["behav_clipped"] / n,
