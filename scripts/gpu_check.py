@@ -21,10 +21,11 @@ Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout, 
 - `qlora` (needs bitsandbytes): 3 steps of the synthetic model with a 4-bit base; with vllm also on the engine:
   whether it loaded the base in 4-bit and the behaviour policy's gap (`logprob_mismatch` per step).
 - `embedded` (needs gguf): the embedded SmolLM2 model built from its GGUF file.
-- `generation`: the transformers generator on the trainer's own model, 8 prompts x 8 samples x 64 tokens of the
-  synthetic 1.5B in bf16 (twin: the tiny Qwen2, 8 tokens, 1 round): the loop (`hf_decode: loop`, today's path) vs
-  the static path (`hf_decode: static`, unmerged and merged LoRA), the median tokens/s of 3 rounds after a warm-up,
-  each one's peak CUDA memory, and the static path's share of the memory-bandwidth bound (`_bandwidth_bound`).
+- `generation`: the transformers generator on the trainer's own model, 8 prompts x 8 samples x 64 and x 256
+  tokens of the synthetic 1.5B in bf16 (twin: the tiny Qwen2, 8 and 16 tokens, 1 round): the loop (`hf_decode:
+  loop`, today's path) vs the static path (`hf_decode: static`; at 64 also merged LoRA, at 256 also in 16 slots,
+  refilled), the median tokens/s of 3 rounds after a warm-up, each one's peak CUDA memory, and the static path's
+  share of the memory-bandwidth bound (`_bandwidth_bound`).
 
     bash scripts/gpu_check.sh             # on a GPU machine; writes $OUT (or ./gpu_check_out)
     bash scripts/gpu_check.sh --cpu-twin  # here
@@ -316,10 +317,12 @@ def _bandwidth_bound(model, rows: int, gbs: float) -> dict:
 
 
 def generation(dev: str) -> dict:
-    """Today's transformers decoding loop vs the static path, on the same workload in this process: the median
-    tokens/s of 3 rounds after one warm-up round (twin: 1 round, none), the peak CUDA memory of each, and the
-    static path's tokens/s over the bandwidth bound. Variants that would start past 60 % of the section's bound
-    are skipped (recorded) so that the section's figures come back."""
+    """Today's transformers decoding loop vs the static path, on the same workload in this process, at 64 and 256
+    tokens (twin: 8 and 16): the median tokens/s of 3 rounds after one warm-up round (twin: 1 round, none), the
+    peak CUDA memory of each, and the static path's tokens/s over the bandwidth bound; at the long length also the
+    static path in a quarter of the slots (continuous refill). The first length's figures are the top level,
+    the long one's under 'long'. Variants that would start past 60 % of the section's bound are skipped
+    (recorded) so that the section's figures come back."""
     import gc
     import statistics
     from dataclasses import replace
@@ -332,52 +335,63 @@ def generation(dev: str) -> dict:
     from minirl.types import SamplingParams
     cuda, start = dev == "cuda", time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="minirl-gpucheck-"))
+
+    def late(share: float) -> bool:
+        return time.perf_counter() - start > share * BOUNDS["generation"]
+
+    def measure(trainer, prompts, n, params, rounds, kw) -> dict:
+        gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, **kw)
+        if cuda:
+            gen.generate(prompts, n, replace(params, max_tokens=8))  # warm-up: kernels chosen, graph captured
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        tps, tokens = [], 0
+        for _ in range(rounds):
+            if tps and late(0.8):  # fewer rounds rather than no figure
+                break
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            groups = gen.generate(prompts, n, params)
+            if cuda:
+                torch.cuda.synchronize()
+            tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
+            tps.append(tokens / (time.perf_counter() - t))
+        out = {"tokens_per_s": round(statistics.median(tps), 1), "rounds": [round(x) for x in tps],
+               "tokens": tokens, "merge": gen.merge, "decode": gen.last_decode or {"decode": "loop"}}
+        if cuda:
+            out["peak_cuda_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        return out
+
     try:
         trainer = Trainer(_config(dev, _model(dev, tmp), tmp / "run"), device=dev)
         prompts = to_prompts([{"prompt": f"What is {a} + {a + 3} ?"} for a in range(8)], trainer.tokenizer)
-        n, rounds = 8, 3 if cuda else 1
-        params = SamplingParams(temperature=1.0, max_tokens=64 if cuda else 8, seed=0)
-        res = {"model": Path(trainer.model_path).name, "prompts": len(prompts), "samples": n,
-               "max_tokens": params.max_tokens, "rounds": rounds}
-        variants = {"fast": dict(decode_mode="static"), "baseline": dict(decode_mode="loop"),
-                    "fast_merged": dict(decode_mode="static", merge=True)}  # the slow baseline second
-
-        def late(share: float) -> bool:
-            return time.perf_counter() - start > share * BOUNDS["generation"]
-        for name, kw in variants.items():
-            if late(0.6):
-                res[name] = {"skipped": "time: the section's bound would be passed"}
-                continue
-            gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, **kw)
-            if cuda:
-                gen.generate(prompts, n, replace(params, max_tokens=8))  # warm-up: kernels chosen, graph captured
-                gc.collect()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            tps, tokens = [], 0
-            for _ in range(rounds):
-                if tps and late(0.8):  # fewer rounds rather than no figure
-                    break
-                if cuda:
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                groups = gen.generate(prompts, n, params)
-                if cuda:
-                    torch.cuda.synchronize()
-                tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
-                tps.append(tokens / (time.perf_counter() - t))
-            res[name] = {"tokens_per_s": round(statistics.median(tps), 1), "rounds": [round(x) for x in tps],
-                         "tokens": tokens, "merge": gen.merge, "decode": gen.last_decode or {"decode": "loop"}}
-            if cuda:
-                res[name]["peak_cuda_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        n, rounds, rows = 8, 3 if cuda else 1, 8 * len(prompts)
+        bound = None
         if cuda:
             gbs, source = _bandwidth_gbs(torch.cuda.get_device_name(0))
-            res["bound"] = {**_bandwidth_bound(trainer.model, len(prompts) * n, gbs), "bandwidth_source": source}
-            for name in ("fast", "fast_merged"):
-                if "tokens_per_s" in res[name]:
-                    res[name]["of_bound"] = round(res[name]["tokens_per_s"] / res["bound"]["bound_tokens_per_s"], 3)
-        if "tokens_per_s" in res["fast"]:
-            res["fast_vs_baseline"] = round(res["fast"]["tokens_per_s"] / res["baseline"]["tokens_per_s"], 2)
+            bound = {**_bandwidth_bound(trainer.model, rows, gbs), "bandwidth_source": source}
+        runs = {64 if cuda else 8: {"fast": dict(decode_mode="static"), "baseline": dict(decode_mode="loop"),
+                                    "fast_merged": dict(decode_mode="static", merge=True)},  # the slow baseline 2nd
+                256 if cuda else 16: {"fast": dict(decode_mode="static"), "baseline": dict(decode_mode="loop"),
+                                      "fast_refill": dict(decode_mode="static", slots=rows // 4)}}
+        res: dict = {"model": Path(trainer.model_path).name, "prompts": len(prompts), "samples": n, "rounds": rounds}
+        for i, (length, variants) in enumerate(runs.items()):
+            at = res if i == 0 else res.setdefault("long", {})
+            at["max_tokens"] = length
+            params = SamplingParams(temperature=1.0, max_tokens=length, seed=0)
+            for name, kw in variants.items():
+                if late(0.6):
+                    at[name] = {"skipped": "time: the section's bound would be passed"}
+                    continue
+                at[name] = measure(trainer, prompts, n, params, rounds, kw)
+                if bound and name.startswith("fast"):
+                    at[name]["of_bound"] = round(at[name]["tokens_per_s"] / bound["bound_tokens_per_s"], 3)
+            if "tokens_per_s" in at["fast"] and "tokens_per_s" in at["baseline"]:
+                at["fast_vs_baseline"] = round(at["fast"]["tokens_per_s"] / at["baseline"]["tokens_per_s"], 2)
+        if bound:
+            res["bound"] = bound
         return res
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -35,6 +35,10 @@ def test_gpu_check_cpu_twin_without_the_images_missing_packages(tmp_path):
     gen = res["generation"]  # the loop vs the static path on the tiny model, the CPU twin of the GPU figures
     assert gen["fast"]["decode"]["decode"] == "static" and gen["baseline"]["decode"] == {"decode": "loop"}
     assert gen["fast"]["tokens"] > 0 and gen["fast"]["tokens_per_s"] > 0 and gen["baseline"]["tokens_per_s"] > 0
+    long = gen["long"]  # the long length (GPU: 256 tokens), the static path also in a quarter of the slots
+    assert gen["max_tokens"] == 8 and long["max_tokens"] == 16 and long["baseline"]["tokens_per_s"] > 0
+    assert long["fast_refill"]["decode"]["slots"] == 16 and long["fast_refill"]["decode"]["refills"] == 48
+    assert long["fast"]["decode"]["refills"] == 0 and "fast_vs_baseline" in long
 
 
 def test_gpu_check_reports_a_failing_section(tmp_path):

@@ -3,6 +3,7 @@ applied: the distribution actually sampled from) and the policy version that pro
 
   hf.py          `HFGenerator`: transformers `generate`, on the trainer's own model (synchronous loop) or a copy
   fast_decode.py its static decoding path (Config.hf_decode 'static'): a static KV cache, a CUDA-graph step
+  slots.py       that path's cache slots and their continuous refill (a finished sample's slot takes the next)
   hf_process.py  `ProcGenerator`: an `HFGenerator` in a process of its own (the asynchronous CPU pipeline)
   vllm.py        `VLLMGenerator`: vLLM `AsyncLLM` in a thread of its own (the only module importing vllm)
   engine_thread.py  that thread: its event loop, calls from other threads, shutdown

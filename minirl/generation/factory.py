@@ -74,11 +74,13 @@ def engine_gap(cfg: Config, backend: str) -> str | None:
 
 
 def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchronous: bool,
-                   gen_devices: str | None, sleep_mode: bool = False) -> tuple[Generator, WeightSync, str]:
+                   gen_devices: str | None, sleep_mode: bool = False,
+                   hf_slots: int | None = None) -> tuple[Generator, WeightSync, str]:
     """(generator, sync, why) for a run: vLLM with the configured transport; the transformers generator in a
     process of its own when generation runs ahead of training (`asynchronous`); else the trainer's own model.
     `gen_devices`: on CPU the cores generation is pinned to ('0', '0-3', '0,2'), on GPU the GPU ids it may use
-    ('1', '0,1'); None: no constraint. `sleep_mode`: the vLLM engine can sleep while the trainer shares its GPU."""
+    ('1', '0,1'); None: no constraint. `sleep_mode`: the vLLM engine can sleep while the trainer shares its GPU.
+    `hf_slots`: the transformers generator's static-path cache slots (the memory plan's `RunPlan.hf_slots`)."""
     on_gpu = trainer.device.startswith("cuda")
     if backend == "vllm-server":
         return _server_generator(cfg, trainer, gen_devices, on_gpu)
@@ -104,9 +106,10 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
     if asynchronous:  # its own model in its own process: no GIL shared with the trainer
         cores = parse_cores(gen_devices) if gen_devices and not on_gpu else None
         device = f"cuda:{gen_devices.split(',')[0]}" if gen_devices and on_gpu else trainer.device
-        gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=cores, device=device)
+        gen = ProcGenerator(cfg, adapter_params(trainer.model), cores=cores, device=device, slots=hf_slots)
         return gen, ShmSync(), "transformers generator process: the adapter goes through one shared-memory buffer"
-    gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, decode_mode=cfg.hf_decode)
+    gen = HFGenerator(trainer.model, trainer.tokenizer, lambda: trainer.version, decode_mode=cfg.hf_decode,
+                      slots=hf_slots)
     return gen, SharedSync(), "synchronous transformers loop: the generator uses the trainer's own model"
 
 

@@ -177,14 +177,16 @@ class HFGenerator(LocalEngine):
     after each call, so it never sits beside a training step's activations); on a GPU it runs unmerged by default,
     since the copy doubles the memory of every adapted weight. `merge` forces either; `score` always
     runs unmerged, as the trainer does. `decode_mode` (Config.hf_decode): 'static' decodes through
-    `fast_decode.static_decode` (a static KV cache, the step in a CUDA graph on GPU); 'loop'/'auto': `decode`.
+    `fast_decode.static_decode` (a static KV cache of `slots` rows refilled as samples end, the step in a CUDA
+    graph on GPU); 'loop'/'auto': `decode`.
     Slower than vLLM; the fallback and the reference."""
 
     same_numerics = True   # the trainer's own model code
 
     def __init__(self, model, tokenizer, get_version=None, merge: bool | None = None, compact: bool = True,
-                 decode_mode: str = "auto"):
+                 decode_mode: str = "auto", slots: int | None = None):
         self.model, self.tok, self._get_version = model, tokenizer, get_version
+        self.slots = slots  # the static path's cache rows (None: one a sample; fewer: continuous refill)
         self.decode_mode, self.last_decode = resolve_decode(decode_mode, model.device), {}
         self.compact = compact  # `decode` (finished rows leave the batch); False: transformers' `generate`
         self._version = 0
@@ -240,7 +242,8 @@ class HFGenerator(LocalEngine):
                 if compact and self.decode_mode == "static":
                     self.last_decode = {}
                     rows, row_lp = static_decode(self.model, input_ids, attn, params, eos, n,
-                                                 self._stopper(params.stop), report=self.last_decode)
+                                                 self._stopper(params.stop), report=self.last_decode,
+                                                 slots=self.slots)
                 elif compact:
                     rows, row_lp = decode(self.model, input_ids, attn, params, eos, n, self._stopper(params.stop))
                 else:

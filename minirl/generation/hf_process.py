@@ -60,7 +60,7 @@ def _die_with(parent: int) -> None:
 
 
 def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | None, device: str,
-           parent: int) -> None:
+           parent: int, slots: int | None = None) -> None:
     """The generator process: the main thread takes messages, one worker thread runs generate/score in order."""
     # A notebook's "interrupt kernel" signals the kernel's whole process group, this process included: the trainer
     # ends us (its close, PDEATHSIG, the watchdog), so an interrupt meant for the user's cell must not.
@@ -78,7 +78,7 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
 
     try:
         model = build_model(cfg, device).eval()
-        gen = HFGenerator(model, load_tokenizer(cfg.model), decode_mode=cfg.hf_decode)
+        gen = HFGenerator(model, load_tokenizer(cfg.model), decode_mode=cfg.hf_decode, slots=slots)
         dtype = getattr(torch, layout["dtype"].removeprefix("torch."))
         shared = torch.from_file(shm_path, shared=True, size=layout["nbytes"], dtype=torch.uint8).view(dtype)
         staging = shared.clone()
@@ -148,7 +148,8 @@ class ProcGenerator(LocalEngine):
     same_numerics = True  # the trainer's model code, dtype and kind of device: sync verification expects ~no noise
 
     def __init__(self, cfg: Config, tensors: dict[str, torch.Tensor], cores: list[int] | None = None,
-                 device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0):
+                 device: str = "cpu", start_timeout_s: float = 300.0, timeout_s: float = 30.0,
+                 slots: int | None = None):
         self.timeout_s = timeout_s
         self._version = 0
         self._ids = itertools.count(1)
@@ -167,7 +168,8 @@ class ProcGenerator(LocalEngine):
             self.packer.pack()
             ctx = mp.get_context("spawn")
             self._conn, child = ctx.Pipe()
-            self.proc = ctx.Process(target=_serve, args=(child, cfg, layout, str(path), cores, device, os.getpid()),
+            self.proc = ctx.Process(target=_serve, args=(child, cfg, layout, str(path), cores, device, os.getpid(),
+                                                         slots),
                                     name="minirl-genproc", daemon=True)
             self.proc.start()
             lifecycle.adopt(self.proc.pid)  # ended by the watchdog if we die (a notebook kernel killed, say)

@@ -34,11 +34,17 @@ class RunPlan:
     """The plan of each device a run uses, in order (the CPU, or GPU 0, 1, ...), and the placement it follows."""
     placement: Placement
     devices: tuple[MemoryPlan, ...]
+    beside: "RunPlan | None" = None  # on GPUs: the other generator's plan (the hf path beside vLLM's, or vLLM's)
 
     @property
     def trainer(self) -> MemoryPlan:
         """The plan of the trainer's device (its token budget, checkpointing and 4-bit are the run's)."""
         return next(p for p in self.devices if p.device == self.placement.train_device)
+
+    @property
+    def hf_slots(self) -> int | None:
+        """The cache slots the plan sized for the transformers generator's static path (None: not that path)."""
+        return next((p.hf_slots for p in self.devices if p.hf_slots), None)
 
     @property
     def token_budget(self) -> int:
@@ -54,8 +60,14 @@ class RunPlan:
         return "\n".join(p.line() for p in self.devices if p.role != "idle")
 
     def table(self) -> str:
-        """The placement line, then each device's parts."""
-        return "\n".join([self.placement.line(), *(p.table() for p in self.devices)])
+        """The placement line, then each device's parts; then the other generator's plan, where both are options."""
+        out = [self.placement.line(), *(p.table() for p in self.devices)]
+        if self.beside is not None:
+            b = self.beside.placement
+            what = f"backend: hf, hf_decode: {self.beside.hf_slots and 'static' or 'loop'}" \
+                if b.backend == "hf" else f"backend: {b.backend}"
+            out += ["", f"beside it, the same run with {what}, max_async_steps: auto:", self.beside.table()]
+        return "\n".join(out)
 
     def problems(self) -> list[str]:
         """One line for each device whose plan does not fit, naming the figures and the ways out."""
@@ -106,9 +118,11 @@ def holdings(cfg: Config, p: Placement) -> list[tuple[str, Holds]]:
 
 
 def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
-             gradient_checkpointing: bool | None = None, prompt_tokens: int | None = None) -> RunPlan:
+             gradient_checkpointing: bool | None = None, prompt_tokens: int | None = None,
+             beside: bool = True) -> RunPlan:
     """The run's plan on `devices`, placed as `placement` (default: `place(cfg, devices)`): the trainer's device
-    first (it picks the token budget, checkpointing and 4-bit), then every other device with those choices."""
+    first (it picks the token budget, checkpointing and 4-bit), then every other device with those choices.
+    `beside`, on GPUs: with the plan of the other generator (`other_generator`) where both are options."""
     placement = placement or place(cfg, devices)
     shape = Shape.from_config(model_config(cfg))
     held = holdings(cfg, placement)
@@ -125,13 +139,32 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
         if device != train:
             plans[device] = plan_shape(chosen, shape, device, memory(device), t.gradient_checkpointing, holds,
                                        prompt_tokens)
-    return RunPlan(placement, tuple(plans[d] for d, _ in held))
+    other = other_generator(cfg, placement, devices) if beside and placement.cuda_devices else None
+    alt = other and plan_run(other, devices, None, gradient_checkpointing, prompt_tokens, beside=False)
+    return RunPlan(placement, tuple(plans[d] for d, _ in held), alt)
+
+
+def other_generator(cfg: Config, placement: Placement, devices: Devices) -> Config | None:
+    """The config with the other generator, where both run on these GPUs: the transformers generator on the static
+    path (`hf_decode: static` unless 'loop' is set) for a vLLM run, vLLM (where installed) for a transformers run,
+    K as `max_async_steps: auto` picks it for that generator; None where the other is no option (a config only one
+    allows)."""
+    if placement.backend in ("vllm", "vllm-server"):
+        other = dict(backend="hf", hf_decode="loop" if cfg.hf_decode == "loop" else "static", server_urls=[])
+    elif devices.vllm:
+        other = dict(backend="vllm")
+    else:
+        return None
+    try:
+        return cfg.replace(**other, max_async_steps="auto")
+    except (ConfigError, ValueError):
+        return None
 
 
 def check_run_plan(cfg: Config, devices: Devices, placement: Placement) -> RunPlan:
     """Before loading: on GPUs a plan with a device that cannot fit stops the run here (one line a device); on
     CPU it warns (on stderr). The plan's lines are the run's to print (`Run` prints them at start)."""
-    p = plan_run(cfg, devices, placement)
+    p = plan_run(cfg, devices, placement, beside=False)
     if problems := p.problems():
         if placement.cuda_devices:
             raise ConfigError("\n".join(problems))

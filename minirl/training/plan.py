@@ -4,20 +4,19 @@ device for what it holds (`Holds`; the run maps its placement to each device's h
 Parts (GiB): base weights (dtype, or NF4 for the linear layers with double-quantized scales), LoRA + AdamW (fp32
 parameters, gradients and two moments: 16 bytes a LoRA parameter), activations of the largest micro-batch with or
 without gradient checkpointing, the lm_head logits of one chunk (`batch.LOGIT_CHUNK` completion tokens; float32),
-and the generator: vLLM's share of its GPU (its weights, overhead and the KV cache the rest leaves), or
-transformers' KV cache of one step's sequences. The training phase and the generation phase peak apart; the
-device's peak is the larger. Where the engine sleeps, the sleep/wake cost is its weights moved to the host and back
-per step.
+and the generator: vLLM's share of its GPU (its weights, overhead and the KV cache the rest leaves), or the
+transformers generator's KV cache (`plan_hf`: one step's sequences, or the static path's slots and CUDA graphs). The
+training phase and the generation phase peak apart; the device's peak is the larger. Where the engine sleeps, the
+sleep/wake cost is its weights moved to the host and back per step.
 
-The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): with 'shared-prefix' packing one
-row of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per
-decoder layer and token, autograd keeps what `Shape.layer_activation_bytes` lists (a census of the saved tensors,
+The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): with 'shared-prefix' packing one row
+of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per decoder
+layer and token, autograd keeps what `Shape.layer_activation_bytes` lists (a census of the saved tensors,
 `scripts/activation_census.py`); with checkpointing a layer keeps only its input, and one layer's full set lives
-during its recompute. On CPU resident memory follows these live bytes with `cpu_compact_memory: true` (the
-trainer fixes glibc's mmap threshold, `trainer.fix_malloc_threshold`); by default, for speed, glibc's heap may
-keep up to ~2x them. The calibration test
-(tests/test_plan_calibration.py) checks the predicted increase of the training peak between token budgets and
-completion lengths against recorded `minirl bench memory` rows.
+during its recompute. On CPU resident memory follows these live bytes with `cpu_compact_memory: true` (the trainer
+fixes glibc's mmap threshold, `trainer.fix_malloc_threshold`); by default, for speed, glibc's heap may keep up to
+~2x them. The calibration test (tests/test_plan_calibration.py) checks the predicted increase of the training peak
+between token budgets and completion lengths against recorded `minirl bench memory` rows.
 
 Assumptions stated plainly: prompts of min(max_prompt_tokens, 256) tokens; every completion max_tokens long; a vLLM
 engine takes its whole share (`gpu_memory_utilization`) and fails to start when that share cannot hold its weights,
@@ -36,6 +35,7 @@ from huggingface_hub import hf_hub_download
 from minirl.config import Config, ConfigError
 from minirl.training.batch import LOGIT_CHUNK
 from minirl.training.models import resolve_model
+from minirl.training.plan_hf import hf_generator_parts
 
 GiB = 2**30
 BUDGETS = (512, 1024, 2048, 4096, 8192)  # past 8192 tokens a micro-batch gains little on a GPU
@@ -159,6 +159,7 @@ class MemoryPlan:
     sleep_wake_s: float = 0.0
     notes: tuple[str, ...] = ()
     short: str = ""  # why it cannot run although its peak fits (an engine's share too small), one line
+    hf_slots: int = 0  # the transformers generator's static-path cache slots (0: not that path; `plan_hf`)
 
     @property
     def train_gb(self) -> float:
@@ -196,7 +197,7 @@ class MemoryPlan:
             return self.line()
         rows = [("part", "train GiB", "generate GiB")]
         for k in dict.fromkeys([*self.train, *self.generate]):
-            rows.append((k, _f(self.train.get(k)), _f(self.generate.get(k))))
+            rows.append((k, *("" if x is None else f"{x:.2f}" for x in (self.train.get(k), self.generate.get(k)))))
         rows.append(("peak", f"{self.train_gb:.2f}", f"{self.generate_gb:.2f}"))
         w = [max(len(r[i]) for r in rows) for i in range(3)]
         out = [f"{a:<{w[0]}}  {b:>{w[1]}}  {c:>{w[2]}}".rstrip() for a, b, c in rows]
@@ -204,10 +205,6 @@ class MemoryPlan:
             out.append(f"sleep/wake: {self.sleep_wake_gb:.2f} GiB moved per step, ~{self.sleep_wake_s:.1f} s (copies "
                        f"at {HOST_LINK_GBPS:g} GB/s + vLLM's pools and KV remap, vllm#48337)")
         return "\n".join([self.line(), *out, *(f"note: {n}" for n in (*self.notes, *[self.short][:bool(self.short)]))])
-
-
-def _f(x: float | None) -> str:
-    return "" if x is None else f"{x:.2f}"
 
 
 def micro_batch(cfg: Config, budget: int, prompt: int) -> tuple[int, int, int]:
@@ -240,9 +237,8 @@ def _trainer_parts(cfg: Config, shape: Shape, b: int, budget: int, ckpt: bool, f
     if cfg.packing == "shared-prefix":
         acts += attn_len * attn_len * b  # the packed row's additive mask (tokens x tokens), kept for backward
     chunk = min(LOGIT_CHUNK, completion)
-    # one chunk's lm_head output recomputed in backward: float32 logits / temperature, the exp of logsumexp's
-    # backward, the gradient and the gather's scattered gradient (four float32 copies; in 16 bits also the head's
-    # own output before .float())
+    # one chunk's lm_head output recomputed in backward: float32 logits / temperature, the exp of logsumexp's backward,
+    # the gradient and the gather's scattered gradient (four float32 copies; in 16 bits also the head's own output)
     return weights, acts, chunk * shape.vocab * (4 * 4 + (b if b < 4 else 0))
 
 
@@ -260,15 +256,19 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
         resident = {"base weights": weights / GiB, "LoRA + AdamW": lora * 16 / GiB}
         train = {**resident, "activations": acts / GiB, "logits": logits / GiB, **context}
         resident.update(context)
-    gen = dict(resident)
-    sampling = {"generate KV cache": kv, "sampling logits": seqs * shape.vocab * 4 * 2 / GiB}
-    if holds.generator == "hf":  # the trainer's own model
-        gen.update(sampling)
-    elif holds.generator == "hf-process":  # its own model in its own process, there while the trainer works (K >= 1)
-        own = {"generator weights": weights / GiB, "generator LoRA": lora * 4 / GiB,
-               **{f"generator {k}": v for k, v in context.items()}}
-        gen.update({**own, **sampling})
-        train.update(own)
+    gen, slots = dict(resident), 0
+    if holds.generator in ("hf", "hf-process"):  # the trainer's own model; its own, in its own process (K >= 1)
+        if holds.generator == "hf-process":  # there while the trainer works
+            own = {"generator weights": weights / GiB, "generator LoRA": lora * 4 / GiB,
+                   **{f"generator {k}": v for k, v in context.items()}}
+            gen.update(own)
+            train.update(own)
+        room = HEADROOM * memory_gb * 1e9 - sum(gen.values()) * GiB if memory_gb else None
+        static = cfg.hf_decode == "static"  # 'auto' is the loop until measured (fast_decode.resolve_decode)
+        hf, slots = hf_generator_parts(shape, b, cfg.prompts_per_step, seqs, prompt, cfg.max_tokens, static, gpu, room)
+        gen.update(hf)
+        if slots:
+            notes.append(f"hf_decode static: {slots} cache slots of {seq_len} tokens for {seqs} samples, refilled")
     elif holds.generator in ("vllm", "vllm-server"):
         n, ew, over = holds.engines, shape.params() * b / GiB, ENGINE_OVERHEAD_GB if gpu else 0.0
         cache = kv
@@ -303,7 +303,7 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
     moved = shape.params() * b / GiB if holds.generator in ("vllm", "vllm-server") and holds.sleeps and gpu else 0.0
     return MemoryPlan(cfg.model, device, memory_gb, shape.params() / 1e9, holds.role(), budget, ckpt, util, four_bit,
                       train, gen, 2 * moved, sleep_wake_seconds(moved, shape.params()) if moved else 0.0, tuple(notes),
-                      short)
+                      short, slots)
 
 
 def sleep_wake_seconds(weights_gb: float, params: int) -> float:
