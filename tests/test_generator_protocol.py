@@ -82,7 +82,7 @@ class PlainGenerator:
 def _run(toy_cfg, tmp_path, monkeypatch, gen_box, apply_updates=True, lr=None, cls=None):
     import minirl.run.build as parts
 
-    def make_generator(cfg, trainer, backend, asynchronous, gen_devices, sleep_mode=False):
+    def make_generator(cfg, trainer, backend, asynchronous, gen_devices, sleep_mode=False, hf_slots=None):
         gen_box.append((cls or PlainGenerator)(trainer.model_path, apply_updates))
         return gen_box[-1], FileSync(), "a generator that implements only the protocol"
     monkeypatch.setattr(parts, "make_generator", make_generator)

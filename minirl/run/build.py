@@ -144,7 +144,7 @@ def _load(parts: RunParts, c: Config, env: Any, place: Placement, cpu: CpuThread
         trainer.reconfigure(c)
     parts.generator, parts.sync, parts.sync_why = make_generator(c, trainer, place.backend, place.max_async_steps > 0,
                                                                  place.gen_devices, place.engine_sleeps,
-                                                                 parts.plan.hf_slots)
+                                                                 hf_slots=parts.plan.hf_slots)
     parts.sleeper = parts.generator if place.engine_sleeps else None
     if env is None:
         parts.rollouts = parts.generator
