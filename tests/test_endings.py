@@ -43,6 +43,12 @@ class Watch:
         self.procs: dict[int, float] = {}
         self.cmds: dict[int, str] = {}  # pid -> command line, as seen while it ran
         self.files: set[str] = set()
+        self.old_files = set(self._named_after_root())  # an earlier test's in this process: not this run's
+
+    def _named_after_root(self) -> list[str]:
+        # the run's own: '-<root pid>' as a whole field (a substring test took pid 15813's folders for pid 1581's)
+        return [str(SHM / n) for n in os.listdir(SHM)
+                if n.startswith("minirl-") and re.search(rf"-{self.root}(-|$)", n)]
 
     def sample(self) -> None:
         try:
@@ -60,9 +66,7 @@ class Watch:
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
             self.files.update(f for f in held if f.startswith(str(SHM) + "/"))
-        # the run's own: '-<root pid>' as a whole field (a substring test took pid 15813's folders for pid 1581's)
-        self.files.update(str(SHM / n) for n in os.listdir(SHM)
-                          if n.startswith("minirl-") and re.search(rf"-{self.root}(-|$)", n))
+        self.files.update(set(self._named_after_root()) - self.old_files)
 
     def left(self, but: tuple[int, ...] = ()) -> list:
         alive = []

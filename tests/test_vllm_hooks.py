@@ -223,6 +223,22 @@ def test_an_unchecked_release_refuses_inflight_and_an_engine_without_the_receive
 
 # ---- the worker side: the report travels from the worker, the receiver acts on it ---------------------------------
 
+@pytest.fixture(autouse=True)
+def _syncs_closed(monkeypatch):
+    """Every sync a test here makes is closed after it: a FileSync left open keeps its /dev/shm folder until the
+    pytest worker ends (test_endings, later in the same worker, counts it as left behind)."""
+    made, make = [], factory.make_sync
+
+    def make_and_note(*a, **kw):
+        sync, why = make(*a, **kw)
+        made.append(sync)
+        return sync, why
+    monkeypatch.setattr(factory, "make_sync", make_and_note)
+    yield
+    for sync in made:
+        sync.close()
+
+
 @pytest.fixture
 def loop():
     loop = asyncio.new_event_loop()
