@@ -16,7 +16,9 @@ from minirl.benchmarks.trainer_step import load_batches
 from minirl.cli import main
 from minirl.core.metrics import sample_rows
 from minirl.core.xray import TokenXray
+from minirl.training.batch import SampleFilter, samples_from_groups
 from minirl.training.trainer import Trainer
+from minirl.training.xray import XrayProbe
 from minirl.types import Completion, Group, Prompt, ScoredGroup
 from minirl.ui import Dashboard
 
@@ -226,3 +228,30 @@ def test_sample_rows_attach_an_xray_only_to_the_completion_it_describes():
     rows = sample_rows(groups, 2, [mine, stale])
     assert rows[0]["xray"] == mine.to_row() and "xray" not in rows[1]
     assert all("xray" not in r for r in sample_rows(groups, 2))
+
+
+class _PieceTok:
+    def batch_decode(self, ids):
+        return [f"<{i[0]}>" for i in ids]
+
+
+def test_every_reason_the_batch_skips_a_completion_is_the_one_its_xray_names():
+    """Each condition injected alone into a logged completion: `samples_from_groups` leaves it out and the x-ray's
+    note names that condition; the config's flags lift the two optional ones."""
+    ok = Completion((5, 6), (-0.1, -0.2), (0, 0), "ab", "stop")
+    cases = {"its reward failed": (ok, None, 1.0), "empty completion": (Completion((), (), (), "", "stop"), 1.0, 1.0),
+             "truncated by a length cap": (Completion((5, 6), (-0.1, -0.2), (0, 0), "ab", "length"), 1.0, 1.0),
+             "zero advantage": (ok, 1.0, 0.0)}
+    groups = [ScoredGroup(Group(Prompt(k, (1, 2), "p"), (c, ok)), (r, 1.0), {}, (a, -1.0))
+              for k, (c, r, a) in enumerate(cases.values())]
+    strict = SampleFilter.from_config(Config(mask_truncated=True))
+    assert strict == SampleFilter(keep_zero_adv=False, drop_truncated=True)
+    samples = samples_from_groups(groups, strict.keep_zero_adv, strict.drop_truncated)
+    assert [s.origin for s in samples] == [(k, 1) for k in range(len(cases))]  # every injected one left out
+    probe = XrayProbe(groups, samples, len(groups), _PieceTok(), 0, strict)
+    assert [x.note.split(" (")[0] for x in probe.records] == [f"not trained: {why}" for why in cases]
+    lax = SampleFilter.from_config(Config(kl_coef=0.1))
+    assert lax == SampleFilter(keep_zero_adv=True, drop_truncated=False)
+    kept = {s.origin for s in samples_from_groups(groups, lax.keep_zero_adv, lax.drop_truncated)}
+    assert kept == {(2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)}
+    assert [lax.skip_reason(*case) for case in cases.values()] == ["its reward failed", "empty completion", None, None]

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minirl.core.logits import Processing, histories, processed_logits, seen_tokens
 from minirl.training.loss import token_weights
-from minirl.types import ScoredGroup
+from minirl.types import Completion, ScoredGroup
 
 LOGIT_CHUNK = 1024  # completion tokens per lm_head chunk
 
@@ -77,19 +77,44 @@ class Batch:
             yield self.rows(cur)
 
 
+@dataclass(frozen=True)
+class SampleFilter:
+    """Which completions get a loss term. Zero-advantage samples carry no policy gradient and are dropped unless a
+    KL term needs them (`keep_zero_adv`); with `drop_truncated` (`mask_truncated`), so are completions cut by a
+    length cap (finish_reason 'length'): no loss at all, while their rewards still counted in their group's
+    baseline (DAPO's overlong filtering). Failed rewards and empty completions are never trained on."""
+    keep_zero_adv: bool = False
+    drop_truncated: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "SampleFilter":
+        return cls(keep_zero_adv=cfg.kl_coef > 0 or cfg.train_zero_adv, drop_truncated=cfg.mask_truncated)
+
+    def skip_reason(self, c: Completion, reward: float | None, advantage: float) -> str | None:
+        """Why `c` gets no loss term, in words (the token X-ray's note), or None when it is trained: the one
+        place that decides it."""
+        if reward is None:
+            return "its reward failed"
+        if not c.token_ids:
+            return "empty completion"
+        if self.drop_truncated and c.truncated:
+            return "truncated by a length cap (mask_truncated)"
+        if advantage == 0.0 and not self.keep_zero_adv:
+            return "zero advantage (no policy gradient; train_zero_adv or kl_coef > 0 keeps it)"
+        return None
+
+
 def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = False,
                         drop_truncated: bool = False) -> list[Sample]:
-    """Included samples with their advantages. Zero-advantage samples carry no policy gradient and are
-    dropped unless a KL term needs them (`keep_zero_adv`); with `drop_truncated` (`mask_truncated`), so are
-    completions cut by a length cap (finish_reason 'length'): no loss at all, while their rewards still counted
-    in their group's baseline (DAPO's overlong filtering)."""
+    """Included samples with their advantages: those `SampleFilter(keep_zero_adv, drop_truncated)` finds no
+    reason to skip."""
+    keep = SampleFilter(keep_zero_adv, drop_truncated)
     out = []
     for gi, g in enumerate(groups):
         for ci, (c, r, a) in enumerate(zip(g.group.completions, g.rewards, g.advantages)):
-            if r is None or not c.token_ids or (a == 0.0 and not keep_zero_adv) or (drop_truncated and c.truncated):
-                continue
-            out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a, g.group.temperature,
-                              c.mask, (gi, ci)))
+            if keep.skip_reason(c, r, a) is None:
+                out.append(Sample(g.group.prompt.token_ids, c.token_ids, c.logprobs, c.versions, a,
+                                  g.group.temperature, c.mask, (gi, ci)))
     return out
 
 

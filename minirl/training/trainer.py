@@ -20,6 +20,7 @@ from minirl.core.xray import TokenXray
 from minirl.training.batch import (
     Batch,
     Sample,
+    SampleFilter,
     completion_logprobs,
     make_batch,
     samples_from_groups,
@@ -102,9 +103,8 @@ class Trainer:
     def samples(self, groups: Sequence[ScoredGroup]) -> list[Sample]:
         """The step's trained samples: zero-advantage ones only when the KL term or `train_zero_adv` wants them,
         truncated ones not with `mask_truncated`."""
-        c = self.cfg
-        return samples_from_groups(groups, keep_zero_adv=c.kl_coef > 0 or c.train_zero_adv,
-                                   drop_truncated=c.mask_truncated)
+        keep = SampleFilter.from_config(self.cfg)
+        return samples_from_groups(groups, keep.keep_zero_adv, keep.drop_truncated)
 
     def step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
         """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics. Logprobs are
@@ -123,7 +123,7 @@ class Trainer:
             raise ValueError("Trainer.step needs the step's advantages: pass the groups through "
                              "minirl.rewards.advantages.step_advantages(groups, AdvantageSettings.from_config(cfg))")
         samples = self.samples(groups)
-        probe = XrayProbe(groups, samples, n, self.tokenizer, self.version, c)
+        probe = XrayProbe(groups, samples, n, self.tokenizer, self.version, SampleFilter.from_config(c))
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1

@@ -12,12 +12,12 @@ rows: each keeps its sample index (`Batch.index_B`), so the records do not depen
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from minirl.core.xray import TokenXray, sig
-from minirl.training.batch import Sample
+from minirl.training.batch import Sample, SampleFilter
 from minirl.training.loss import LossInputs, token_terms
 from minirl.types import ScoredGroup
 
@@ -25,25 +25,17 @@ PER_ROW = ("logp_B_T", "old_logp_B_T", "behav_logp_B_T", "weight_B_T", "mask_B_T
            "top_entropy_B_T")
 
 
-def _why_not(g: ScoredGroup, cfg: Any) -> str:
-    """Why the first completion of `g` has no loss term (`samples_from_groups`' reasons, in words)."""
-    c, r, a = g.group.completions[0], g.rewards[0], g.advantages[0]
-    if r is None:
-        return "not trained: its reward failed"
-    if not c.token_ids:
-        return "not trained: empty completion"
-    if cfg.mask_truncated and c.truncated:
-        return "not trained: truncated by a length cap (mask_truncated)"
-    if a == 0.0:
-        return "not trained: zero advantage (no policy gradient; train_zero_adv or kl_coef > 0 keeps it)"
-    return "not trained"
+def _note(reason: str | None) -> str:
+    """A record's note until the step trains it (then ""): not trained, and why (`SampleFilter.skip_reason`)."""
+    return "not trained" if reason is None else f"not trained: {reason}"
 
 
 class XrayProbe:
     """Collects `records`: one `TokenXray` per chosen completion, in `sample_rows`' order."""
 
     def __init__(self, groups: Sequence[ScoredGroup], samples: Sequence[Sample], n: int, tokenizer, version: int,
-                 cfg: Any):
+                 keep: SampleFilter):
+        """`keep`: the filter that chose `samples` (an untrained completion's note names its reason)."""
         self.samples = samples
         by_origin = {s.origin: i for i, s in enumerate(samples)}
         self.want: dict[int, int] = {}  # sample index -> position in records
@@ -55,7 +47,7 @@ class XrayProbe:
                 tuple(c.token_ids), tuple(tokenizer.batch_decode([[t] for t in c.token_ids])), tuple(map(int, mask)),
                 tuple(c.versions), tuple(sig(x) for x in c.logprobs), weight_T=(0.0,) * len(c.token_ids),
                 advantage=sig(g.advantages[0]) if g.advantages else 0.0, trainer_version=version,
-                note=_why_not(g, cfg)))
+                note=_note(keep.skip_reason(c, g.rewards[0], g.advantages[0]))))
             if (i := by_origin.get((k, 0))) is not None:
                 self.want[i] = k
 
