@@ -45,6 +45,8 @@ class FakeJudge:
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
                 outer.requests.append((self.path, self.headers.get("Authorization"), body))
+                if self.path == "/v1/completions":  # a server's readiness probe (a 1-token completion)
+                    return self._send(200, {"object": "text_completion", "choices": []})
                 if outer.key is not None and self.headers.get("Authorization") != f"Bearer {outer.key}":
                     return self._send(401, {"error": {"message": "Unauthorized"}})
                 q = body["messages"][0]["content"]
@@ -163,6 +165,73 @@ def test_bad_arguments_are_one_line_before_anything_starts():
         judge("{completion}", "grade", local="x")
     with pytest.raises(ValueError, match="reward .judge.*exactly one of url="):  # the string spelling, at start
         Scorer.from_config(["judge(template='{completion}')"], None, 10.0).start()
+
+
+class FakeLaunch:
+    """Stands in for `ServerProcess` (no vLLM): writes `log` as its log; a log holding 'Error' is a server that
+    exited with code 1 at once, else it runs at `url` until `code` says it exited."""
+
+    def __init__(self, log: str, url: str):
+        self.log, self.url, self.code, self.stopped = log, url, 1 if "Error" in log else None, False
+
+    def __call__(self, index, opts, api_key, log_dir):
+        self.log_path = Path(log_dir) / f"server-{index}.log"
+        self.log_path.write_text(self.log)
+        if "OSError" in self.log:
+            raise OSError("vllm: command not found")
+        return self
+
+    def exit_code(self):
+        return self.code
+
+    def listening(self):
+        return True
+
+    def log_tail(self):
+        return self.log_path.read_text()
+
+    def terminate(self):
+        pass
+
+    def stop(self):
+        self.stopped = True
+
+
+def test_the_judge_servers_log_folder_stays_only_when_the_server_failed(fake, tmp_path, monkeypatch, capsys):
+    """serve='s launch faked: a server that fails to start, or cannot be launched at all, leaves its log folder,
+    named in the error; one stopped at exit takes it away; one that died during the run leaves it, named on
+    stderr."""
+    import tempfile
+    from types import SimpleNamespace
+
+    from minirl.generation import judge_server, server_fleet
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    at_exit = []
+    monkeypatch.setattr(judge_server, "atexit", SimpleNamespace(register=lambda *a: at_exit.append(a)))
+    folders = lambda: sorted(tmp_path.glob("minirl-judge-*"))  # noqa: E731
+    base = fake.url.removesuffix("/v1")
+
+    monkeypatch.setattr(server_fleet, "ServerProcess", FakeLaunch("ValueError: no model named m\n", base))
+    with pytest.raises(server_fleet.ServerError, match="exited with code 1") as e:
+        judge_server.start_judge_server("m")
+    (failed,) = folders()
+    assert str(failed) in str(e.value) and "no model named m" in (failed / "server-0.log").read_text()
+    monkeypatch.setattr(server_fleet, "ServerProcess", FakeLaunch("OSError\n", base))
+    with pytest.raises(OSError, match="command not found") as e:
+        judge_server.start_judge_server("m")
+    (unlaunched,) = set(folders()) - {failed}
+    assert f"the judge server's log folder: {unlaunched}" in e.value.__notes__ and not at_exit
+
+    for died in (False, True):
+        launch = FakeLaunch("serving\n", base)
+        monkeypatch.setattr(server_fleet, "ServerProcess", launch)
+        assert judge_server.start_judge_server("m")[0] == base
+        (stop, *args), = at_exit
+        (folder,) = set(folders()) - {failed, unlaunched}
+        launch.code = -9 if died else None
+        assert stop(*args) is not died and launch.stopped and folder.exists() is died
+        assert (f"exited with code -9 during the run; its log: {folder}" in capsys.readouterr().err) is died
+        at_exit.clear()
 
 
 def _greedy(path, question, max_tokens):
