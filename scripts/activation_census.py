@@ -21,6 +21,7 @@ def census(model, tokens: int, group: int = 8, prompt: int = 40, seed: int = 0) 
     """Saved bytes of one forward of `model` (a peft model in training mode) on one packed row of about `tokens`
     tokens: groups of one prompt and `group` completions."""
     import torch
+
     from minirl.training.batch import Sample, make_batch
     from minirl.training.packing import pack, packed_completion_logprobs
     vocab = model.get_base_model().config.vocab_size

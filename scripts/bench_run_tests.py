@@ -20,7 +20,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 
 SOLUTION = "```python\ndef f(x):\n    return x * 7\n```"
 MBPP = ["assert f(0) == 0", "assert f(4) == 28", "assert f(-2) == -14"]

@@ -14,10 +14,10 @@ import tempfile
 from pathlib import Path
 
 import minirl
+import minirl.training.trainer as T
 from minirl.benchmarks.trainer_step import dump_groups
 from minirl.config import DEMO
 from minirl.training.models import build_tiny_model
-import minirl.training.trainer as T
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(8) for b in range(8)]

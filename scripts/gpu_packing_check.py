@@ -24,6 +24,7 @@ BATCHES = ROOT / "tests" / "data" / "trainer_batches_demo.json"
 def smollm_shaped(folder: Path) -> str:
     """A random Llama of SmolLM2-135M's shape, with the tiny test tokenizer (only its pad id is used)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     from minirl.training.models import build_tiny_model
     tiny = build_tiny_model(folder.parent / "tiny")
     cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

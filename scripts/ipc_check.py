@@ -20,6 +20,7 @@ import time
 
 def receiver(conn, layout: dict, source: dict, device: str) -> None:
     import torch
+
     from minirl.sync.channel import Channel
     ch = Channel(layout, source, device)
     slot = torch.empty(int(layout["numel"]), dtype=torch.bfloat16, device=device)
@@ -39,6 +40,7 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=50)
     args = ap.parse_args()
     import torch
+
     from minirl.core.adapter import make_layout, move_into
     from minirl.sync.senders import shared_buffer
     dev = torch.device(args.device)

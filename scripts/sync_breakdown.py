@@ -29,12 +29,13 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM
-    from minirl.sync import senders as transports
+
     from minirl.benchmarks.sync import fake_trainer, pin_trainer, split_cores
     from minirl.generation.vllm import VLLMGenerator
-    from minirl.training.models import resolve_model
+    from minirl.sync import senders as transports
     from minirl.sync.tensor import TensorSync
     from minirl.sync.wire import engine_kwargs
+    from minirl.training.models import resolve_model
 
     path = resolve_model("smollm2-135m-instruct")
     gen_cores, train_cores = split_cores() if args.split else (None, None)

@@ -18,12 +18,13 @@ if __name__ == "__main__":  # the vLLM engine core is spawned
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from minirl.benchmarks.sync import fake_trainer, pin_trainer, split_cores, story_rounds, throughput
     from minirl.generation.vllm import VLLMGenerator
-    from minirl.training.models import resolve_model
     from minirl.sync.senders import call_on_loop, rpc
     from minirl.sync.tensor import TensorSync
     from minirl.sync.wire import engine_kwargs
+    from minirl.training.models import resolve_model
     from minirl.types import AdapterUpdate
 
     path = resolve_model("smollm2-135m-instruct")

@@ -120,4 +120,5 @@ def toy_cfg(tiny_model, tmp_path):
 TOY_ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(8) for b in range(8)]
 
 from minirl import reward as _reg  # noqa: E402
+
 _reg(yes_reward)

@@ -5,10 +5,9 @@ import sys
 import time
 
 import pytest
+from conftest import TOY_ROWS
 
 from minirl.cli import main
-
-from conftest import TOY_ROWS
 
 REWARD = '''def says_yes(prompt, completion, **_):
     return 1.0 if "yes" in completion.split() else 0.0

@@ -6,9 +6,9 @@ import math
 import pytest
 
 from minirl.rewards.builtin import code_tests_pass
-from minirl.sandbox import as_programs, isolation, run_tests, split_assert
 from minirl.rewards.sandbox.code_tests import SplitAssert
 from minirl.rewards.sandbox.harness import NotPlainData, decode, encode
+from minirl.sandbox import as_programs, isolation, run_tests, split_assert
 
 needs_isolation = pytest.mark.skipif(isolation() == "none", reason=f"no sandbox here: {isolation()}")
 

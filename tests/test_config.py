@@ -29,6 +29,7 @@ def test_cli_flags_parse_as_yaml_values():
 def test_every_cli_help_prints(capsys):
     """`minirl <command> --help` lists the Config flags (a '%' in a field's docstring once crashed argparse)."""
     import pytest
+
     from minirl.cli import main
     for cmd in ("demo", "train", "eval", "bench"):
         with pytest.raises(SystemExit) as e:
@@ -39,6 +40,7 @@ def test_every_cli_help_prints(capsys):
 
 def test_config_is_frozen_and_coerces_yaml_values(tmp_path):
     import pytest
+
     from minirl import ConfigError
     with pytest.raises(dataclasses.FrozenInstanceError):
         Config().lr = 1.0
@@ -54,6 +56,7 @@ def test_config_is_frozen_and_coerces_yaml_values(tmp_path):
 
 def test_run_set_validates_first_and_keeps_the_config_on_a_rejected_change():
     import pytest
+
     from minirl import ConfigError, Run
     run = Run(Config(steps=1))
     with pytest.raises(ConfigError, match="temperature"):
@@ -66,6 +69,7 @@ def test_run_set_validates_first_and_keeps_the_config_on_a_rejected_change():
 def test_a_16_bit_dtype_on_a_cpu_that_emulates_bf16_is_warned_about(tmp_path):
     """The CPU's bf16 support read from cpuinfo (faked here: an AVX2-only machine and an AMX one)."""
     import torch
+
     from minirl.training.models import cpu_bf16_flags, cpu_dtype_warning, train_dtype
     avx2, amx = tmp_path / "avx2", tmp_path / "amx"
     avx2.write_text("processor : 0\nflags\t\t: fpu sse2 avx avx2 fma\n")
@@ -84,6 +88,7 @@ def test_max_async_steps_auto_follows_the_measured_rule():
     """'auto' (the default): K = 1 only where generation can run beside training without taking its device
     (vLLM on 2+ GPUs); else the synchronous loop, which measured fastest on CPU (README)."""
     import pytest
+
     from minirl.config import ConfigError
     from minirl.run.placement import pick_async_steps
     auto = Config()
@@ -123,6 +128,7 @@ def test_every_numeric_field_has_a_range_and_each_range_rejects_its_outside():
     import typing
 
     import pytest
+
     from minirl.config import ConfigError
     from minirl.config.validate import RANGES
     hints = typing.get_type_hints(Config)
@@ -155,6 +161,7 @@ def test_a_device_spec_that_is_not_one_names_the_field_and_the_forms():
     import sys
 
     import pytest
+
     from minirl.config import ConfigError
     for bad in ("abc", "cuda:x", "3-1", "0,,1", "-1"):
         with pytest.raises(ConfigError, match=f"train_devices={bad!r}: use 'auto', 'cuda', GPU ids"):
@@ -170,6 +177,7 @@ def test_a_device_spec_that_is_not_one_names_the_field_and_the_forms():
 def test_an_unknown_keyword_is_one_config_error_naming_the_field_meant():
     """Issue 51 item 6: `Config(stepz=3)` says what the YAML and the CLI already say."""
     import pytest
+
     from minirl import ConfigError
     for make in (lambda: Config(stepz=3), lambda: Config().replace(stepz=3)):
         with pytest.raises(ConfigError, match=r"'stepz' \(did you mean 'steps'\?\)"):

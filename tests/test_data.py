@@ -4,13 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import TOY_ROWS
 
 from minirl import Run
-from minirl.data import rows as D
 from minirl.core.metrics import read_log
+from minirl.data import rows as D
 from minirl.types import Prompt
-
-from conftest import TOY_ROWS
 
 
 def test_held_out_split_is_deterministic_disjoint_and_capped():

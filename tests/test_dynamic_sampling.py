@@ -6,15 +6,14 @@ import random
 from functools import partial
 
 import pytest
+from conftest import TOY_ROWS
 
 import minirl
 from minirl.data import rows as D
+from minirl.pipeline.rollout import Pipeline
 from minirl.rewards import Scorer
 from minirl.rewards.advantages import informative
-from minirl.pipeline.rollout import Pipeline
 from minirl.types import Completion, Group, Prompt, SamplingParams
-
-from conftest import TOY_ROWS
 
 
 class Engine:

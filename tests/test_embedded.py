@@ -23,12 +23,12 @@ def test_two_concurrent_builds_give_one_good_folder(tmp_path):
 
 def test_embedded_model_answers_arithmetic(embedded_model):
     import torch
-    from minirl import Config
+    from transformers import AutoModelForCausalLM
+
     from minirl.data.rows import to_prompts
     from minirl.generation.hf import HFGenerator
-    from minirl.types import SamplingParams
     from minirl.training.models import load_tokenizer
-    from transformers import AutoModelForCausalLM
+    from minirl.types import SamplingParams
 
     tok = load_tokenizer("smollm2-135m-instruct")
     model = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=torch.float32)
@@ -69,5 +69,6 @@ def test_demo_cli_runs_and_writes_its_summary(tmp_path, backend):
     assert f"step {steps}/{steps}  reward" in p.stderr  # progress: one line per step when not on a terminal
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     from minirl.training.models import resolve_model
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(resolve_model("smollm2-135m-instruct")), out / "adapter")

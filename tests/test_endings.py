@@ -19,13 +19,12 @@ import time
 
 import psutil
 import pytest
+from conftest import TOY_ROWS
+from test_cli import _write_run
 
 from minirl import Run
 from minirl.run.checkpoint import latest_checkpoint
 from minirl.sync.files import tmpfs_dir
-
-from conftest import TOY_ROWS
-from test_cli import _write_run
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only (/proc, PDEATHSIG)")
 

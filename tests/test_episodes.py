@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import minirl
-from minirl.training.batch import make_batch, samples_from_groups
 from minirl.generation.chat import ChatFormat, TemplateError
 from minirl.generation.episodes import EpisodeRunner
 from minirl.rewards.advantages import step_advantages
+from minirl.training.batch import make_batch, samples_from_groups
 from minirl.types import SamplingParams
 
 ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(6) for b in range(6)]
@@ -169,8 +169,8 @@ def test_swap_between_turns_is_recorded_in_the_later_turn(tiny_model, tiny_tok, 
     """A generator with its own model (the one the K >= 1 pipeline runs in its own process) gets a new adapter
     while an episode waits for the env: the next turn's tokens carry the new version and are sampled by it."""
     from minirl import Config
-    from minirl.training.batch import sequence_logprobs
     from minirl.generation.hf import HFGenerator
+    from minirl.training.batch import sequence_logprobs
     from minirl.training.models import build_model
     cfg = Config(model=tiny_model, lora_rank=8, lora_alpha=16)
     model = build_model(cfg, "cpu").eval()
@@ -251,8 +251,8 @@ class Async(Count):
 def test_env_failures_are_recorded_never_raised(tiny_model, tiny_tok):
     from minirl import Config
     from minirl.generation.hf import HFGenerator
-    from minirl.training.models import build_model
     from minirl.rewards import Scorer
+    from minirl.training.models import build_model
     gen = HFGenerator(build_model(Config(model=tiny_model, lora_rank=8, lora_alpha=16), "cpu").eval(), tiny_tok)
     scorer = Scorer.from_config(["env"], None, 10.0)
     params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
@@ -273,6 +273,7 @@ def test_env_failures_are_recorded_never_raised(tiny_model, tiny_tok):
 
 def test_reset_must_open_every_episode_of_a_row_alike(tiny_model, tiny_tok):
     import random
+
     from minirl import Config
     from minirl.generation.hf import HFGenerator
     from minirl.training.models import build_model

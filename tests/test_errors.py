@@ -5,13 +5,12 @@ import sys
 import threading
 
 import pytest
+from conftest import TOY_ROWS
 
 from minirl import Config, ConfigError, Run
 from minirl.rewards import Scorer
 from minirl.rewards.advantages import step_advantages
 from minirl.types import Completion, Group, Prompt
-
-from conftest import TOY_ROWS
 
 
 def _group(texts, **cols):

@@ -5,12 +5,11 @@ import json
 from math import comb
 
 import pytest
-
-from minirl.run.evaluation import evaluate, pass_at_k
-from minirl.rewards import Scorer
-from minirl.types import Completion, Group, Prompt, SamplingParams
-
 from conftest import TOY_ROWS
+
+from minirl.rewards import Scorer
+from minirl.run.evaluation import evaluate, pass_at_k
+from minirl.types import Completion, Group, Prompt, SamplingParams
 
 
 def test_pass_at_k_is_the_unbiased_estimator():

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TOY_ROWS
 
 from minirl import Config, Run
 from minirl.cli import main
-
-from conftest import TOY_ROWS
 
 PROMPTS = ["What is 1 + 2 ?", "What is 7 + 5 ? Answer", "yes no the a b"]
 

@@ -103,6 +103,7 @@ def test_overwrite_deletes_only_a_folder_a_run_marked(toy_cfg, tmp_path):
     """A folder holding only the user's config.yaml is not a run: --overwrite refuses in one line, before anything
     loads, and deletes nothing; a folder a run claimed (its marker) is replaced."""
     from conftest import TOY_ROWS
+
     from minirl import Run
     from minirl.run.checkpoint import RunExists, check_out_dir, clear_run
     mine = tmp_path / "mine"

@@ -9,13 +9,12 @@ import time
 import pytest
 import torch
 
+from minirl.core.adapter import adapter_params
 from minirl.generation.hf import HFGenerator
-
-from minirl.types import SamplingParams
 from minirl.generation.hf_process import GeneratorProcessError, ProcGenerator
 from minirl.sync.local import ShmSync
 from minirl.training.trainer import Trainer
-from minirl.core.adapter import adapter_params
+from minirl.types import SamplingParams
 
 
 @pytest.fixture
@@ -64,6 +63,7 @@ def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
 
 def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_untouched(trainer, monkeypatch):
     from contextlib import contextmanager
+
     import minirl.generation.hf as H
     from minirl.generation.hf import _mergeable_lora_layers
     merges, real, caches = [], H.merged_lora, []

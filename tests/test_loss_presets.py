@@ -6,16 +6,15 @@ import math
 import pytest
 import torch
 import yaml
-
-import minirl
 from conftest import TOY_ROWS
 
+import minirl
 from minirl import Config, ConfigError
 from minirl.config import add_cli_args, overrides_from_args
-from minirl.rewards.advantages import group_advantages, step_advantages
 from minirl.config.presets import LOSS_FIELDS, PRESETS
-from minirl.training.loss import LossSettings, policy_loss, token_weights
 from minirl.rewards import Scorer
+from minirl.rewards.advantages import group_advantages, step_advantages
+from minirl.training.loss import LossSettings, policy_loss, token_weights
 from minirl.types import Completion, Group, Prompt
 
 # Two sequences (the second one token shorter), OFF-policy: the trainer's logprobs moved since the proximal policy

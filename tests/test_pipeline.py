@@ -6,12 +6,11 @@ import time
 
 import pytest
 import torch
+from conftest import TOY_ROWS
 from safetensors.torch import load_file
 
 from minirl import Run
 from minirl.core.metrics import read_log
-
-from conftest import TOY_ROWS
 
 
 def _run(cfg, **kw):
@@ -89,6 +88,7 @@ def test_step_time_leaves_out_the_evaluation_between_steps(toy_cfg, monkeypatch)
     a fake clock that jumps) is logged with its own seconds and not counted into step 2's time (it was, so time to
     accuracy counted evaluations)."""
     import types
+
     import minirl.run.loop as R
     real, skew = R.evaluate, [0.0]
 

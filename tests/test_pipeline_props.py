@@ -4,12 +4,12 @@ import asyncio
 import random
 import time
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from minirl.types import SamplingParams
 from minirl.pipeline.rollout import Pipeline
 from minirl.rewards import Scorer
-from minirl.types import Completion, Group, Prompt
+from minirl.types import Completion, Group, Prompt, SamplingParams
 
 
 class FakeEngine:

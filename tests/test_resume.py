@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TOY_ROWS
 from safetensors.torch import load_file
 
 from minirl import Config, ConfigError, Run
-from minirl.data import rows as D
-from minirl.types import Prompt
-from minirl.run.checkpoint import RunExists, atomic_text, latest_checkpoint, lock_out_dir, save_checkpoint
 from minirl.core.metrics import read_log
-
-from conftest import TOY_ROWS
+from minirl.data import rows as D
+from minirl.run.checkpoint import RunExists, atomic_text, latest_checkpoint, lock_out_dir, save_checkpoint
+from minirl.types import Prompt
 
 TESTS = Path(__file__).resolve().parent
 

@@ -3,14 +3,13 @@ every reward that takes them (rewards without **kwargs keep working), a data col
 start, and the built-ins `overlong_penalty` (DAPO) and `format_match` take their parameters from YAML
 (`name(key=value)`) as from Python (`bind_reward`)."""
 import pytest
+from conftest import TOY_ROWS
 
 from minirl import Config, Run
 from minirl.core.metrics import read_log
 from minirl.rewards import Scorer, bind_reward, check_columns, format_match, overlong_penalty
 from minirl.rewards.registry import resolve_reward
 from minirl.types import Completion, Group, Prompt
-
-from conftest import TOY_ROWS
 
 
 def _completion(n: int, finish: str, text: str = "yes") -> Completion:
@@ -105,6 +104,7 @@ def test_mask_truncated_gives_a_cut_completion_no_loss(tiny_model):
     """Two groups whose only non-zero advantages are on cut completions (finish_reason 'length'): with
     mask_truncated the step trains on no sample and leaves the adapter as it was; without it, it trains on them."""
     import torch
+
     from minirl.training.batch import samples_from_groups
     from minirl.training.trainer import Trainer
     from minirl.types import ScoredGroup

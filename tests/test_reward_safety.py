@@ -5,17 +5,16 @@ from decimal import Decimal
 
 import pytest
 import torch
+from conftest import TOY_ROWS
 from safetensors.torch import load_file
 
 from minirl import Run
-from minirl.rewards.advantages import group_advantages, step_advantages
 from minirl.core.metrics import read_log
 from minirl.rewards import Scorer
+from minirl.rewards.advantages import group_advantages, step_advantages
 from minirl.rewards.builtin import code_tests_pass
 from minirl.rewards.scorer import RewardsFailing, failure_kinds
 from minirl.types import Completion, Group, Prompt, RewardFailure, ScoredGroup
-
-from conftest import TOY_ROWS
 
 FAULTS = ["raise", "hang", "sys.exit", "os._exit", "segfault", "nan", "inf", "1e308", "string", "none", "flood"]
 

@@ -4,11 +4,10 @@ sampler did), and a completion ends at its stop string."""
 import math
 
 import pytest
+from conftest import TOY_ROWS
 
 from minirl import Config
-from minirl.types import ScoredGroup, SamplingParams
-
-from conftest import TOY_ROWS
+from minirl.types import SamplingParams, ScoredGroup
 
 
 def _trainer_and_prompts(cfg):
@@ -29,9 +28,9 @@ def _scored(groups):
 @pytest.mark.parametrize("knob", [dict(min_p=0.6), dict(repetition_penalty=1.8), dict(min_p=0.5, repetition_penalty=0.6)],
                          ids=["min_p", "repetition_penalty", "both"])
 def test_behaviour_logprobs_are_the_trainers_at_step_0(toy_cfg, knob, packing):
-    from minirl.training.batch import sequence_logprobs
     from minirl.generation.hf import HFGenerator
     from minirl.run.build import sampling_params
+    from minirl.training.batch import sequence_logprobs
     cfg = toy_cfg.replace(max_tokens=12, temperature=0.7, packing=packing, **knob)
     tr, prompts = _trainer_and_prompts(cfg)
     params = sampling_params(cfg, 0)
@@ -91,8 +90,8 @@ def test_chat_template_and_its_kwargs_reach_training_and_evaluation(tiny_model, 
     finally:
         run.close()
     # the same template as text, without the kwarg
-    from minirl.training.models import load_tokenizer
     from minirl.data import rows as D
+    from minirl.training.models import load_tokenizer
     tok = load_tokenizer(tiny_model, chat_template=tpl.read_text())
     (p,) = D.to_prompts(TOY_ROWS[:1], tok)
     assert tok.decode(p.token_ids).endswith("? <|assistant|>")

@@ -14,16 +14,16 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from minirl.rewards import sandbox
-from minirl.sandbox import SandboxUnavailable, default_max_processes, extract_code, isolation, run_python
 from minirl.rewards.sandbox import confine, supervisor
+from minirl.sandbox import SandboxUnavailable, default_max_processes, extract_code, isolation, run_python
 
 REPO = Path(__file__).resolve().parents[1]
 needs_isolation = pytest.mark.skipif(isolation() == "none", reason=f"no sandbox here: {isolation()}")

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from minirl import Config
+from minirl.config.errors import ConfigError
 from minirl.data import rows as D
 from minirl.data import sources
-from minirl.config.errors import ConfigError
 
 ROWS = [{"prompt": "What is 1 + 2 ?", "solution": 3}, {"prompt": "What is 2 + 2 ?", "solution": 4}]
 

@@ -132,10 +132,11 @@ def test_process_generator_that_did_not_apply_the_push_fails_the_check(proc, fau
 def test_a_stale_push_to_the_generator_process_stops_the_run(toy_cfg, monkeypatch):
     """The process hears of version 3 but its buffer still holds version 2's adapter: the run stops at that push
     with one error line, and every step before it logged its check."""
-    from minirl import Run
-    from minirl.generation.hf_process import ProcGenerator
-    from minirl.core.metrics import METRICS, read_log
     from conftest import TOY_ROWS
+
+    from minirl import Run
+    from minirl.core.metrics import METRICS, read_log
+    from minirl.generation.hf_process import ProcGenerator
     real = ProcGenerator.push
 
     def push(self, v):
@@ -178,6 +179,7 @@ def test_the_run_checks_every_server_at_once_and_names_the_one_that_fails():
     serving another version fails the check with its url."""
     import threading
     from types import SimpleNamespace
+
     from minirl.sync.check import SyncCheck
     want = [-1.0, -2.0, -0.5]
     trainer = SimpleNamespace(logprobs=lambda *a: list(want), version=1, model=torch.nn.Linear(1, 1))
@@ -247,6 +249,7 @@ def trainer(embedded_model, dtype, tok):
     a fixed chat exchange."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
+
     from minirl.core.adapter import make_contiguous
     from minirl.training.batch import sequence_logprobs
     base = AutoModelForCausalLM.from_pretrained(embedded_model, dtype=getattr(torch, dtype))

@@ -121,8 +121,7 @@ def test_plain_prompt_names_every_tool_and_the_call_format():
 
 
 def test_resolve_env_names():
-    from minirl.generation.tasks import resolve_env
-    from minirl.generation.tasks import Sums
+    from minirl.generation.tasks import Sums, resolve_env
     assert resolve_env("sums") == ("sums", Sums)
     assert resolve_env("minirl.generation.tasks:Sums")[1] is Sums
     with pytest.raises(ValueError, match="unknown env 'nope'"):

@@ -5,12 +5,11 @@ import ipaddress
 import socket
 
 import pytest
+from conftest import TOY_ROWS
 
 from minirl import ConfigError, Run
 from minirl.core.metrics import read_log
 from minirl.run.trackers import check_tracker
-
-from conftest import TOY_ROWS
 
 NAMES = ("reward/mean", "length/mean", "time/step_s", "version")
 
@@ -108,6 +107,7 @@ def _wandb_records(path):
     """The records of an offline W&B run file (`run-ID.wandb`): a 7-byte header, then records in 32 KiB blocks, each
     piece a (crc32c, length, kind) header: kind 1 a whole record, 2/3/4 its first/middle/last piece."""
     import struct
+
     from wandb.proto import wandb_internal_pb2 as pb
     data = path.read_bytes()
     assert data[:4] == b":W&B"

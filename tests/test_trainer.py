@@ -1,12 +1,11 @@
 """Trainer: micro-batching exactness, logprob computation, and learning on a tiny model."""
 import pytest
 import torch
+from conftest import TOY_ROWS
 
 from minirl import Config, Run
-from minirl.training.batch import completion_logprobs, make_batch, Sample
+from minirl.training.batch import Sample, completion_logprobs, make_batch
 from minirl.training.trainer import Trainer
-
-from conftest import TOY_ROWS
 
 
 def _samples(n=6, seed=0):

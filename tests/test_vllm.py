@@ -106,8 +106,8 @@ def test_a_completion_ends_at_its_stop_string(gen, prompts):
 def test_min_p_and_repetition_penalty_logprobs_are_the_trainers(gen, prompts, base):
     """vLLM's processed logprobs with min_p and a repetition penalty on are what the trainer computes when it
     re-applies them (minirl.core.logits), and not the temperature-only logprobs."""
-    from minirl.training.batch import sequence_logprobs
     from minirl.core.logits import Processing
+    from minirl.training.batch import sequence_logprobs
     proc = Processing(min_p=0.05, repetition_penalty=1.5)
     groups = gen.generate(prompts[:2], 2, _params(temperature=0.8, min_p=0.05, repetition_penalty=1.5, max_tokens=16))
     gap = 0.0

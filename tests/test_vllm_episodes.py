@@ -5,11 +5,10 @@ import importlib.util
 
 import pytest
 import torch
+from test_episodes import ROWS, Count, assert_token_exact
 
 import minirl
 from minirl.types import SamplingParams
-
-from test_episodes import ROWS, Count, assert_token_exact
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
@@ -51,8 +50,8 @@ def _adapter(model_path, path):
 
 def _swap_between_turns(run, model, tmp_path):
     """With the run's engine, before it trains: the adapter served changes while the episode is at the env."""
-    from minirl.training.batch import sequence_logprobs
     from minirl.generation.episodes import make_runner
+    from minirl.training.batch import sequence_logprobs
     gen, new = run.generator, _adapter(model, tmp_path / "v1")
 
     class SwapAtTheEnv(Count):

@@ -35,6 +35,7 @@ def _wait_for(cond, what, timeout, run=None):
 def _spoil(folder, out):
     """A copy of the peft adapter in `folder` with noise on its lora_B: other weights, same shapes."""
     import shutil
+
     import torch
     from safetensors.torch import load_file, save_file
     shutil.copytree(folder, out)
@@ -50,13 +51,14 @@ def _spoil(folder, out):
 @pytest.mark.full("two real vLLM servers, one killed mid-run: ~10 min on 2 cores; by default a server that stops "
                   "answering stops the run (test_a_server_that_stops_answering_...)")
 def test_run_on_two_servers_survives_a_killed_server(tmp_path):
+    import httpx
+
     from minirl import Config, Run
-    from minirl.sync.wire import adapter_name
     from minirl.generation.vllm_server import ServerError, ServerGenerator
     from minirl.sync.base import SyncVerificationError
     from minirl.sync.check import verify
+    from minirl.sync.wire import adapter_name
     from minirl.types import SamplingParams
-    import httpx
 
     cfg = Config(backend="vllm-server", num_servers=2, restart_servers=True, max_async_steps=1, steps=2,
                  prompts_per_step=2, group_size=4, max_tokens=12, eval_size=0, reward_workers=0, lr=5e-4,
