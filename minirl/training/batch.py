@@ -9,7 +9,7 @@ never exist for the whole batch (nor for prompt or padding positions).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -87,7 +87,7 @@ class SampleFilter:
     drop_truncated: bool = False
 
     @classmethod
-    def from_config(cls, cfg) -> "SampleFilter":
+    def from_config(cls, cfg: Any) -> "SampleFilter":
         return cls(keep_zero_adv=cfg.kl_coef > 0 or cfg.train_zero_adv, drop_truncated=cfg.mask_truncated)
 
     def skip_reason(self, c: Completion, reward: float | None, advantage: float) -> str | None:
