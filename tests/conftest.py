@@ -3,6 +3,7 @@ import os
 import signal
 
 import pytest
+from toy_reward import yes_reward  # its own module: the reward workers of every toy run import it, not conftest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -102,11 +103,6 @@ def shared_vllm(embedded_model, _shared_vllm_store):
     yield g
     if not g.closed:
         g.load_adapter(None, 0)
-
-
-def yes_reward(prompt, completion, **_):
-    """Toy task for tiny models: did the completion say 'yes'?"""
-    return 1.0 if "yes" in completion.split() else 0.0
 
 
 @pytest.fixture

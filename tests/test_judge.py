@@ -117,13 +117,13 @@ def test_http_judge_scores_caches_and_records_an_unreadable_reply(fake):
 def test_a_timeout_and_a_down_server_are_recorded_failures_naming_the_url(fake):
     """The 'SLOW' question waits on an Event the test holds: its sample fails by timeout_s while the other is
     scored; a server that is not there fails every sample with the URL and a hint. Nothing becomes 0.0."""
-    j = judge("{completion}", url=fake.url, model="fake-judge", timeout_s=5, name="j")
+    j = judge("{completion}", url=fake.url, model="fake-judge", timeout_s=2, name="j")
     scored = Scorer.from_config([j], None, 60.0, workers=0).score_group(_group("fine", "SLOW one"))
     fake.release.set()
     assert scored.per_reward["j"][1] is None and [f.sample for f in scored.failures] == [1]
     assert scored.per_reward["j"][0] == 10.0  # 'Grade: 4/10': the last number
     why = scored.failures[0].reason
-    assert f"no reply from {fake.url}/chat/completions within timeout_s=5 s" in why and "raise timeout_s" in why
+    assert f"no reply from {fake.url}/chat/completions within timeout_s=2 s" in why and "raise timeout_s" in why
     fake.close()  # the server is gone: every sample fails, with the URL
     down = Scorer.from_config([judge("{completion}", url=fake.url, model="m", name="j")], None, 60.0,
                               workers=0).score_group(_group("a", "b"))

@@ -9,6 +9,7 @@ import types
 
 import pytest
 import torch
+from toy_reward import words  # its own module: the run's reward workers import it, not this file (torch, minirl)
 
 from minirl.core.adapter import adapter_params
 from minirl.sync.base import SyncVerificationError
@@ -16,11 +17,6 @@ from minirl.sync.check import make_probe, verify
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 FAULTS = ("stale", "base", "half")
-
-
-def words(prompt, completion, **_):
-    """A reward that varies within a group on the tiny model (so a step has samples and moves the adapter)."""
-    return float(len(completion.split()))
 
 
 def _probe(model, tok, prompt_ids):
