@@ -132,6 +132,19 @@ def test_mean_se_and_interval_by_hand():
     assert mean_se([0.5]) == (0.5, None) and ci95(0.5, None) is None
 
 
+def test_an_accuracys_interval_is_wilsons_inside_0_1_and_not_empty_at_the_ends():
+    """Wilson's score interval by hand for 3 of 4: centre (0.75 + z^2/8) / (1 + z^2/4), half-width
+    z sqrt(0.75 * 0.25 / 4 + z^2 / 64) / (1 + z^2/4) -> [0.3006, 0.9544] (the normal one, [0.26, 1.24], leaves [0, 1]);
+    0 of 32 -> [0, z^2/32 / (1 + z^2/32)] = [0, 0.1072], not [0, 0]. Non-0/1 scores keep mean +- 1.96 se."""
+    from minirl.core.stats import interval95
+    assert interval95([1, 0, 1, 1]) == (pytest.approx(0.3006, abs=1e-4), pytest.approx(0.9544, abs=1e-4))
+    assert interval95([0] * 32) == (0.0, pytest.approx(0.1072, abs=1e-4))
+    assert interval95([1] * 32) == (pytest.approx(1 - 0.1072, abs=1e-4), 1.0)
+    se = 0.5 / 3 ** 0.5
+    assert interval95([0.0, 0.5, 1.0]) == (pytest.approx(0.5 - 1.96 * se), pytest.approx(0.5 + 1.96 * se))
+    assert interval95([1.0]) is None
+
+
 class YesNoSource(FakeSource):
     """Greedy: 'yes' on prompts 0, 2 and 3, 'no' on prompt 1; sampled as FakeSource (prompt i: i of k say yes)."""
 
@@ -155,7 +168,7 @@ def test_each_eval_figure_carries_its_standard_error():
     f = res.fields()
     assert f["n"] == 4 and f["accuracy_se"] == pytest.approx(0.25) and f["greedy_se"]["_yes"] == pytest.approx(0.25)
     assert f["mean_at_k_se"]["_yes"] == pytest.approx(se_mean) and f["pass_at_k_se"]["_yes"] == pytest.approx(0.25)
-    assert f["ci95"]["accuracy"] == [pytest.approx(0.26), pytest.approx(1.24)]
+    assert f["ci95"]["accuracy"] == [pytest.approx(0.3006, abs=1e-4), pytest.approx(0.9544, abs=1e-4)]  # Wilson's
     assert f["ci95"]["mean@k/_yes"] == [pytest.approx(0.375 - 1.96 * se_mean), pytest.approx(0.375 + 1.96 * se_mean)]
     s = res.scalars()
     assert s["eval/accuracy_se"] == pytest.approx(0.25) and s["eval/pass@k/_yes_se"] == pytest.approx(0.25)

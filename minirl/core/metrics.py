@@ -86,8 +86,8 @@ METRICS: dict[str, str] = {
     "eval/mean@k/<reward>": "eval_samples = k: mean of each reward over k samples per eval prompt at eval_temperature",
     "eval/pass@k/<reward>": "eval_samples = k: share of eval prompts where at least one of the k samples has a "
                             "positive reward (the unbiased pass@k estimator with n = k samples)",
-    "eval/accuracy_se": "standard error of eval/accuracy across the eval prompts: sample std / sqrt(n); the 95 % "
-                        "interval is +- 1.96 se (the eval event's ci95)",
+    "eval/accuracy_se": "standard error of eval/accuracy across the eval prompts: sample std / sqrt(n); the eval "
+                        "event's ci95 holds its 95 % interval (Wilson's, as the scores are 0/1)",
     "eval/greedy/<reward>_se": "standard error of eval/greedy/<reward> across the eval prompts",
     "eval/mean@k/<reward>_se": "standard error of eval/mean@k/<reward> across the eval prompts (each prompt's mean "
                                "over its k samples is one value)",

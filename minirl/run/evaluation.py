@@ -16,7 +16,7 @@ from math import comb
 from typing import Callable, Sequence
 
 from minirl.config import Config
-from minirl.core.stats import ci95, mean_se
+from minirl.core.stats import interval95, mean_se
 from minirl.rewards import Scorer
 from minirl.types import Prompt, RolloutSource, SamplingParams
 
@@ -65,14 +65,15 @@ class EvalResult:
 
     def fields(self) -> dict:
         """What the eval event and summary.json record: the means, their standard errors (`*_se`, None for one
-        prompt), `n` prompts, and `ci95`: each figure's 95 % interval [lo, hi] by its name less `eval/`."""
+        prompt), `n` prompts, and `ci95`: each figure's 95 % interval [lo, hi] by its name less `eval/` (Wilson's
+        for 0/1 scores: `core.stats.interval95`)."""
         out: dict = {"accuracy": self.accuracy, "accuracy_se": self.se.get("accuracy"), "n": len(self.problems),
                      "greedy": self.greedy, "greedy_se": self._of("greedy", self.greedy)}
         if self.k:
             out.update(k=self.k, mean_at_k=self.mean_at_k, mean_at_k_se=self._of("mean@k", self.mean_at_k),
                        pass_at_k=self.pass_at_k, pass_at_k_se=self._of("pass@k", self.pass_at_k))
-        out["ci95"] = {key[5:]: list(ci) for key, v in self._means().items()
-                       if (ci := ci95(v, self.se.get(key[5:]))) is not None}
+        out["ci95"] = {key[5:]: list(ci) for key in self._means()
+                       if (ci := interval95([p["scores"][key[5:]] for p in self.problems])) is not None}
         return out
 
     def _means(self) -> dict[str, float]:
