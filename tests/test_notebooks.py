@@ -63,7 +63,7 @@ def test_notebook_executes_top_to_bottom_in_small_mode(path, tmp_path, monkeypat
                        for o in c.outputs)
         assert "re-scored" in text and "zero-variance" in text
         assert "check int_reward_func" in text and "grader" in text  # a TRL reward as it is, the local judge
-        assert "<b>token X-ray</b>" in html and "hackable run (wordy): held-out accuracy" in text  # the X-ray, the error bars
+        assert "<b>token X-ray</b>" in html and "hackable run (wordy): held-out accuracy" in text  # X-ray, error bars
         assert "Comparison(accuracy, 2 problems paired" in text  # minirl.compare of the two runs
     if path.stem == "async_vs_sync":
         assert "one-step-off (K=1)" in text
