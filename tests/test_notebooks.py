@@ -59,7 +59,12 @@ def test_notebook_executes_top_to_bottom_in_small_mode(path, tmp_path, monkeypat
         assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code" for o in c.outputs)  # render() displays
         assert (tmp_path / "runs" / "quickstart-small" / "dashboard.png").exists()
     if path.stem == "reward_prototyping":
+        html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells if c.cell_type == "code"
+                       for o in c.outputs)
         assert "re-scored" in text and "zero-variance" in text
+        assert "check int_reward_func" in text and "grader" in text  # a TRL reward as it is, the local judge
+        assert "<b>token X-ray</b>" in html and "hackable run (wordy): held-out accuracy" in text  # X-ray, error bars
+        assert "Comparison(accuracy, 2 problems paired" in text  # minirl.compare of the two runs
     if path.stem == "async_vs_sync":
         assert "one-step-off (K=1)" in text
     if path.stem == "environments":
