@@ -162,16 +162,17 @@ def first_line(reply: str) -> str:
 
 
 def verdict(reply: str | Exception, read: Callable, parse: Any) -> float | Exception:
-    """The score of one reply, or the sample's failure (an exception as the entry: `worker_main.number`)."""
+    """The score of one reply, or the sample's failure (an exception as the entry: `worker_main.number`); a
+    failure's message starts with the reply, which a table cut short still shows."""
     if isinstance(reply, Exception):
         return reply
     how = parse if isinstance(parse, str) else getattr(parse, "__name__", "parser")
     try:
         value = read(reply)
     except Exception as e:  # noqa: BLE001 - the parser's error is this sample's failure
-        return UnreadableReply(f"parse={how} raised {type(e).__name__} on the reply, first line: {first_line(reply)!r}")
+        return UnreadableReply(f"first line: {first_line(reply)!r}: parse={how} raised {type(e).__name__} on the reply")
     if value is None:
-        return UnreadableReply(f"parse={how} cannot read the reply, first line: {first_line(reply)!r}")
+        return UnreadableReply(f"first line: {first_line(reply)!r}: parse={how} cannot read the reply")
     return value
 
 
