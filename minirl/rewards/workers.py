@@ -158,8 +158,8 @@ class RewardWorkers:
                         if todo and w.ready and w.call is None:
                             self._dispatch(w, todo, blobs)
                     self._pump(out)
-            except BaseException:  # Ctrl-C, say: calls still running belong to no one now
-                for w in [w for w in self._workers if w.call is not None]:
+            except BaseException:  # Ctrl-C, say: calls still running belong to no one now, and a worker caught
+                for w in [w for w in self._workers if w.call is not None or not w.ready]:  # mid-frame is not trusted
                     self._replace(w)
                 raise
             return out
@@ -215,13 +215,16 @@ class RewardWorkers:
         self._workers[self._workers.index(w)] = self._spawn()
 
     def _dispatch(self, w: _Worker, todo: deque, blobs: list[bytes]) -> None:
+        # busy before the first byte goes: a Ctrl-C between the send and this line left a worker running a call
+        # while marked idle, and the next call_many's call went to it and waited out its timeout
         i = todo.popleft()
+        w.call, w.deadline, w.printed, w.kept = i, time.monotonic() + self.timeout_s, 0, bytearray()
         try:
             send_frame(w.sock, blobs[i])
         except OSError:  # it died while idle (the OOM killer, say): not this call's fault
+            w.call = None
             todo.appendleft(i)
             return self._replace(w)
-        w.call, w.deadline, w.printed, w.kept = i, time.monotonic() + self.timeout_s, 0, bytearray()
 
     def _pump(self, out: list) -> None:
         """Wait for the next event of a busy or starting worker (a reply, some output, a deadline); handle it."""
