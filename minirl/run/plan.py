@@ -28,7 +28,7 @@ import psutil
 from minirl.config import Config, ConfigError
 from minirl.generation.factory import split_devices
 from minirl.run.placement import Devices, Placement, device_facts, place
-from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, Holds, MemoryPlan, Shape, model_config, plan_shape
+from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, GiB, Holds, MemoryPlan, Shape, model_config, plan_shape
 from minirl.training.plan_reward import reward_model_loads
 
 
@@ -89,10 +89,13 @@ def _problem(p: MemoryPlan) -> str:
                 f"{HEADROOM}; 'auto' is {OWN_GPU_SHARE}) or use a smaller model (`minirl plan CONFIG` shows the parts)")
     head = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of {p.memory_gb:.1f} GB on "
             f"{where} (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); ")
-    if rm := p.train.get("reward model"):
+    rm = p.train.get("reward model", 0.0)
+    if rm and (p.peak_gb - rm) * GiB <= HEADROOM * p.memory_gb * 1e9:  # it fits without the reward model
         return head + (f"the reward model takes {rm:.1f} GiB of it (one copy per reward worker: reward_workers: 0 "
                        "keeps one, in the run's process); set reward_workers: 0, give reward_model(...) a smaller "
-                       "batch_size, or another device (device='cpu' or a GPU with room)")
+                       "batch_size, or another device (device='cpu' or a GPU with room)" +
+                       (f", or lower gpu_memory_utilization={p.gpu_memory_utilization}"
+                        if p.gpu_memory_utilization else ""))
     if p.gpu_memory_utilization and p.role.startswith("trainer"):
         return head + (f"gpu_memory_utilization={p.gpu_memory_utilization} is the engine's share of the GPU the "
                        "trainer holds too: leave it 'auto' (the memory free once the trainer loaded), lower it, or "

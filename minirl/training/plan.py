@@ -7,7 +7,7 @@ without gradient checkpointing, the lm_head logits of one chunk (`batch.LOGIT_CH
 and the generator: vLLM's share of its GPU (its weights, overhead and the KV cache the rest leaves), or the
 transformers generator's KV cache (`plan_hf`: one step's sequences, or the static path's slots and CUDA graphs). The
 training phase and the generation phase peak apart; the device's peak is the larger. Where the engine sleeps, the
-sleep/wake cost is its weights moved to the host and back per step.
+sleep/wake cost is its weights moved to the host and back per step. A reward model: `plan_reward`, in both.
 
 The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): with 'shared-prefix' packing one row
 of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per decoder
