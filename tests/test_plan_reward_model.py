@@ -42,18 +42,16 @@ def _cfg(tmp_path, device="cuda:0", **fields):
                   rewards=[f"reward_model(path={rm!r}, device={device!r}, batch_size=4)"], **fields)
 
 
-def test_the_classifiers_parameters_by_hand_are_its_modules():
+def test_the_plan_counts_each_workers_copy_on_the_reward_models_device(tmp_path):
+    """Two reward workers: two copies on cuda:0, each its weights, a batch and its process's CUDA context; with
+    `reward_workers: 0` one copy, in the run's process, whose context on the trainer's GPU is counted already. The
+    parameters by hand are the classifier's own (built on the meta device)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
     with torch.device("meta"):
         model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(**shape_config("qwen2.5-0.5b"),
                                                                                      num_labels=1))
     assert sum(p.numel() for p in model.parameters()) == RM_PARAMS == RM_WEIGHTS // 2
-
-
-def test_the_plan_counts_each_workers_copy_on_the_reward_models_device(tmp_path):
-    """Two reward workers: two copies on cuda:0, each its weights, a batch and its process's CUDA context; with
-    `reward_workers: 0` one copy, in the run's process, whose context on the trainer's GPU is counted already."""
     devices = Devices.fake(1, 80)
     cfg = _cfg(tmp_path, reward_workers=2)
     gpu = plan_run(cfg, devices, place(cfg, devices)).devices[0]
@@ -92,8 +90,9 @@ def test_a_reward_model_that_does_not_fit_stops_the_run_before_anything_loads(tm
 
 def test_a_reward_model_on_a_device_the_machine_lacks_is_one_line_even_on_cpu(tmp_path):
     cfg = _cfg(tmp_path, device="cuda:1")
-    with pytest.raises(ConfigError, match=r"^a reward model is placed on 'cuda:1', which this machine does not have "
-                                          r"\(1 GPUs\): give reward_model\(...\) device='cpu' or one of cuda:0..cuda:0$"):
+    with pytest.raises(ConfigError, match=r"^a reward model is placed on 'cuda:1', which this machine does not "
+                                          r"have \(1 GPUs\): give reward_model\(...\) device='cpu' or one of "
+                                          r"cuda:0..cuda:0$"):
         check_run_plan(cfg, Devices.fake(1, 80), place(cfg, Devices.fake(1, 80)))
     with pytest.raises(ConfigError, match=r"^a reward model is placed on 'cuda:1'.*\(0 GPUs\)"):
         check_run_plan(cfg, Devices(0), place(cfg, 0))  # a CPU run warns for its own plan, not for this
