@@ -99,3 +99,21 @@ def test_a_reward_model_on_a_device_the_machine_lacks_is_one_line_even_on_cpu(tm
     gone = cfg.replace(rewards=["reward_model(path='./no-such-rm')"])
     with pytest.raises(ConfigError, match=r"the reward model folder './no-such-rm' does not exist"):
         check_run_plan(gone, Devices(0), place(gone, 0))
+
+
+def test_the_engines_auto_share_leaves_the_reward_models_copies_room(tmp_path, monkeypatch):
+    """vLLM's 'auto' share beside the trainer is sized from the memory free when the engine starts, before the
+    reward model loads (at its first call): its copies are kept out of the share. 80 GB, 64 GB free: without them
+    (64 - 1.07 context - 6.4 headroom) / 80 = 0.707 -> 0.70; with two copies, 2 x 2.02 GiB = 4.34 GB less: 0.65."""
+    import torch
+
+    from minirl.training.plan import resolve_engine_share
+    from minirl.training.plan_reward import reward_gb_on
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 * 10**9, 80 * 10**9))
+    cfg = _cfg(tmp_path, reward_workers=2).replace(backend="vllm")
+    rm = reward_gb_on(cfg, "cuda")  # the trainer's device as the factory has it: 'cuda' is cuda:0
+    assert rm == pytest.approx(2 * (RM_WEIGHTS + RM_BATCH + GiB) / GiB)
+    assert resolve_engine_share(cfg, "cuda:0", "0", True) == 0.70
+    assert resolve_engine_share(cfg, "cuda:0", "0", True, rm) == 0.65
+    assert reward_gb_on(cfg.replace(rewards=["arithmetic_correct"]), "cuda:0") == 0.0
