@@ -86,6 +86,10 @@ def test_a_reward_model_that_does_not_fit_stops_the_run_before_anything_loads(tm
     assert "\n" not in str(e.value)
     one = cfg.replace(reward_workers=0)
     assert check_run_plan(one, Devices.fake(1, gb), place(one, Devices.fake(1, gb))).fits
+    vllm, small = _cfg(tmp_path, reward_workers=2).replace(backend="vllm"), Devices.fake(1, 8, vllm=True)
+    with pytest.raises(ConfigError, match=r"^the memory plan does not fit on cuda:0 .*gives the vLLM engine 0\.0 GB.*; "
+                                          r"the reward model takes 4\.0 GiB of the GPU .*set reward_workers: 0"):
+        check_run_plan(vllm, small, place(vllm, small))  # an engine beside them gets no share: the same ways out
 
 
 def test_a_reward_model_on_a_device_the_machine_lacks_is_one_line_even_on_cpu(tmp_path):

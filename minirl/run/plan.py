@@ -78,8 +78,16 @@ class RunPlan:
         return [*self.missing, *(_problem(p) for p in self.devices if p.fits is False)]
 
 
+RM_WAYS = ("set reward_workers: 0 (one copy, in the run's process), give reward_model(...) a smaller batch_size, "
+           "or another device (device='cpu' or a GPU with room)")
+
+
 def _problem(p: MemoryPlan) -> str:
     where = f"{p.device} ({p.role})"
+    rm = p.train.get("reward model", 0.0)
+    if p.short and rm:
+        return (f"the memory plan does not fit on {where}: {p.short}; the reward model takes {rm:.1f} GiB of the GPU "
+                f"(a copy per reward worker): {RM_WAYS}")
     if p.short and p.role.startswith("trainer"):  # the engine gets what the trainer leaves of the GPU
         return (f"the memory plan does not fit on {where}: {p.short}; use backend: hf (the trainer's own model "
                 "generates), a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the "
@@ -89,11 +97,8 @@ def _problem(p: MemoryPlan) -> str:
                 f"{HEADROOM}; 'auto' is {OWN_GPU_SHARE}) or use a smaller model (`minirl plan CONFIG` shows the parts)")
     head = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of {p.memory_gb:.1f} GB on "
             f"{where} (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); ")
-    rm = p.train.get("reward model", 0.0)
     if rm and (p.peak_gb - rm) * GiB <= HEADROOM * p.memory_gb * 1e9:  # it fits without the reward model
-        return head + (f"the reward model takes {rm:.1f} GiB of it (one copy per reward worker: reward_workers: 0 "
-                       "keeps one, in the run's process); set reward_workers: 0, give reward_model(...) a smaller "
-                       "batch_size, or another device (device='cpu' or a GPU with room)" +
+        return head + (f"the reward model takes {rm:.1f} GiB of it (a copy per reward worker): {RM_WAYS}" +
                        (f", or lower gpu_memory_utilization={p.gpu_memory_utilization}"
                         if p.gpu_memory_utilization else ""))
     if p.gpu_memory_utilization and p.role.startswith("trainer"):
