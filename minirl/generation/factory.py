@@ -20,6 +20,7 @@ from minirl.sync.factory import make_sync, refuse_unchecked_inflight
 from minirl.sync.local import SharedSync, ShmSync
 from minirl.sync.servers import ServerSync
 from minirl.training.plan import resolve_engine_share
+from minirl.training.plan_reward import reward_gb_on
 from minirl.types import Generator, PolicyTrainer
 
 QLORA_UNQUANTIZED = (
@@ -87,7 +88,8 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
     if backend == "vllm":
         refuse_unchecked_inflight(cfg.inflight == "inflight")  # before the engine loads the model
         dtype = str(next(trainer.model.parameters()).dtype).removeprefix("torch.")
-        share = resolve_engine_share(cfg, trainer.device, gen_devices, sleep_mode) if on_gpu else 0.0
+        share = resolve_engine_share(cfg, trainer.device, gen_devices, sleep_mode, reward_gb_on(cfg, trainer.device)) \
+            if on_gpu else 0.0
         # QLoRA: the engine samples from the same 4-bit base where this vLLM can load one (else `engine_gap`)
         quant = "bitsandbytes" if cfg.load_in_4bit and loads_bitsandbytes() else None
         gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
@@ -147,8 +149,8 @@ def _server_generator(cfg: Config, trainer: PolicyTrainer, gen_devices: str | No
                             max_lora_rank=cfg.lora_rank, max_loras=cfg.max_async_steps + 2, seed=cfg.seed,
                             on_cpu=not on_gpu, cores=None if on_gpu else p, gpus=p if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, extra_args=tuple(cfg.server_args),
-                            gpu_memory_utilization=resolve_engine_share(cfg, trainer.device, p, False) if on_gpu
-                            else 0.3) for p in places]
+                            gpu_memory_utilization=resolve_engine_share(cfg, trainer.device, p, False, reward_gb_on(
+                                cfg, trainer.device)) if on_gpu else 0.3) for p in places]
     gen = ServerGenerator(launch=launch, **common)
     where = "GPUs" if on_gpu else "cores"
     why = f"{cfg.num_servers} vLLM server(s) started by minirl on {where} {places}; adapters through files"

@@ -14,19 +14,22 @@ placement (`placement.place`, from the config and the `Devices`) says what each 
               vLLM server on each GPU the trainer leaves; a GPU nothing is placed on is idle.
 
 The trainer's GPU picks the token budget, gradient checkpointing and 4-bit (`training.plan.plan_shape`); the other
-devices are planned with those choices.
+devices are planned with those choices. A reward model (`reward_model(path=..., device=...)` in `rewards`) is a part
+of the device it names, each copy counted (`training.plan_reward`): a device nothing else uses is planned for it
+alone, one this machine lacks is a problem.
 """
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import psutil
 
 from minirl.config import Config, ConfigError
 from minirl.generation.factory import split_devices
 from minirl.run.placement import Devices, Placement, device_facts, place
-from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, Holds, MemoryPlan, Shape, model_config, plan_shape
+from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, GiB, Holds, MemoryPlan, Shape, model_config, plan_shape
+from minirl.training.plan_reward import reward_model_loads
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,7 @@ class RunPlan:
     placement: Placement
     devices: tuple[MemoryPlan, ...]
     beside: "RunPlan | None" = None  # on GPUs: the other generator's plan (the hf path beside vLLM's, or vLLM's)
+    missing: tuple[str, ...] = ()  # what cannot be planned, one line each: a reward model on a device not here
 
     @property
     def trainer(self) -> MemoryPlan:
@@ -52,7 +56,7 @@ class RunPlan:
 
     @property
     def fits(self) -> bool | None:
-        verdicts = [p.fits for p in self.devices]
+        verdicts = [p.fits for p in self.devices] + [False] * bool(self.missing)
         return False if False in verdicts else None if None in verdicts else True
 
     def line(self) -> str:
@@ -61,7 +65,7 @@ class RunPlan:
 
     def table(self) -> str:
         """The placement line, then each device's parts; then the other generator's plan, where both are options."""
-        out = [self.placement.line(), *(p.table() for p in self.devices)]
+        out = [self.placement.line(), *(p.table() for p in self.devices), *(f"problem: {m}" for m in self.missing)]
         if self.beside is not None:
             b = self.beside.placement
             what = f"backend: hf, hf_decode: {self.beside.hf_slots and 'static' or 'loop'}" \
@@ -71,11 +75,19 @@ class RunPlan:
 
     def problems(self) -> list[str]:
         """One line for each device whose plan does not fit, naming the figures and the ways out."""
-        return [_problem(p) for p in self.devices if p.fits is False]
+        return [*self.missing, *(_problem(p) for p in self.devices if p.fits is False)]
+
+
+RM_WAYS = ("set reward_workers: 0 (one copy, in the run's process), give reward_model(...) a smaller batch_size, "
+           "or another device (device='cpu' or a GPU with room)")
 
 
 def _problem(p: MemoryPlan) -> str:
     where = f"{p.device} ({p.role})"
+    rm = p.train.get("reward model", 0.0)
+    if p.short and rm:
+        return (f"the memory plan does not fit on {where}: {p.short}; the reward model takes {rm:.1f} GiB of the GPU "
+                f"(a copy per reward worker): {RM_WAYS}")
     if p.short and p.role.startswith("trainer"):  # the engine gets what the trainer leaves of the GPU
         return (f"the memory plan does not fit on {where}: {p.short}; use backend: hf (the trainer's own model "
                 "generates), a smaller model, or give the engine a GPU of its own (`minirl plan CONFIG` shows the "
@@ -85,6 +97,10 @@ def _problem(p: MemoryPlan) -> str:
                 f"{HEADROOM}; 'auto' is {OWN_GPU_SHARE}) or use a smaller model (`minirl plan CONFIG` shows the parts)")
     head = (f"the memory plan does not fit: peak {p.peak_gb:.1f} GiB > {HEADROOM:.0%} of {p.memory_gb:.1f} GB on "
             f"{where} (training {p.train_gb:.1f}, generation {p.generate_gb:.1f}); ")
+    if rm and (p.peak_gb - rm) * GiB <= HEADROOM * p.memory_gb * 1e9:  # it fits without the reward model
+        return head + (f"the reward model takes {rm:.1f} GiB of it (a copy per reward worker): {RM_WAYS}" +
+                       (f", or lower gpu_memory_utilization={p.gpu_memory_utilization}"
+                        if p.gpu_memory_utilization else ""))
     if p.gpu_memory_utilization and p.role.startswith("trainer"):
         return head + (f"gpu_memory_utilization={p.gpu_memory_utilization} is the engine's share of the GPU the "
                        "trainer holds too: leave it 'auto' (the memory free once the trainer loaded), lower it, or "
@@ -127,6 +143,17 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
     shape = Shape.from_config(model_config(cfg))
     held = holdings(cfg, placement)
     train = next(d for d, h in held if h.trainer)
+    loads, missing = reward_model_loads(cfg, train, prompt_tokens or min(cfg.max_prompt_tokens, 256))
+    for device in loads:
+        if device in dict(held):
+            continue
+        if device == "cpu" or (device.startswith("cuda:") and device[5:].isdigit() and int(device[5:]) < devices.count):
+            held.append((device, Holds(False, None)))
+        else:
+            missing.append(f"a reward model is placed on {device!r}, which this machine does not have ("
+                           f"{devices.count} GPUs): give reward_model(...) device='cpu'" +
+                           (f" or one of cuda:0..cuda:{devices.count - 1}" if devices.count else ""))
+    held = [(d, replace(h, reward_gb=loads[d].gb) if d in loads else h) for d, h in held]
 
     def memory(device: str) -> float | None:
         return psutil.virtual_memory().total / 1e9 if device == "cpu" else devices.gb(int(device.split(":")[1]))
@@ -141,7 +168,8 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
                                        prompt_tokens)
     other = other_generator(cfg, placement, devices) if beside and placement.cuda_devices else None
     alt = other and plan_run(other, devices, None, gradient_checkpointing, prompt_tokens, beside=False)
-    return RunPlan(placement, tuple(plans[d] for d, _ in held), alt)
+    plans = {d: replace(p, notes=p.notes + loads[d].notes) if d in loads else p for d, p in plans.items()}
+    return RunPlan(placement, tuple(plans[d] for d, _ in held), alt, tuple(missing))
 
 
 def other_generator(cfg: Config, placement: Placement, devices: Devices) -> Config | None:
@@ -163,10 +191,11 @@ def other_generator(cfg: Config, placement: Placement, devices: Devices) -> Conf
 
 def check_run_plan(cfg: Config, devices: Devices, placement: Placement) -> RunPlan:
     """Before loading: on GPUs a plan with a device that cannot fit stops the run here (one line a device); on
-    CPU it warns (on stderr). The plan's lines are the run's to print (`Run` prints them at start)."""
+    CPU it warns (on stderr), unless a reward model's device is a GPU or not here. The plan's lines are the run's
+    to print (`Run` prints them at start)."""
     p = plan_run(cfg, devices, placement, beside=False)
     if problems := p.problems():
-        if placement.cuda_devices:
+        if placement.cuda_devices or p.missing or any(d.fits is False and d.device != "cpu" for d in p.devices):
             raise ConfigError("\n".join(problems))
         print("\n".join("minirl: warning: " + x for x in problems), file=sys.stderr, flush=True)
     return p

@@ -7,6 +7,7 @@ safetensors folder in the cache dir, which transformers, peft and vLLM all load.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -77,6 +78,14 @@ def embedded_model_dir() -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
     return publish_folder(target, write)
+
+
+def config_json(where: str) -> dict:
+    """The config.json of a model folder or Hub id (only that file is fetched), without loading weights."""
+    p = Path(where).expanduser() / "config.json"
+    if not p.exists():
+        p = Path(hf_hub_download(where, "config.json"))
+    return json.loads(p.read_text())
 
 
 def resolve_model(name: str) -> str:

@@ -7,7 +7,7 @@ without gradient checkpointing, the lm_head logits of one chunk (`batch.LOGIT_CH
 and the generator: vLLM's share of its GPU (its weights, overhead and the KV cache the rest leaves), or the
 transformers generator's KV cache (`plan_hf`: one step's sequences, or the static path's slots and CUDA graphs). The
 training phase and the generation phase peak apart; the device's peak is the larger. Where the engine sleeps, the
-sleep/wake cost is its weights moved to the host and back per step.
+sleep/wake cost is its weights moved to the host and back per step. A reward model: `plan_reward`, in both.
 
 The micro-batch is what one step holds, cut at `token_budget` (`micro_batch`): with 'shared-prefix' packing one row
 of whole groups, each prompt once, plus its tokens x tokens attention mask; with 'padded' whole rows. Per decoder
@@ -24,17 +24,14 @@ overhead and one sequence's KV cache.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from huggingface_hub import hf_hub_download
 
 from minirl.config import Config, ConfigError
 from minirl.training.batch import LOGIT_CHUNK
-from minirl.training.models import resolve_model
+from minirl.training.models import config_json, resolve_model
 from minirl.training.plan_hf import hf_generator_parts
 
 GiB = 2**30
@@ -113,11 +110,7 @@ class Shape:
 
 def model_config(cfg: Config) -> dict:
     """The model's config.json, without loading weights (a Hub id: only that file is fetched)."""
-    where = resolve_model(cfg.model)
-    p = Path(where) / "config.json"
-    if not p.exists():
-        p = Path(hf_hub_download(where, "config.json"))
-    return json.loads(p.read_text())
+    return config_json(resolve_model(cfg.model))
 
 
 @dataclass(frozen=True)
@@ -126,19 +119,21 @@ class Holds:
     trainer or not, and the generator on it: 'vllm' (`engines` vLLM engines or servers, each taking its share of
     the GPU), 'hf' (the transformers generator on the trainer's own model), 'hf-process' (the transformers
     generator in a process of its own, with its own copy of the model) or None; 'vllm-server' counts as 'vllm'.
-    `sleeps`: the vLLM engine sleeps
-    while the trainer works (it shares the trainer's GPU with K = 0)."""
+    `sleeps`: the vLLM engine sleeps while the trainer works (it shares the trainer's GPU with K = 0). `reward_gb`:
+    GiB of the reward models' copies on it (`plan_reward`), there in both phases."""
     trainer: bool = True
     generator: str | None = None
     engines: int = 1
     sleeps: bool = False
+    reward_gb: float = 0.0
 
     def role(self) -> str:
         gen = {"vllm": "vLLM engine" if self.engines == 1 else f"{self.engines} vLLM engines",
                "vllm-server": "vLLM server" if self.engines == 1 else f"{self.engines} vLLM servers",
                "hf": "transformers generator", "hf-process": "transformers generator process"}.get(self.generator)
         gen = gen and gen + (" asleep while training" if self.sleeps else "")
-        return " + ".join([*(["trainer"] if self.trainer else []), *([gen] if gen else [])]) or "idle"
+        rm = ["reward model"] if self.reward_gb else []
+        return " + ".join([*(["trainer"] if self.trainer else []), *([gen] if gen else []), *rm]) or "idle"
 
 
 @dataclass(frozen=True)
@@ -256,6 +251,8 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
         resident = {"base weights": weights / GiB, "LoRA + AdamW": lora * 16 / GiB}
         train = {**resident, "activations": acts / GiB, "logits": logits / GiB, **context}
         resident.update(context)
+    if holds.reward_gb:  # resident in both phases; an engine's 'auto' share leaves it room
+        train["reward model"] = resident["reward model"] = holds.reward_gb
     gen, slots = dict(resident), 0
     if holds.generator in ("hf", "hf-process"):  # the trainer's own model; its own, in its own process (K >= 1)
         if holds.generator == "hf-process":  # there while the trainer works
@@ -380,11 +377,12 @@ def _share(free: float, total: float, reserve: float) -> float:
     return math.floor(100 * (free - reserve - CUDA_CONTEXT_GB * GiB - (1 - HEADROOM) * total) / total) / 100
 
 
-def resolve_engine_share(cfg: Config, trainer_device: str, engine_gpus: str | None, engine_sleeps: bool) -> float:
+def resolve_engine_share(cfg: Config, trainer_device: str, engine_gpus: str | None, engine_sleeps: bool,
+                         reward_gb: float = 0.0) -> float:
     """`cfg.gpu_memory_utilization` as the number vLLM takes, for an engine on GPUs `engine_gpus` ('0', '1,2'; None:
     every GPU) beside a trainer on `trainer_device`: a number as given; 'auto' is `OWN_GPU_SHARE` on GPUs the trainer
     does not use, else `engine_share` of the memory free on the trainer's GPU now (called after the trainer loaded,
-    just before the engine starts)."""
+    just before the engine starts), less `reward_gb` (the reward models there, loaded at their first call)."""
     if cfg.gpu_memory_utilization != "auto":
         return float(cfg.gpu_memory_utilization)
     dev = torch.device(trainer_device)
@@ -394,7 +392,7 @@ def resolve_engine_share(cfg: Config, trainer_device: str, engine_gpus: str | No
     torch.cuda.empty_cache()  # what the trainer's allocator holds but does not use is free for the engine
     free, total = torch.cuda.mem_get_info(dev)
     p = plan_shape(cfg, Shape.from_config(model_config(cfg)), f"cuda:{index}", total / 1e9,
-                   holds=Holds(True, "vllm", sleeps=engine_sleeps))
-    reserve = 0.0 if engine_sleeps else p.train["activations"] + p.train["logits"]
+                   holds=Holds(True, "vllm", sleeps=engine_sleeps, reward_gb=reward_gb))
+    reserve = reward_gb + (0.0 if engine_sleeps else p.train["activations"] + p.train["logits"])
     need = p.generate.get("engine weights", 0.0) + ENGINE_OVERHEAD_GB
     return engine_share(free, total, int(reserve * GiB), int(need * GiB))
