@@ -31,6 +31,7 @@ PARENT = textwrap.dedent("""
     print(json.dumps({"pids": [sleeper.pid, tree.pid, int(open(sys.argv[2]).read())], "paths": [shm, folder],
                       "watchdog": lifecycle.watchdog_pid()}), flush=True)
     if sys.argv[3] == "exit":
+        sys.stdin.readline()  # once the test has seen them all running (else, on a loaded machine, they might not be)
         sys.exit(0)  # a normal exit that forgot to close its children
     time.sleep(1000)
 """)
@@ -58,11 +59,14 @@ def _gone_within(pids, paths, seconds: float) -> float:
 def test_children_grandchildren_and_files_end_with_the_trainer(tmp_path, ending):
     import minirl.core.lifecycle as lifecycle
     parent = subprocess.Popen([sys.executable, "-c", PARENT, lifecycle.__file__, str(tmp_path / "grandchild"),
-                               ending], stdout=subprocess.PIPE, text=True)
+                               ending], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     info = json.loads(parent.stdout.readline())
     assert all(_alive(p) for p in info["pids"]) and all(os.path.exists(p) for p in info["paths"])
     if ending == "SIGKILL":
         parent.send_signal(signal.SIGKILL)
+    else:  # it exits now: before, it exited at once, and CI once read its line after the watchdog had ended them
+        parent.stdin.write("go\n")
+        parent.stdin.flush()
     parent.wait(30)
     _gone_within(info["pids"] + [info["watchdog"]], info["paths"], 30)
 
