@@ -66,4 +66,4 @@ sys.exit(m.main())
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert p.returncode == 1 and "FAILED placement" in p.stdout, p.stdout + p.stderr
-    assert "ran past its bound of 1 s" in res["placement"]["error"] and res["env"]["ok"]
+    assert "ran past its bound of 2 s" in res["placement"]["error"] and res["env"]["ok"]  # the twin: 2 x BOUNDS
