@@ -150,7 +150,7 @@ def bind_reward(ref: str | Callable, **params: Any) -> BoundReward:
     return BoundReward(fn, params, f"{name}({shown})")
 
 
-def _parse_call(ref: str) -> tuple[str, dict[str, Any]]:
+def parse_call(ref: str) -> tuple[str, dict[str, Any]]:
     """'name(key=value, ...)' -> (name, {key: value}); values are Python literals."""
     head = ref[:ref.index("(")].strip()
     try:
@@ -165,7 +165,7 @@ def _parse_call(ref: str) -> tuple[str, dict[str, Any]]:
 
 def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:
     if isinstance(ref, str) and ref.rstrip().endswith(")") and "(" in ref:
-        name, params = _parse_call(ref)
+        name, params = parse_call(ref)
         _, fn = resolve_reward(name)
         return ref, BoundReward(fn, params, ref)
     if callable(ref):

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from minirl.rewards.registry import REGISTRY, _parse_call, reward
+from minirl.rewards.registry import REGISTRY, parse_call, reward
 
 _LOADED: dict[tuple[str, str], tuple[Any, Any]] = {}
 
@@ -94,7 +94,7 @@ def reward_model_uses(refs: Sequence[Any]) -> list[RewardModelUse]:
         if not (isinstance(ref, str) and "(" in ref and ref.rstrip().endswith(")")):
             continue
         try:
-            head, params = _parse_call(ref)
+            head, params = parse_call(ref)
         except ValueError:
             continue
         if "path" not in params or (REGISTRY.get(head) is not reward_model
