@@ -185,3 +185,19 @@ def test_an_unknown_keyword_is_one_config_error_naming_the_field_meant():
     with pytest.raises(ConfigError, match=r"unknown config field\(s\): 'zzz'; see"):
         Config(zzz=1)
     assert Config(scale_adv_by_std=False).recipe.scale_rewards == "none"  # an old name is still known
+
+
+def test_a_trl_field_name_is_answered_with_minirls_name():
+    """A TRL user's GRPOConfig names (`num_generations`, `learning_rate`) get minirl's names in the one error line,
+    not a guess; every name offered is a real field."""
+    import dataclasses
+
+    import pytest
+
+    from minirl import ConfigError
+    from minirl.config.io import TRL_NAMES
+    with pytest.raises(ConfigError, match=r"'learning_rate' \(TRL's name; minirl's is lr\), 'num_generations' "
+                                          r"\(TRL's name; minirl's is group_size\); see .*docs/coming-from-trl.md"):
+        Config(num_generations=8, learning_rate=1e-5)
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert not set(TRL_NAMES) & fields and {v.split()[0] for v in TRL_NAMES.values()} <= fields

@@ -90,14 +90,36 @@ def to_yaml(cfg, path: str | Path | None = None) -> str:
     return text
 
 
+# TRL's GRPOConfig / PEFT / Unsloth name -> minirl's (docs/coming-from-trl.md): named in the error, never taken
+# silently (TRL's batch counts completions, minirl's prompts; a copied config should be read, not guessed)
+TRL_NAMES = {
+    "learning_rate": "lr", "lr_scheduler_type": "lr_schedule", "max_steps": "steps", "num_generations": "group_size",
+    "per_device_train_batch_size": "prompts_per_step (x group_size completions)",
+    "gradient_accumulation_steps": "token_budget (micro-batches in tokens)", "num_iterations": "ppo_epochs",
+    "max_completion_length": "max_tokens", "max_prompt_length": "max_prompt_tokens", "beta": "kl_coef",
+    "epsilon": "clip_low", "epsilon_high": "clip_high", "importance_sampling_level": "importance_level",
+    "mask_truncated_completions": "mask_truncated", "reward_funcs": "rewards",
+    "vllm_importance_sampling_cap": "tis_cap", "use_vllm": "backend", "vllm_mode": "backend",
+    "vllm_gpu_memory_utilization": "gpu_memory_utilization", "shuffle_dataset": "shuffle", "output_dir": "out_dir",
+    "save_steps": "checkpoint_every", "r": "lora_rank", "model_name": "model", "model_name_or_path": "model",
+    "dataset": "data", "dataset_name": "data",
+}
+
+
 def check_names(cls, given: Any) -> None:
-    """One ConfigError naming each unknown field in `given` with the closest known name (a keyword, a YAML key)."""
+    """One ConfigError naming each unknown field in `given` with minirl's name for a TRL one (`TRL_NAMES`) or the
+    closest known name (a keyword, a YAML key)."""
     known = {f.name for f in dataclasses.fields(cls)} | set(ALIASES)
     unknown = sorted(map(str, set(given) - known))
     if unknown:
-        hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
-                 if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
-        raise ConfigError(f"unknown config field(s): {', '.join(hints)}; see `minirl train --help`")
+        def hint(u: str) -> str:
+            if u in TRL_NAMES:
+                return f"{u!r} (TRL's name; minirl's is {TRL_NAMES[u]})"
+            close = difflib.get_close_matches(u, known, 1)
+            return f"{u!r} (did you mean {close[0]!r}?)" if close else repr(u)
+        trl = " (TRL's names: docs/coming-from-trl.md)" if any(u in TRL_NAMES for u in unknown) else ""
+        raise ConfigError(f"unknown config field(s): {', '.join(map(hint, unknown))}; see `minirl train --help`"
+                          + trl)
 
 
 def from_dict(cls, d: dict[str, Any]) -> Any:
