@@ -4,6 +4,8 @@ on one engine (a run's: `run_parts`); a different seed on one side must show as 
 fraction."""
 import json
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -36,12 +38,12 @@ def test_interleaved_alternates_which_side_goes_first_and_records_it():
 
 
 @pytest.fixture(scope="module")
-def parts():
+def parts(tmp_path_factory):
     if not HAS_VLLM:
         pytest.skip("vllm is not installed")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from minirl.benchmarks.generation import run_parts
-    trainer, gen, sync = run_parts(lora_rank=8)
+    trainer, gen, sync = run_parts(str(tmp_path_factory.mktemp("parts")), lora_rank=8)
     yield trainer, gen, sync
     sync.close()
     gen.close()
@@ -118,3 +120,30 @@ def test_an_unknown_comparison_is_named_before_anything_loads(tmp_path):
     with pytest.raises(ValueError, match=r"unknown comparisons \['cpu_lra'\]; choose from raw_vs_minirl"):
         bench_generation(str(tmp_path), only=["cpu_lra", "vllm_vs_hf"])
     assert not any(tmp_path.iterdir())
+
+
+def test_the_generation_benchmark_leaves_no_scratch_folder_in_tmp_also_when_a_comparison_fails(tiny_model, tmp_path,
+                                                                                                monkeypatch):
+    """The parts' run folder (`minirl-bench-*` in the temp dir) exists while the comparisons run and is gone after,
+    whether they end or one raises: the demo's trainer built for real on the tiny model, the comparison faked (its
+    figures are the engine tests')."""
+    from minirl.benchmarks import generation
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(generation, "DEMO", {**generation.DEMO, "model": tiny_model})
+    seen = []
+
+    def fake_merge(trainer, *args, **kwargs):
+        seen.append((Path(trainer.cfg.out_dir), sorted(tmp.glob("minirl-bench-*"))))
+        if len(seen) == 2:
+            raise RuntimeError("a comparison broke")
+        return {"fake": 1}
+    monkeypatch.setattr(generation, "bench_hf_merge", fake_merge)
+    res = generation.bench_generation(str(tmp_path / "out"), only=["hf_merge"], demo_size=(1, 1, 2))
+    assert res["hf_merge"] == {"fake": 1} and (tmp_path / "out" / "generation.json").exists()
+    with pytest.raises(RuntimeError, match="a comparison broke"):
+        generation.bench_generation(str(tmp_path / "out"), only=["hf_merge"], demo_size=(1, 1, 2))
+    assert [folders for _, folders in seen] == [[d] for d, _ in seen]  # the trainer's out_dir, made in tmp
+    assert all(d.name.startswith("minirl-bench-") for d, _ in seen) and seen[0][0] != seen[1][0]
+    assert sorted(tmp.glob("minirl-bench-*")) == []  # both gone

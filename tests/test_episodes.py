@@ -10,7 +10,7 @@ import minirl
 from minirl.generation.chat import ChatFormat, TemplateError
 from minirl.generation.episodes import EpisodeRunner
 from minirl.rewards.advantages import step_advantages
-from minirl.training.batch import make_batch, samples_from_groups
+from minirl.training.batch import SampleFilter, make_batch, samples_from_groups
 from minirl.types import SamplingParams
 
 ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(6) for b in range(6)]
@@ -265,7 +265,7 @@ def test_env_failures_are_recorded_never_raised(tiny_model, tiny_tok):
         [sg] = step_advantages([scorer.score_group(g)], "group")
         assert sg.rewards == (None, None) and sg.advantages == (0.0, 0.0)
         assert all(f.reward == "env" and "EnvError" in f.reason and why in f.reason for f in sg.failures)
-        assert samples_from_groups([sg], keep_zero_adv=True) == []  # left out of the loss
+        assert samples_from_groups([sg], SampleFilter(keep_zero_adv=True)) == []  # left out of the loss
     runner = EpisodeRunner(gen, Async, tiny_tok, max_turns=3, max_episode_tokens=64)
     (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
     assert all(c.episode.end == "done" and c.episode.turns == 3 for c in g.completions)

@@ -238,3 +238,29 @@ def test_a_resume_drops_the_per_problem_scores_of_the_steps_it_redoes(tmp_path):
     assert kept == [("eval_problems", 2), ("resume", 2), ("eval_problems", 3)]
     from minirl import compare
     assert compare(tmp_path, tmp_path).mean_a == 0.5
+
+
+def test_the_eval_panels_band_is_the_evals_own_wilson_interval_not_a_zero_width_one():
+    """All 4 prompts right (or all wrong): se = 0, so mean +- 1.96 se is [1, 1] ([0, 0]); Wilson's interval at p = 1
+    is [n / (n + z^2), 1] = [4 / 7.8416, 1] = [0.5101, 1], at p = 0 [0, z^2 / (n + z^2)] = [0, 0.4899]. The panel
+    draws the eval event's own `ci95`; a log without `ci95` (older runs) still gets mean +- 1.96 se."""
+    from matplotlib.figure import Figure
+
+    from minirl.run.evaluation import EvalResult
+    from minirl.ui.panels import View, draw_panel, eval_lines
+    z2 = 1.96 ** 2
+    events = [{"event": "eval", "step": s, **EvalResult.from_problems(
+        ["_yes"], 0, [{"index": i, "id": str(i), "scores": {"accuracy": acc, "greedy/_yes": acc}}
+                      for i in range(4)]).fields()} for s, acc in ((0, 0.0), (1, 1.0))]
+    assert [e["accuracy_se"] for e in events] == [0.0, 0.0]
+    [(label, xs, ys, _, bands)] = eval_lines(events)
+    assert (label, xs, ys) == ("greedy accuracy", [0, 1], [0.0, 1.0])
+    assert bands == [(0.0, pytest.approx(z2 / (4 + z2))), (pytest.approx(4 / (4 + z2)), 1.0)]
+    assert bands[1][0] == pytest.approx(0.5101, abs=1e-4)
+    ax = Figure().add_subplot()
+    draw_panel(ax, "eval", View.from_events(events))
+    [band] = ax.collections  # the filled polygon's extent at each step is the interval
+    by_x = {x: sorted({round(float(y), 6) for xx, y in band.get_paths()[0].vertices if xx == x}) for x in (0, 1)}
+    assert by_x == {0: [0.0, round(z2 / (4 + z2), 6)], 1: [round(4 / (4 + z2), 6), 1.0]}
+    old = [{"event": "eval", "step": 0, "accuracy": 0.75, "accuracy_se": 0.25}]  # a log from before ci95
+    assert eval_lines(old)[0][4] == [(pytest.approx(0.75 - 1.96 * 0.25), pytest.approx(0.75 + 1.96 * 0.25))]

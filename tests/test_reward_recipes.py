@@ -105,13 +105,14 @@ def test_mask_truncated_gives_a_cut_completion_no_loss(tiny_model):
     mask_truncated the step trains on no sample and leaves the adapter as it was; without it, it trains on them."""
     import torch
 
-    from minirl.training.batch import samples_from_groups
+    from minirl.training.batch import SampleFilter, samples_from_groups
     from minirl.training.trainer import Trainer
     from minirl.types import ScoredGroup
     cut, done = _completion(4, "length"), _completion(3, "stop")
     g = Group(Prompt(0, (1, 2, 3), "q"), (cut, cut, done))
     scored = [ScoredGroup(g, (1.0, 0.0, 0.5), {}, (1.0, -1.0, 0.0))]
-    assert len(samples_from_groups(scored)) == 2 and samples_from_groups(scored, drop_truncated=True) == []
+    assert len(samples_from_groups(scored)) == 2
+    assert samples_from_groups(scored, SampleFilter(drop_truncated=True)) == []
     cfg = Config(model=tiny_model, lora_rank=4, lr=1e-2, dtype="float32", max_tokens=6)
     for mask, trained in ((True, 0), (False, 2)):
         t = Trainer(cfg.replace(mask_truncated=mask), device="cpu")

@@ -246,12 +246,14 @@ def test_every_reason_the_batch_skips_a_completion_is_the_one_its_xray_names():
               for k, (c, r, a) in enumerate(cases.values())]
     strict = SampleFilter.from_config(Config(mask_truncated=True))
     assert strict == SampleFilter(keep_zero_adv=False, drop_truncated=True)
-    samples = samples_from_groups(groups, strict.keep_zero_adv, strict.drop_truncated)
+    samples = samples_from_groups(groups, strict)
     assert [s.origin for s in samples] == [(k, 1) for k in range(len(cases))]  # every injected one left out
     probe = XrayProbe(groups, samples, len(groups), _PieceTok(), 0, strict)
     assert [x.note.split(" (")[0] for x in probe.records] == [f"not trained: {why}" for why in cases]
     lax = SampleFilter.from_config(Config(kl_coef=0.1))
     assert lax == SampleFilter(keep_zero_adv=True, drop_truncated=False)
-    kept = {s.origin for s in samples_from_groups(groups, lax.keep_zero_adv, lax.drop_truncated)}
+    kept = {s.origin for s in samples_from_groups(groups, lax)}
     assert kept == {(2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1)}
     assert [lax.skip_reason(*case) for case in cases.values()] == ["its reward failed", "empty completion", None, None]
+    with pytest.raises(TypeError, match=r"takes a SampleFilter, not bool: pass SampleFilter\(keep_zero_adv="):
+        samples_from_groups(groups, True)  # the old (keep_zero_adv, drop_truncated) call says what to pass

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -251,17 +252,18 @@ def bench_hf_decode(trainer: Trainer, prompts, n: int, params: SamplingParams, r
                                   note="the same seed; tokens differ once a row ends (the random draws shift)")}
 
 
-def hf_parts(lora_rank: int = 16):
-    """The demo's trainer alone (the comparisons that need no vLLM engine)."""
-    cfg = Config(**{**DEMO, "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
-                    "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
+def hf_parts(out_dir: str, lora_rank: int = 16):
+    """The demo's trainer alone (the comparisons that need no vLLM engine); `out_dir`: its run folder (the
+    caller's to remove)."""
+    cfg = Config(**{**DEMO, "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank, "out_dir": out_dir})
     return Trainer(cfg, device="cpu")
 
 
-def run_parts(lora_rank: int = 16):
-    """(trainer, generator, sync) as a demo run with backend='vllm' builds them on this machine."""
+def run_parts(out_dir: str, lora_rank: int = 16):
+    """(trainer, generator, sync) as a demo run with backend='vllm' builds them on this machine; `out_dir`: their
+    run folder (the caller's to remove)."""
     cfg = Config(**{**DEMO, "backend": "vllm", "lora_rank": lora_rank, "lora_alpha": 2 * lora_rank,
-                    "out_dir": tempfile.mkdtemp(prefix="minirl-bench-")})
+                    "out_dir": out_dir})
     trainer = Trainer(cfg, device="cpu")
     gen, sync, _ = make_generator(cfg, trainer, "vllm", False, None)
     return trainer, gen, sync
@@ -287,57 +289,59 @@ def bench_generation(out_dir: str, num_prompts: int = 16, n: int = 8, max_tokens
         raise ValueError(unknown_comparisons(only))
     want = set(COMPARISONS if only is None else only)
     own = parts is None
-    t0 = time.perf_counter()
-    if parts is None and want <= HF_ONLY:  # no engine to start
-        trainer, gen, sync = hf_parts(), None, None
-    else:
-        trainer, gen, sync = parts or run_parts()
-    startup_s = time.perf_counter() - t0
-    tok = trainer.tokenizer
-    temp = trainer.cfg.temperature
-    result = {"settings": {"model": trainer.cfg.model, "torch_threads": torch.get_num_threads(),
-                           **({"device": "cpu" if gen.on_cpu else "gpu", "engine_dtype": gen.dtype,
-                               "prefix_caching": bool(gen.engine_args.enable_prefix_caching),
-                               "engine_startup_s": round(startup_s, 1)} if gen is not None else
-                              {"device": str(trainer.device), "engine": "none (transformers only)"})}}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    # the parts' run folder (nothing in it is a result): removed when the comparisons end, also on an error
+    with tempfile.TemporaryDirectory(prefix="minirl-bench-") if own else contextlib.nullcontext() as scratch:
+        t0 = time.perf_counter()
+        if parts is None and want <= HF_ONLY:  # no engine to start
+            trainer, gen, sync = hf_parts(scratch), None, None
+        else:
+            trainer, gen, sync = parts or run_parts(scratch)
+        startup_s = time.perf_counter() - t0
+        tok = trainer.tokenizer
+        temp = trainer.cfg.temperature
+        result = {"settings": {"model": trainer.cfg.model, "torch_threads": torch.get_num_threads(),
+                               **({"device": "cpu" if gen.on_cpu else "gpu", "engine_dtype": gen.dtype,
+                                   "prefix_caching": bool(gen.engine_args.enable_prefix_caching),
+                                   "engine_startup_s": round(startup_s, 1)} if gen is not None else
+                                  {"device": str(trainer.device), "engine": "none (transformers only)"})}}
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
 
-    def done(name: str, figures: dict) -> None:  # written as each comparison ends: an interrupted run keeps them
-        result[name] = figures
-        (out / "generation.json").write_text(json.dumps(result, indent=2))
-    try:
-        params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
-        mixed = bench_prompts(tok, num_prompts)
-        if gen is not None:
-            _minirl_generate(gen, mixed[:2], 2, replace(params, max_tokens=4))  # warm-up (either path would do)
-        if "raw_vs_minirl" in want:
-            done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
-        if servers and "server_vs_inproc" in want:
-            done("server_vs_inproc", bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
-                                                  log_dir=str(out / "server_logs")))
-        count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
-                                             trainer.cfg.max_tokens)
-        demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
-        if gen is not None and gen.on_cpu and "cpu_lora" in want:
-            done("cpu_lora", bench_cpu_lora(trainer, gen, sync, demo, group, step, demo_rounds))
-        if gen is not None and "check" in want:
-            done("check", bench_check(trainer, gen, sync, demo[0], demo_rounds))
-        if "vllm_vs_hf" in want:
-            done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
-        if "hf_merge" in want:
-            done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
-        if "hf_decode" in want:
-            fake_step(trainer)  # an adapter that is not zero, as in a run
-            lt_count, lt_group, lt_tokens = LONG_TAIL
-            done("hf_decode", {
-                "demo": bench_hf_decode(trainer, demo, group, step, demo_rounds),
-                "long_tail": bench_hf_decode(trainer, demo_prompts(tok, lt_count), lt_group,
-                                             replace(step, max_tokens=lt_tokens), demo_rounds)})
-    finally:
-        if own and gen is not None:
-            sync.close()
-            gen.close()
+        def done(name: str, figures: dict) -> None:  # written as each comparison ends: an interrupted run keeps them
+            result[name] = figures
+            (out / "generation.json").write_text(json.dumps(result, indent=2))
+        try:
+            params = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=0)
+            mixed = bench_prompts(tok, num_prompts)
+            if gen is not None:
+                _minirl_generate(gen, mixed[:2], 2, replace(params, max_tokens=4))  # warm-up (either path would do)
+            if "raw_vs_minirl" in want:
+                done("raw_vs_minirl", bench_raw_vs_minirl(gen, mixed, n, params, rounds))
+            if servers and "server_vs_inproc" in want:
+                done("server_vs_inproc", bench_server(gen, trainer.model_path, mixed, n, params, rounds=rounds,
+                                                      log_dir=str(out / "server_logs")))
+            count, group, tokens = demo_size or (trainer.cfg.prompts_per_step, trainer.cfg.group_size,
+                                                 trainer.cfg.max_tokens)
+            demo, step = demo_prompts(tok, count), SamplingParams(temperature=temp, max_tokens=tokens, seed=0)
+            if gen is not None and gen.on_cpu and "cpu_lora" in want:
+                done("cpu_lora", bench_cpu_lora(trainer, gen, sync, demo, group, step, demo_rounds))
+            if gen is not None and "check" in want:
+                done("check", bench_check(trainer, gen, sync, demo[0], demo_rounds))
+            if "vllm_vs_hf" in want:
+                done("vllm_vs_hf", bench_vllm_vs_hf(trainer, gen, sync, demo, group, step, demo_rounds))
+            if "hf_merge" in want:
+                done("hf_merge", bench_hf_merge(trainer, demo, group, step, demo_rounds))
+            if "hf_decode" in want:
+                fake_step(trainer)  # an adapter that is not zero, as in a run
+                lt_count, lt_group, lt_tokens = LONG_TAIL
+                done("hf_decode", {
+                    "demo": bench_hf_decode(trainer, demo, group, step, demo_rounds),
+                    "long_tail": bench_hf_decode(trainer, demo_prompts(tok, lt_count), lt_group,
+                                                 replace(step, max_tokens=lt_tokens), demo_rounds)})
+        finally:
+            if own and gen is not None:  # closed before their folder goes
+                sync.close()
+                gen.close()
     return result
 
 

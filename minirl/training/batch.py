@@ -104,11 +104,13 @@ class SampleFilter:
         return None
 
 
-def samples_from_groups(groups: Sequence[ScoredGroup], keep_zero_adv: bool = False,
-                        drop_truncated: bool = False) -> list[Sample]:
-    """Included samples with their advantages: those `SampleFilter(keep_zero_adv, drop_truncated)` finds no
-    reason to skip."""
-    keep = SampleFilter(keep_zero_adv, drop_truncated)
+def samples_from_groups(groups: Sequence[ScoredGroup], keep: SampleFilter = SampleFilter()) -> list[Sample]:
+    """Included samples with their advantages: those `keep` finds no reason to skip (the trainer passes
+    `SampleFilter.from_config(cfg)`, the filter its token X-rays explain; the default drops zero-advantage samples
+    and keeps truncated ones)."""
+    if not isinstance(keep, SampleFilter):
+        raise TypeError(f"samples_from_groups takes a SampleFilter, not {type(keep).__name__}: pass "
+                        "SampleFilter(keep_zero_adv=..., drop_truncated=...) or SampleFilter.from_config(cfg)")
     out = []
     for gi, g in enumerate(groups):
         for ci, (c, r, a) in enumerate(zip(g.group.completions, g.rewards, g.advantages)):

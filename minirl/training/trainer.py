@@ -103,8 +103,7 @@ class Trainer:
     def samples(self, groups: Sequence[ScoredGroup]) -> list[Sample]:
         """The step's trained samples: zero-advantage ones only when the KL term or `train_zero_adv` wants them,
         truncated ones not with `mask_truncated`."""
-        keep = SampleFilter.from_config(self.cfg)
-        return samples_from_groups(groups, keep.keep_zero_adv, keep.drop_truncated)
+        return samples_from_groups(groups, SampleFilter.from_config(self.cfg))
 
     def step(self, groups: Sequence[ScoredGroup]) -> dict[str, float]:
         """One rollout batch → `ppo_epochs` optimizer steps. Returns the step's trainer metrics. Logprobs are
@@ -122,8 +121,9 @@ class Trainer:
         if any(len(g.advantages) != len(g.rewards) for g in groups):
             raise ValueError("Trainer.step needs the step's advantages: pass the groups through "
                              "minirl.rewards.advantages.step_advantages(groups, AdvantageSettings.from_config(cfg))")
-        samples = self.samples(groups)
-        probe = XrayProbe(groups, samples, n, self.tokenizer, self.version, SampleFilter.from_config(c))
+        keep = SampleFilter.from_config(c)  # one filter: the batch's and the X-rays' notes of why a sample is not in it
+        samples = samples_from_groups(groups, keep)
+        probe = XrayProbe(groups, samples, n, self.tokenizer, self.version, keep)
         m: dict[str, float] = {"train/samples": len(samples)}
         if not samples:  # nothing to learn from (all groups zero-advantage or failed): still a version
             self.version += 1

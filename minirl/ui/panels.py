@@ -13,7 +13,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from minirl.core.metrics import load_events
-from minirl.core.stats import Z95
+from minirl.core.stats import ci95
 
 GEN_COLOR, TRAIN_COLOR = "#1f77b4", "#ff7f0e"
 
@@ -90,25 +90,36 @@ def _empty(ax, text: str = "no data yet") -> None:
     ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=8, color="0.5", transform=ax.transAxes)
 
 
-def eval_lines(evals: Sequence[dict]) -> list[tuple[str, list[int], list[float], str, list[float | None]]]:
-    """The eval panel's lines, (label, steps, values, style, standard errors): greedy accuracy, then with
-    eval_samples each reward's mean@k and pass@k (k from the events). A standard error is None where the event has
-    none (one prompt, or a log from before they were recorded)."""
-    def series(get, get_se) -> tuple[list[int], list[float], list[float | None]]:
-        pts = [(e["step"], get(e), get_se(e)) for e in evals]
-        pts = [(x, y, se) for x, y, se in pts if isinstance(y, (int, float)) and math.isfinite(y)]
-        return [x for x, _, _ in pts], [y for _, y, _ in pts], [se for _, _, se in pts]
+Interval = tuple[float, float]
+
+
+def eval_lines(evals: Sequence[dict]) -> list[tuple[str, list[int], list[float], str, list[Interval | None]]]:
+    """The eval panel's lines, (label, steps, values, style, 95 % intervals): greedy accuracy, then with
+    eval_samples each reward's mean@k and pass@k (k from the events). Each interval is the eval's own (the event's
+    `ci95`: Wilson's for 0/1 scores, `core.stats.interval95`); a log from before `ci95` was recorded falls back to
+    mean +- 1.96 se; None where the event has neither (one prompt)."""
+    def band(e: dict, name: str, y: float, se) -> Interval | None:
+        ci = (e.get("ci95") or {}).get(name)
+        if isinstance(ci, (list, tuple)) and len(ci) == 2:
+            return float(ci[0]), float(ci[1])
+        return ci95(y, se) if isinstance(se, (int, float)) else None
+
+    def series(name, get, get_se) -> tuple[list[int], list[float], list[Interval | None]]:
+        pts = [(e, get(e)) for e in evals]
+        pts = [(e, y) for e, y in pts if isinstance(y, (int, float)) and math.isfinite(y)]
+        return [e["step"] for e, _ in pts], [y for _, y in pts], [band(e, name, y, get_se(e)) for e, y in pts]
     out = []
-    xs, ys, ses = series(lambda e: e.get("accuracy"), lambda e: e.get("accuracy_se"))
+    xs, ys, bands = series("accuracy", lambda e: e.get("accuracy"), lambda e: e.get("accuracy_se"))
     if xs:
-        out.append(("greedy accuracy", xs, ys, "s-", ses))
+        out.append(("greedy accuracy", xs, ys, "s-", bands))
     k = next((e["k"] for e in reversed(evals) if e.get("k")), None)
     names = list(dict.fromkeys(n for e in evals for n in (e.get("pass_at_k") or {})))
     for n in names:
         for key, what, style in (("mean_at_k", "mean", "o--"), ("pass_at_k", "pass", "^:")):
-            xs, ys, ses = series(lambda e: (e.get(key) or {}).get(n), lambda e: (e.get(f"{key}_se") or {}).get(n))
+            xs, ys, bands = series(f"{what}@k/{n}", lambda e: (e.get(key) or {}).get(n),
+                                   lambda e: (e.get(f"{key}_se") or {}).get(n))
             if xs:
-                out.append((f"{what}@{k} {n}", xs, ys, style, ses))
+                out.append((f"{what}@{k} {n}", xs, ys, style, bands))
     return out
 
 
@@ -144,16 +155,16 @@ def draw_panel(ax, name: str, v: View) -> None:
         _finish(ax, "reward")
     elif name == "eval":
         lines = eval_lines(v.evals)
-        for label, xs, ys, style, ses in lines:
+        for label, xs, ys, style, bands in lines:
             (line,) = ax.plot(xs, ys, style, label=label, ms=4)
-            band = [(x, y, se) for x, y, se in zip(xs, ys, ses) if isinstance(se, (int, float))]
-            if band:  # the 95 % interval, +- 1.96 standard errors across the eval prompts
-                ax.fill_between([x for x, _, _ in band], [y - Z95 * se for _, y, se in band],
-                                [y + Z95 * se for _, y, se in band], color=line.get_color(), alpha=0.15, lw=0)
+            band = [(x, ci) for x, ci in zip(xs, bands) if ci is not None]
+            if band:  # the eval's own 95 % interval across the prompts (Wilson's for an accuracy)
+                ax.fill_between([x for x, _ in band], [lo for _, (lo, _) in band], [hi for _, (_, hi) in band],
+                                color=line.get_color(), alpha=0.15, lw=0)
         if not lines:
             _empty(ax, "no evaluation yet")
-        _finish(ax, "held-out evaluation (bands: 95% intervals)" if any(se is not None for x in lines for se in x[4])
-                else "held-out evaluation")
+        banded = any(ci is not None for x in lines for ci in x[4])
+        _finish(ax, "held-out evaluation (bands: 95% intervals)" if banded else "held-out evaluation")
     elif name == "reward_hist":
         latest = v.samples[-3:]
         vals = [x.get("reward") for e in latest for x in e.get("samples", [])]
