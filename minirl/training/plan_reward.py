@@ -10,18 +10,35 @@ decoder's forward builds (`use_cache` is on by default) and one decoder layer's 
 them (the residual, q, k, v, the attention output, gate, up and their product; SDPA keeps no attention scores);
 on a GPU the CUDA context of the process (a worker's own; the run's process only where the trainer is elsewhere).
 A config the plan cannot read (not a decoder-only transformer, not reachable) counts 0, with a note saying so.
+A local LLM judge (`judge(..., local=...)`) is counted the same way, on the CPU (`plan_judge`).
+
+A reward worker runs under RLIMIT_DATA of `reward_memory_mb`: a CPU copy there, beside the worker's own memory once
+torch and transformers are imported (WORKER_TORCH_MIB), past that limit cannot load (MemoryError, "can't start new
+thread" or a worker killed by std::bad_alloc, at the first call): a problem that stops the run before anything
+loads (`check_reward_models`), naming the reward_memory_mb it needs. A GPU copy is not checked: it too is loaded on
+the host first (`reward_model._load` moves it after), and CUDA's own host memory counts; not measured here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from minirl.config import Config
+from minirl.config import Config, ConfigError
 from minirl.rewards.reward_model import RewardModelUse, reward_model_uses
 from minirl.training.models import config_json
 from minirl.training.plan import CUDA_CONTEXT_GB, GiB, Shape
+from minirl.training.plan_judge import judge_copy_bytes, local_judge_uses
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MiB = 1 << 20
+# A reward worker's memory as RLIMIT_DATA counts it (VmData) beside a CPU copy: its own once it has unpickled a
+# reward that imports torch and transformers (315 MiB measured: torch 2.13 CPU, x86-64; a CUDA build not measured),
+# and WORKER_SLACK times the copy as this plan counts it: loading took 1.22x the weights (the tokenizer, the loader's
+# threads), a forward 1.2x the batch's count (the allocator). One model measured (47M parameters, float32; planned
+# 363 MiB for 8 rows of 304 tokens): a batch of 8 rows of ~315 tokens failed at reward_memory_mb 765, scored at
+# 790; the needed value has a margin: 384 + 1.25 x 363 = 838.
+WORKER_TORCH_MIB, WORKER_SLACK = 384, 1.25
 
 
 @dataclass(frozen=True)
@@ -46,13 +63,32 @@ def copy_bytes(c: dict, use: RewardModelUse, cfg: Config, prompt: int) -> tuple[
     return params * b, acts, params, dtype
 
 
+def worker_limit_problem(ref: str, what: str, one: int, cfg: Config) -> str | None:
+    """The problem of a CPU copy of `one` bytes in each reward worker that reward_memory_mb cannot hold (None: it
+    fits, or `reward_workers: 0` loads it in the run's process, with no limit)."""
+    need = WORKER_TORCH_MIB + math.ceil(WORKER_SLACK * one / MiB)
+    if not cfg.reward_workers or need <= cfg.reward_memory_mb:
+        return None
+    return (f"{ref}: {what} needs about {need} MiB in each reward worker ({one / MiB:.0f} MiB planned, with the "
+            f"worker's own torch and the loader's slack), over reward_memory_mb={cfg.reward_memory_mb}: it cannot "
+            f"load there; raise reward_memory_mb to {need}, or set reward_workers: 0 to load it in the run's process")
+
+
 def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dict[str, RewardModelLoad], list[str]]:
-    """({device: what its reward models take}, problems) for the reward models of `cfg.rewards`: `prompt` a
+    """({device: what its reward models and local judges take}, problems) for those of `cfg.rewards`: `prompt` a
     prompt's tokens (the plan's assumption), `train_device` the trainer's (whose process already has a CUDA
-    context there). A problem is one line: a local path that does not exist."""
+    context there). A problem is one line: a local path that does not exist, a CPU copy a reward worker's
+    reward_memory_mb cannot hold."""
     loads: dict[str, RewardModelLoad] = {}
     problems = []
     copies = cfg.reward_workers or 1
+    where = f"one per reward worker, reward_workers: {cfg.reward_workers}" if cfg.reward_workers else \
+        "reward_workers: 0, in the run's process"
+
+    def add(device: str, gb: float, note: str) -> None:
+        prev = loads.get(device, RewardModelLoad())
+        loads[device] = RewardModelLoad(prev.gb + gb, (*prev.notes, note))
+
     for use in reward_model_uses(cfg.rewards):
         if use.path.startswith((".", "/", "~")) and not Path(use.path).expanduser().exists():
             problems.append(f"{use.ref}: the reward model folder {use.path!r} does not exist; point path= at a "
@@ -63,22 +99,43 @@ def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dic
         try:
             weights, acts, params, dtype = copy_bytes(config_json(use.path), use, cfg, prompt)
         except Exception as e:  # noqa: BLE001 - not readable or not reachable: a note, not a refusal
-            note = f"{use.ref}: not counted ({' '.join(str(e).split())})"
-            prev = loads.get(use.device, RewardModelLoad())
-            loads[use.device] = RewardModelLoad(prev.gb, (*prev.notes, note))
+            add(use.device, 0.0, f"{use.ref}: not counted ({' '.join(str(e).split())})")
             continue
         gpu = use.device.startswith("cuda")
         context = CUDA_CONTEXT_GB * GiB if gpu and (cfg.reward_workers or use.device != train_device) else 0
         one = weights + acts + context
-        where = f"one per reward worker, reward_workers: {cfg.reward_workers}" if cfg.reward_workers else \
-            "reward_workers: 0, in the run's process"
-        note = (f"reward model {use.path} ({params / 1e9:.2f}B, {dtype}) on {use.device}: {copies} "
-                f"cop{'ies' if copies > 1 else 'y'} ({where}) x {one / GiB:.2f} GiB (weights {weights / GiB:.2f}, "
-                f"a batch of {use.batch_size} {acts / GiB:.2f}" + (f", CUDA context {CUDA_CONTEXT_GB:g}" if context
-                                                                  else "") + ")")
-        prev = loads.get(use.device, RewardModelLoad())
-        loads[use.device] = RewardModelLoad(prev.gb + copies * one / GiB, (*prev.notes, note))
+        add(use.device, copies * one / GiB,
+            f"reward model {use.path} ({params / 1e9:.2f}B, {dtype}) on {use.device}: {copies} "
+            f"cop{'ies' if copies > 1 else 'y'} ({where}) x {one / GiB:.2f} GiB (weights {weights / GiB:.2f}, "
+            f"a batch of {use.batch_size} {acts / GiB:.2f}" + (f", CUDA context {CUDA_CONTEXT_GB:g}" if context
+                                                              else "") + ")")
+        if not gpu and (why := worker_limit_problem(use.ref, "one copy of the reward model", one, cfg)):
+            problems.append(why)
+    for judge in local_judge_uses(cfg.rewards):
+        if judge.path.startswith((".", "/", "~")) and not Path(judge.path).expanduser().exists():
+            problems.append(f"{judge.ref}: the local judge's folder {judge.path!r} does not exist; point local= "
+                            "at a saved causal language model (or a Hub id, or the embedded model's name)")
+            continue
+        try:
+            weights, acts, params = judge_copy_bytes(config_json(judge.path), judge, cfg, prompt)
+        except Exception as e:  # noqa: BLE001 - as a reward model's
+            add("cpu", 0.0, f"{judge.ref}: not counted ({' '.join(str(e).split())})")
+            continue
+        one = weights + acts
+        add("cpu", copies * one / GiB,
+            f"local judge {judge.path} ({params / 1e9:.2f}B, float32) on cpu: {copies} "
+            f"cop{'ies' if copies > 1 else 'y'} ({where}) x {one / GiB:.2f} GiB (weights {weights / GiB:.2f}, "
+            f"{judge.concurrency} questions generated together {acts / GiB:.2f})")
+        if why := worker_limit_problem(judge.ref, "one copy of the local judge", one, cfg):
+            problems.append(why)
     return loads, problems
+
+
+def check_reward_models(cfg: Config) -> None:
+    """Before the reward workers start: the reward models' and local judges' problems (`reward_model_loads`), one
+    line each, raised as a ConfigError."""
+    if problems := reward_model_loads(cfg, "cpu", min(cfg.max_prompt_tokens, 256))[1]:
+        raise ConfigError("\n".join(problems))
 
 
 def reward_gb_on(cfg: Config, device: str) -> float:
