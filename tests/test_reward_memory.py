@@ -126,3 +126,20 @@ def test_a_local_judge_a_worker_cannot_hold_is_the_same_one_line(toy_cfg, tmp_pa
     gone = cfg.replace(rewards=["judge(template='{completion}', local='./no-such-judge')"])
     with pytest.raises(ConfigError, match=r"the local judge's folder './no-such-judge' does not exist"):
         check_reward_models(gone)
+
+
+def test_the_models_a_worker_loads_are_held_together(tiny_model, toy_cfg, tmp_path):
+    """Each reward worker loads every reward: the tiny classifier (toy_cfg's batch at max_tokens 64: 8 x 320 tokens
+    x 3840 bytes + its weights = 10,143,232 bytes; alone it needs 384 + ceil(1.25 x 9.67) = 397 MiB) beside the
+    judge (400 alone): together 22,840,960 bytes = 21.78 MiB, 384 + ceil(1.25 x 21.78) = 412. At 405 each alone
+    fits, both do not: one line naming both."""
+    cfg, judge_ref, _ = _judge_cfg(toy_cfg, tmp_path, reward_workers=1, reward_memory_mb=405)
+    rm = _classifier(tiny_model, tmp_path / "rm")
+    check_reward_models(cfg)
+    check_reward_models(cfg.replace(rewards=[rm]))
+    with pytest.raises(ConfigError) as e:
+        check_reward_models(cfg.replace(rewards=[rm, judge_ref]))
+    assert str(e.value) == (f"{rm}, {judge_ref}: one copy of each of these 2 models needs about 412 MiB in each "
+                            "reward worker (22 MiB planned, with the worker's own torch and the loader's slack), over "
+                            "reward_memory_mb=405: they cannot load there; raise reward_memory_mb to 412, or set "
+                            "reward_workers: 0 to load them in the run's process")

@@ -15,8 +15,9 @@ A local LLM judge (`judge(..., local=...)`) is counted the same way, on the CPU 
 A reward worker runs under RLIMIT_DATA of `reward_memory_mb`: a CPU copy there, beside the worker's own memory once
 torch and transformers are imported (WORKER_TORCH_MIB), past that limit cannot load (MemoryError, "can't start new
 thread" or a worker killed by std::bad_alloc, at the first call): a problem that stops the run before anything
-loads (`check_reward_models`), naming the reward_memory_mb it needs. A GPU copy is not checked: it too is loaded on
-the host first (`reward_model._load` moves it after), and CUDA's own host memory counts; not measured here.
+loads (`check_reward_models`), naming the reward_memory_mb it needs. A GPU copy is not checked, though it too is
+loaded on the host first (`reward_model._load` moves it after) and the CUDA context's host memory may count against
+the limit: not measured (no GPU here).
 """
 from __future__ import annotations
 
@@ -63,15 +64,20 @@ def copy_bytes(c: dict, use: RewardModelUse, cfg: Config, prompt: int) -> tuple[
     return params * b, acts, params, dtype
 
 
-def worker_limit_problem(ref: str, what: str, one: int, cfg: Config) -> str | None:
-    """The problem of a CPU copy of `one` bytes in each reward worker that reward_memory_mb cannot hold (None: it
-    fits, or `reward_workers: 0` loads it in the run's process, with no limit)."""
+def worker_limit_problem(copies: list[tuple[str, str, int]], cfg: Config) -> str | None:
+    """The problem of the CPU copies (ref, what, bytes) each reward worker loads (each holds every reward) when
+    reward_memory_mb cannot hold them together (None: they fit, or `reward_workers: 0` loads them in the run's
+    process, with no limit)."""
+    one = sum(n for _, _, n in copies)
     need = WORKER_TORCH_MIB + math.ceil(WORKER_SLACK * one / MiB)
-    if not cfg.reward_workers or need <= cfg.reward_memory_mb:
+    if not copies or not cfg.reward_workers or need <= cfg.reward_memory_mb:
         return None
-    return (f"{ref}: {what} needs about {need} MiB in each reward worker ({one / MiB:.0f} MiB planned, with the "
-            f"worker's own torch and the loader's slack), over reward_memory_mb={cfg.reward_memory_mb}: it cannot "
-            f"load there; raise reward_memory_mb to {need}, or set reward_workers: 0 to load it in the run's process")
+    what = f"{copies[0][0]}: one copy of the {copies[0][1]}" if len(copies) == 1 else \
+        f"{', '.join(r for r, _, _ in copies)}: one copy of each of these {len(copies)} models"
+    it, them = ("it", "it") if len(copies) == 1 else ("they", "them")
+    return (f"{what} needs about {need} MiB in each reward worker ({one / MiB:.0f} MiB planned, with the worker's "
+            f"own torch and the loader's slack), over reward_memory_mb={cfg.reward_memory_mb}: {it} cannot load "
+            f"there; raise reward_memory_mb to {need}, or set reward_workers: 0 to load {them} in the run's process")
 
 
 def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dict[str, RewardModelLoad], list[str]]:
@@ -80,7 +86,8 @@ def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dic
     context there). A problem is one line: a local path that does not exist, a CPU copy a reward worker's
     reward_memory_mb cannot hold."""
     loads: dict[str, RewardModelLoad] = {}
-    problems = []
+    problems: list[str] = []
+    in_worker: list[tuple[str, str, int]] = []  # the CPU copies each reward worker loads: (ref, what, bytes)
     copies = cfg.reward_workers or 1
     where = f"one per reward worker, reward_workers: {cfg.reward_workers}" if cfg.reward_workers else \
         "reward_workers: 0, in the run's process"
@@ -109,8 +116,8 @@ def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dic
             f"cop{'ies' if copies > 1 else 'y'} ({where}) x {one / GiB:.2f} GiB (weights {weights / GiB:.2f}, "
             f"a batch of {use.batch_size} {acts / GiB:.2f}" + (f", CUDA context {CUDA_CONTEXT_GB:g}" if context
                                                               else "") + ")")
-        if not gpu and (why := worker_limit_problem(use.ref, "one copy of the reward model", one, cfg)):
-            problems.append(why)
+        if not gpu:
+            in_worker.append((use.ref, "reward model", one))
     for judge in local_judge_uses(cfg.rewards):
         if judge.path.startswith((".", "/", "~")) and not Path(judge.path).expanduser().exists():
             problems.append(f"{judge.ref}: the local judge's folder {judge.path!r} does not exist; point local= "
@@ -126,8 +133,9 @@ def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dic
             f"local judge {judge.path} ({params / 1e9:.2f}B, float32) on cpu: {copies} "
             f"cop{'ies' if copies > 1 else 'y'} ({where}) x {one / GiB:.2f} GiB (weights {weights / GiB:.2f}, "
             f"{judge.concurrency} questions generated together {acts / GiB:.2f})")
-        if why := worker_limit_problem(judge.ref, "one copy of the local judge", one, cfg):
-            problems.append(why)
+        in_worker.append((judge.ref, "local judge", one))
+    if why := worker_limit_problem(in_worker, cfg):
+        problems.append(why)
     return loads, problems
 
 
