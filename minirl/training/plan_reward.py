@@ -33,13 +33,15 @@ from minirl.training.plan_judge import judge_copy_bytes, local_judge_uses
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MiB = 1 << 20
-# A reward worker's memory as RLIMIT_DATA counts it (VmData) beside a CPU copy: its own once it has unpickled a
+# A reward worker's memory as RLIMIT_DATA counts it (VmData) beside its CPU copies: its own once it has unpickled a
 # reward that imports torch and transformers (315 MiB measured: torch 2.13 CPU, x86-64; a CUDA build not measured),
-# and WORKER_SLACK times the copy as this plan counts it: loading took 1.22x the weights (the tokenizer, the loader's
-# threads), a forward 1.2x the batch's count (the allocator). One model measured (47M parameters, float32; planned
-# 363 MiB for 8 rows of 304 tokens): a batch of 8 rows of ~315 tokens failed at reward_memory_mb 765, scored at
-# 790; the needed value has a margin: 384 + 1.25 x 363 = 838.
-WORKER_TORCH_MIB, WORKER_SLACK = 384, 1.25
+# and WORKER_SLACK times the copies as this plan counts them (loading took 1.22x the weights: the tokenizer, the
+# loader's threads; a forward or generate more than the plan's count: the allocator, CPU attention). Measured in a
+# worker (scripts/reward_worker_memory.py), each the plan's count, where it failed and where it scored: a 47M float32
+# classifier, 363 MiB, 8 rows of ~305 tokens: failed at reward_memory_mb 765 and 790 (two runs), scored at 790 and
+# 810 (1.3x + 315); the embedded model as local judge, 715 MiB, 8 questions of ~320 tokens: failed at 1200, scored at
+# 1240 (1.27x + 315). With the margin here they need 857 and 1314 (measured: both scored there).
+WORKER_TORCH_MIB, WORKER_SLACK = 384, 1.3
 
 
 @dataclass(frozen=True)
