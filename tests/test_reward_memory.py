@@ -143,3 +143,15 @@ def test_the_models_a_worker_loads_are_held_together(tiny_model, toy_cfg, tmp_pa
                             "reward worker (22 MiB planned, with the worker's own torch and the loader's slack), over "
                             "reward_memory_mb=405: they cannot load there; raise reward_memory_mb to 413, or set "
                             "reward_workers: 0 to load them in the run's process")
+
+
+def test_a_local_judge_given_as_a_python_object_is_checked_too(toy_cfg, tmp_path, monkeypatch):
+    """`Run(rewards=[judge(..., local=...)])`: the config holds only its name ('grader'); the run checks the object
+    before the reward workers start, the same line as the config's string form, named by its name."""
+    from minirl.rewards import judge
+    cfg, _, folder = _judge_cfg(toy_cfg, tmp_path, reward_workers=1, reward_memory_mb=JUDGE_NEED - 1)
+    grader = judge("Rate {completion}", local=folder, max_tokens=16, concurrency=4, name="grader")
+    monkeypatch.setattr(Scorer, "start", lambda self: pytest.fail("the reward workers started"))
+    with pytest.raises(ConfigError, match=rf"^grader: one copy of the local judge needs about {JUDGE_NEED} MiB in "
+                                          rf"each reward worker .*raise reward_memory_mb to {JUDGE_NEED}, or set "):
+        minirl.Run(cfg, rewards=[grader], data=TOY_ROWS[:16]).setup()

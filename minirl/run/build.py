@@ -93,7 +93,8 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     check_tracker(c.report_to)
     chat_template_text(c.chat_template)  # a template file that is not there: one line, before anything loads
     resolve_loss_fn(c.loss_fn)  # a loss_fn that cannot be imported: the same
-    check_reward_models(c)  # a reward model a reward worker cannot hold: the same, before the workers start
+    # a reward model or local judge a reward worker cannot hold: the same, before the workers start
+    check_reward_models(c, [r for r in refs if not isinstance(r, str)])
     scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.reward_workers, c.reward_clip,
                                 c.reward_memory_mb)
     data = data if data is not None else c.data

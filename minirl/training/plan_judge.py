@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 from minirl.config import Config
 from minirl.rewards.llm_judge import judge_reward
-from minirl.rewards.registry import REGISTRY, parse_call
+from minirl.rewards.registry import REGISTRY, BoundReward, parse_call
 from minirl.training.models import EMBEDDED, embedded_model_dir
 from minirl.training.plan import Shape
 
@@ -37,19 +37,24 @@ class LocalJudgeUse:
 
 
 def local_judge_uses(refs: Sequence[Any]) -> list[LocalJudgeUse]:
-    """The local judges among a config's `rewards` ('judge(template=..., local=...)' strings). Other rewards, judges
-    with `url=` or `serve=`, and a reference that cannot be read (the scorer names that one) are left out."""
+    """The local judges among a config's `rewards` ('judge(template=..., local=...)' strings) or a run's reward
+    objects (`judge(..., local=...)` in Python: its `name` is its ref). Other rewards, judges with `url=` or
+    `serve=`, and a reference that cannot be read (the scorer names that one) are left out."""
     defaults = {k: p.default for k, p in inspect.signature(judge_reward).parameters.items()}
     out = []
     for ref in refs:
-        if not (isinstance(ref, str) and "(" in ref and ref.rstrip().endswith(")")):
+        if isinstance(ref, BoundReward) and ref.fn is judge_reward:
+            ref, params = ref.__name__, ref.params
+        elif not (isinstance(ref, str) and "(" in ref and ref.rstrip().endswith(")")):
             continue
-        try:
-            head, params = parse_call(ref)
-        except ValueError:
-            continue
-        if not params.get("local") or (REGISTRY.get(head) is not judge_reward
-                                       and head != "minirl.rewards.llm_judge:judge_reward"):
+        else:
+            try:
+                head, params = parse_call(ref)
+            except ValueError:
+                continue
+            if REGISTRY.get(head) is not judge_reward and head != "minirl.rewards.llm_judge:judge_reward":
+                continue
+        if not params.get("local"):
             continue
         kw = {**defaults, **params}
         path = str(embedded_model_dir()) if kw["local"] == EMBEDDED else str(kw["local"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Sequence
 
 from minirl.config import Config, ConfigError
 from minirl.rewards.reward_model import RewardModelUse, reward_model_uses
@@ -82,11 +83,13 @@ def worker_limit_problem(copies: list[tuple[str, str, int]], cfg: Config) -> str
             f"there; raise reward_memory_mb to {need}, or set reward_workers: 0 to load {them} in the run's process")
 
 
-def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dict[str, RewardModelLoad], list[str]]:
-    """({device: what its reward models and local judges take}, problems) for those of `cfg.rewards`: `prompt` a
-    prompt's tokens (the plan's assumption), `train_device` the trainer's (whose process already has a CUDA
-    context there). A problem is one line: a local path that does not exist, a CPU copy a reward worker's
-    reward_memory_mb cannot hold."""
+def reward_model_loads(cfg: Config, train_device: str, prompt: int,
+                       objects: Sequence[Any] = ()) -> tuple[dict[str, RewardModelLoad], list[str]]:
+    """({device: what its reward models and local judges take}, problems) for those of `cfg.rewards` and of
+    `objects` (a run's rewards given as Python objects, whose names alone are in `cfg.rewards`: a local judge's is
+    counted from its object): `prompt` a prompt's tokens (the plan's assumption), `train_device` the trainer's (whose
+    process already has a CUDA context there). A problem is one line: a local path that does not exist, CPU copies
+    a reward worker's reward_memory_mb cannot hold."""
     loads: dict[str, RewardModelLoad] = {}
     problems: list[str] = []
     in_worker: list[tuple[str, str, int]] = []  # the CPU copies each reward worker loads: (ref, what, bytes)
@@ -120,7 +123,7 @@ def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dic
                                                               else "") + ")")
         if not gpu:
             in_worker.append((use.ref, "reward model", one))
-    for judge in local_judge_uses(cfg.rewards):
+    for judge in local_judge_uses([*cfg.rewards, *objects]):
         if judge.path.startswith((".", "/", "~")) and not Path(judge.path).expanduser().exists():
             problems.append(f"{judge.ref}: the local judge's folder {judge.path!r} does not exist; point local= "
                             "at a saved causal language model (or a Hub id, or the embedded model's name)")
@@ -141,10 +144,10 @@ def reward_model_loads(cfg: Config, train_device: str, prompt: int) -> tuple[dic
     return loads, problems
 
 
-def check_reward_models(cfg: Config) -> None:
-    """Before the reward workers start: the reward models' and local judges' problems (`reward_model_loads`), one
-    line each, raised as a ConfigError."""
-    if problems := reward_model_loads(cfg, "cpu", min(cfg.max_prompt_tokens, 256))[1]:
+def check_reward_models(cfg: Config, objects: Sequence[Any] = ()) -> None:
+    """Before the reward workers start: the reward models' and local judges' problems (`reward_model_loads`; a run's
+    reward `objects` too), one line each, raised as a ConfigError."""
+    if problems := reward_model_loads(cfg, "cpu", min(cfg.max_prompt_tokens, 256), objects)[1]:
         raise ConfigError("\n".join(problems))
 
 
