@@ -118,6 +118,8 @@ def test_a_hung_call_times_out_and_its_worker_is_killed(tmp_path, how):
 
 
 def test_memory_past_the_limit_is_a_memory_error_and_below_it_works():
+    """The MemoryError names the limit as the config's field and the ways out (a reward model's load past it: the
+    same line, tests/test_plan_reward_model.py)."""
     def bomb(p, c, **_):
         chunks = []
         while True:
@@ -128,7 +130,9 @@ def test_memory_past_the_limit_is_a_memory_error_and_below_it_works():
 
     with pool({"bomb": bomb, "hundred_mb": hundred_mb}, memory_mb=256) as rw:
         out = rw.call_many(calls("bomb", "hundred_mb", "ok"))
-        assert [o.error for o in out] == ["MemoryError", None, None] and out[1].value == float(100 << 20)
+        assert [o.error for o in out] == ["MemoryError (a reward worker's memory is capped at reward_memory_mb=256 "
+                                          "MiB: raise it, or set reward_workers: 0 to score in the run's process)",
+                                          None, None] and out[1].value == float(100 << 20)
 
 
 def test_output_is_captured_and_a_flood_fails_the_call_at_once():

@@ -62,7 +62,9 @@ class Config(ConfigMethods, metaclass=Coercing):
     reward_clip: float = 1e6
     """A reward value must be finite and at most this in magnitude, else the call is a failure."""
     reward_memory_mb: int = 2048
-    """Memory limit of each reward worker process (a reward past it fails with MemoryError)."""
+    """Memory limit of each reward worker process (a reward past it fails with MemoryError). A CPU reward model or
+    local judge loads in each worker: one that cannot fit beside the worker's own torch stops the run before the
+    workers start, naming the value it needs."""
     eval_data: str | None = None
     """Held-out prompts for greedy evaluation (the metric is the first reward function): any source `data`
     takes (a file, a saved folder, 'hf:openai/gsm8k:main@test'), or 'arithmetic' (the built-in task's held-out

@@ -10,7 +10,8 @@ in a config (literal values, as every reward's `name(key=value)`; `parse` then a
   stored; a URL off this machine needs it set), `serve` (a model folder, Hub id or the embedded model's name:
   minirl starts one vLLM server for it on 127.0.0.1 with a random key, once per process, before the reward
   workers, and stops it at exit: `minirl.generation.judge_server`), or `local` (the same names; transformers in
-  the process that scores, loaded once per process: with `reward_workers: 0`, one copy).
+  the process that scores, loaded once per process: with `reward_workers: 0`, one copy; the memory plan counts
+  each copy, `training.plan_judge`).
 - `parse`: 'score' (the last number in the reply), 'yes_no' (1.0 for yes, 0.0 for no, the first of them), or a
   callable `reply -> float | None`.
 - A group's questions go out together, at most `concurrency` at a time, each bounded by `timeout_s`; a reply is

@@ -5,8 +5,8 @@ reward model's chat template (a user message, the assistant's answer; message li
 strings joined when it has none. The score is the head's single logit, or with several labels the logit of `label`
 (a name from its `id2label`, or an index). The model is loaded once per process (the run's, or each reward worker's:
 `reward_workers: 0` keeps one copy), in its config's dtype (transformers' 'auto'). The memory plan counts every copy
-on its device (`reward_model_uses`, `training.plan_reward`): one that cannot fit stops the run before anything
-loads."""
+on its device (`reward_model_uses`, `training.plan_reward`): one that cannot fit, or a CPU copy that a reward
+worker's `reward_memory_mb` cannot hold, stops the run before anything loads."""
 from __future__ import annotations
 
 import inspect

@@ -58,6 +58,19 @@ def one_line(text: str, limit: int = 300) -> str:
     return " ".join(text.split())[:limit]
 
 
+# What a failure reads like when the worker's memory limit (RLIMIT_DATA) is reached: Python's MemoryError, a thread
+# whose stack cannot be mapped, torch's CPU allocator, C++'s std::bad_alloc (the worker aborts), ENOMEM
+MEMORY_SIGNS = ("MemoryError", "can't start new thread", "can't allocate memory", "bad_alloc", "Cannot allocate memory")
+
+
+def memory_hint(why: str, memory_mb: int | None) -> str:
+    """`why`, and where it reads as memory running out in a worker with a limit, that limit and the ways out."""
+    if not memory_mb or not any(sign in why for sign in MEMORY_SIGNS):
+        return why
+    return (f"{why} (a reward worker's memory is capped at reward_memory_mb={memory_mb} MiB: raise it, or set "
+            "reward_workers: 0 to score in the run's process)")
+
+
 def run_call(fn: Callable, prompt: str, completion: str, columns: dict) -> tuple[float | None, str | None]:
     """Call a reward (awaiting it if it gives an awaitable) and take its value as a number (`number`), both where
     the call runs and so under its timeout; every exception becomes `(None, reason)`."""
@@ -195,8 +208,10 @@ def serve(fd: int, parent_pid: int) -> None:
         try:
             fns[name] = pickle.loads(blob)
         except BaseException as e:  # noqa: BLE001 - reported to the trainer, which raises it with the name
-            send_frame(sock, reply(None, f"reward {name!r} cannot be loaded in a worker process ({reason(e)}); "
-                                         "make its module importable from the trainer's sys.path"))
+            why = f"reward {name!r} cannot be loaded in a worker process ({reason(e)})"
+            fixed = memory_hint(why, init["memory_mb"])
+            send_frame(sock, reply(None, fixed if fixed != why else
+                                   f"{why}; make its module importable from the trainer's sys.path"))
             return
     if added:
         sys.path.remove(cwd)
@@ -207,6 +222,10 @@ def serve(fd: int, parent_pid: int) -> None:
             value, error = run_batched(fns[name], prompt, completion, columns, batch)
         else:
             value, error = run_call(fns[name], prompt, completion, columns)
+        if isinstance(error, list):
+            error = [e and memory_hint(e, init["memory_mb"]) for e in error]
+        elif error:
+            error = memory_hint(error, init["memory_mb"])
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -5,7 +5,8 @@
 counted from when it starts in its worker (no budget shared by the group, no GIL shared with anything). What goes
 wrong in a call becomes its `RewardOutcome.error`, one line, and the pool goes on:
 - it raises anything, BaseException included: "ZeroDivisionError: division by zero", "SystemExit(0)",
-  "KeyboardInterrupt", "MemoryError" (past `memory_mb`);
+  "KeyboardInterrupt", "MemoryError" (past `memory_mb`: a failure that reads as memory running out, there or at
+  start-up, names the limit as the config's reward_memory_mb and the ways out, `worker_main.memory_hint`);
 - it runs past `timeout_s` (busy loop, sleep, a regex backtracking in C): "timeout after 1.0s"; its worker is
   killed with its process group (so with the reward's subprocesses) and replaced;
 - it ends its process (`os._exit`, a segfault, the OOM killer): "worker died (signal SIGSEGV)"; replaced too;
@@ -64,7 +65,7 @@ import cloudpickle
 
 from minirl.core import lifecycle
 from minirl.rewards import worker_main
-from minirl.rewards.worker_main import one_line, reason, recv_frame, run_batched, run_call, send_frame
+from minirl.rewards.worker_main import memory_hint, one_line, reason, recv_frame, run_batched, run_call, send_frame
 
 MAX_REPLY_BYTES = 1 << 16  # a reply is a float and a reason of a few hundred characters
 _ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -126,6 +127,7 @@ class RewardWorkers:
         if workers == 0:
             return
         self._start_timeout_s = start_timeout_s
+        self._memory_mb = memory_mb
         self._init = pickle.dumps({"path": list(sys.path), "memory_mb": memory_mb,
                                    "rewards": [(name, _pickle_reward(name, fn)) for name, fn in rewards]})
         self._spawner = cf.ThreadPoolExecutor(1, thread_name_prefix="minirl-reward-spawner")
@@ -265,10 +267,11 @@ class RewardWorkers:
             return self._end(w, out, f"timeout after {self.timeout_s}s")
         if blob is None:
             _kill(w)
-            why = f"worker died ({_death(w.proc.returncode)})"
+            why = f"worker died ({_death(w.proc.returncode)}{', std::bad_alloc' * ('bad_alloc' in w.text())})"
             if not w.ready:
-                raise RuntimeError(f"a reward {why} while starting; its output: {one_line(w.text(), 2000)}")
-            return self._end(w, out, why)
+                raise RuntimeError(memory_hint(f"a reward {why} while starting; its output: "
+                                               f"{one_line(w.text(), 2000)}", self._memory_mb))
+            return self._end(w, out, memory_hint(why, self._memory_mb))
         try:
             value, error = _reply(blob, self._batches[w.call] if w.ready else 0)
         except Exception as e:  # noqa: BLE001 - any bytes that are not a reply are the call's failure

@@ -22,6 +22,7 @@ from minirl.run.trackers import check_tracker
 from minirl.sync.base import WeightSync
 from minirl.training.loss_fn import resolve_loss_fn
 from minirl.training.models import chat_template_text, cpu_dtype_warning, cuda_dtype_note, resolve_model
+from minirl.training.plan_reward import check_reward_models
 from minirl.training.trainer import Trainer
 from minirl.types import Episode, Prompt, RolloutSource, SamplingParams, Sleeper
 
@@ -92,6 +93,8 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     check_tracker(c.report_to)
     chat_template_text(c.chat_template)  # a template file that is not there: one line, before anything loads
     resolve_loss_fn(c.loss_fn)  # a loss_fn that cannot be imported: the same
+    # a reward model or local judge a reward worker cannot hold: the same, before the workers start
+    check_reward_models(c, [r for r in refs if not isinstance(r, str)])
     scorer = Scorer.from_config(refs, c.reward_weights, c.reward_timeout_s, c.reward_workers, c.reward_clip,
                                 c.reward_memory_mb)
     data = data if data is not None else c.data

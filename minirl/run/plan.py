@@ -16,7 +16,8 @@ placement (`placement.place`, from the config and the `Devices`) says what each 
 The trainer's GPU picks the token budget, gradient checkpointing and 4-bit (`training.plan.plan_shape`); the other
 devices are planned with those choices. A reward model (`reward_model(path=..., device=...)` in `rewards`) is a part
 of the device it names, each copy counted (`training.plan_reward`): a device nothing else uses is planned for it
-alone, one this machine lacks is a problem.
+alone, one this machine lacks is a problem; so is a CPU copy a reward worker's `reward_memory_mb` cannot hold. A
+local LLM judge (`judge(..., local=...)`) is counted as a reward model on the CPU (`training.plan_judge`).
 """
 from __future__ import annotations
 
