@@ -6,12 +6,20 @@ import torch
 
 from minirl.config import Config, ConfigError
 from minirl.generation import factory
+from minirl.run import placement
 from minirl.run.placement import place
+
+
+def fake_vllm(monkeypatch):
+    """vLLM installed, as `place` sees it (an int of GPUs) and as `Run` does (`placement.device_facts`, which
+    holds its own name for `vllm_available`): without both, a machine with no vllm (the GPU image) fails here."""
+    monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    monkeypatch.setattr(placement, "vllm_available", lambda: True)
 
 
 @pytest.fixture
 def vllm_without_nf4(monkeypatch):
-    monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    fake_vllm(monkeypatch)
     monkeypatch.setattr(factory, "loads_bitsandbytes", lambda: False)  # 0.32 / 0.34: no bitsandbytes method
 
 
@@ -42,7 +50,7 @@ def test_explicit_vllm_with_4bit_says_the_gap_before_loading_and_turns_the_check
 
 
 def test_an_engine_that_loads_nf4_keeps_the_sync_check(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    fake_vllm(monkeypatch)
     monkeypatch.setattr(factory, "loads_bitsandbytes", lambda: True)
     from minirl import Run
     run = Run(Config(backend="vllm", load_in_4bit=True, out_dir=str(tmp_path / "r")))
