@@ -2,12 +2,15 @@
 the same code, shared memory for CUDA IPC, gloo for NCCL, float32 and a tiny model for bf16 at 1.5B).
 
 It runs minirl from the source tree with whatever the machine has: the GPU image has torch, transformers, peft and
-accelerate and no vllm, bitsandbytes, datasets or gguf, and nothing can be installed there. A section that needs a
-missing package reports `skipped: <package> not installed`; one that fails is recorded and the others still run.
+accelerate and no vllm, bitsandbytes, datasets or gguf, and nothing can be installed there from an index (whether it
+has matplotlib, ipywidgets and cloudpickle, which `import minirl` needs, is unknown: `scripts/gpu_wheels.sh` makes
+wheels of them to carry there). A section that needs a missing package reports `skipped: <package> not installed`;
+one that fails is recorded and the others still run.
 Each section is one JSON object in `OUT/gpu_check.json` and one line on stdout, and has its own time bound
 (`BOUNDS`; `--only SECTION[,SECTION]` runs some):
 
-- `env`: torch / CUDA / GPU, bf16 support, which optional packages are importable.
+- `env`: torch / CUDA / GPU, bf16 support, which optional packages are importable; fails, naming the module, where
+  `import minirl` does not work.
 - `placement`: the placement line of a default config on this machine (`minirl.run.placement.place`).
 - `train`: the synthetic Qwen2.5-1.5B (`minirl.training.models.synthetic`, random weights, bfloat16) with the transformers
   generator and the trainer colocated on the GPU, 3 steps (twin: the tiny Qwen2, float32): finite losses and
@@ -48,7 +51,13 @@ def env(dev: str) -> dict:
     import torch
     out = {"torch": torch.__version__, "device": dev, "cuda": torch.cuda.is_available(),
            "packages": {m: importlib.util.find_spec(m) is not None
-                        for m in ("vllm", "bitsandbytes", "peft", "transformers", "gguf")}}
+                        for m in ("vllm", "bitsandbytes", "peft", "transformers", "gguf", "matplotlib", "ipywidgets",
+                                  "cloudpickle")}}
+    try:  # every other section needs it; since 2a66cce that takes matplotlib, ipywidgets and cloudpickle too
+        import minirl  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise RuntimeError(f"`import minirl` fails here: no module {e.name!r} (the other sections fail with it); "
+                           "carry the wheels of `bash scripts/gpu_wheels.sh` and install them as its head says") from e
     if dev == "cuda":
         out.update(gpu=torch.cuda.get_device_name(0), gpus=torch.cuda.device_count(),
                    bf16=torch.cuda.is_bf16_supported())

@@ -67,3 +67,17 @@ sys.exit(m.main())
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert p.returncode == 1 and "FAILED placement" in p.stdout, p.stdout + p.stderr
     assert "ran past its bound of 2 s" in res["placement"]["error"] and res["env"]["ok"]  # the twin: 2 x BOUNDS
+
+
+def test_env_fails_naming_the_module_where_minirl_cannot_be_imported(tmp_path):
+    """The image may lack a package `import minirl` needs (ipywidgets, injected: a sitecustomize puts None in
+    sys.modules): the first section says which one and where the wheels come from, before the others fail on it."""
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text("import sys\nsys.modules['ipywidgets'] = None\n")
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--cpu-twin", "--out", str(tmp_path / "out"),
+                        "--only", "env"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(block), "PYTHON": sys.executable})
+    env = json.loads((tmp_path / "out" / "gpu_check.json").read_text())["env"]
+    assert p.returncode == 1 and not env["ok"], p.stdout + p.stderr
+    assert "no module 'ipywidgets'" in env["error"] and "gpu_wheels.sh" in env["error"]
