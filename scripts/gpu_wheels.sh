@@ -3,7 +3,8 @@
 # `import minirl` needs beyond torch, transformers, peft and accelerate (and their own dependencies), built for the
 # image's Python. The image was last seen (2026-12-04) with Python 3.12, torch 2.11, transformers 5.17, peft and
 # accelerate; whether it has matplotlib, ipywidgets and cloudpickle is not known (minirl imported them lazily then;
-# since 2a66cce they are imported at the top, so `import minirl`, and every gpu_check section but `env`, needs them).
+# since 2a66cce they are imported at the top, so `import minirl`, and every gpu_check section but `env`, needs them),
+# nor whether it has pytest and pytest-xdist (pyproject's addopts pass `-n 2`), which running the tests there needs.
 #   bash scripts/gpu_wheels.sh            # here, with an index: ./gpu_wheels (git-ignored, ~35 MB)
 # On the GPU machine (the folder carried there), only where `python3 -c "import minirl"` fails for one of them:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/deps gpu_wheels/*.whl
@@ -16,7 +17,7 @@ py="${PYTHON:-python3}"
 rm -rf gpu_wheels
 "$py" -m pip download -q --only-binary=:all: --implementation cp --python-version "$pyver" \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d gpu_wheels "matplotlib>=3.8" "ipywidgets>=8.0" "cloudpickle>=3.0"
+  -d gpu_wheels "matplotlib>=3.8" "ipywidgets>=8.0" "cloudpickle>=3.0" "pytest>=8" "pytest-xdist>=3.6"
 # what the image has already (torch, transformers and accelerate require them): the image's own copies stay in use
 rm -f gpu_wheels/numpy-* gpu_wheels/packaging-* gpu_wheels/typing_extensions-* gpu_wheels/psutil-*
 du -sh gpu_wheels
