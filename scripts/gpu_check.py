@@ -38,6 +38,7 @@ import importlib.util
 import json
 import math
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -49,7 +50,7 @@ from pathlib import Path
 
 def env(dev: str) -> dict:
     import torch
-    out = {"torch": torch.__version__, "device": dev, "cuda": torch.cuda.is_available(),
+    out = {"python": platform.python_version(), "torch": torch.__version__, "device": dev, "cuda": torch.cuda.is_available(),
            "packages": {m: importlib.util.find_spec(m) is not None
                         for m in ("vllm", "bitsandbytes", "peft", "transformers", "gguf", "matplotlib", "ipywidgets",
                                   "cloudpickle")}}

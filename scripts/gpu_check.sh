@@ -10,4 +10,10 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TOKENIZERS_PARALLELISM=false
 py="${PYTHON:-python3}"
 [[ -x .venv/bin/python && -z "${PYTHON:-}" ]] && py=.venv/bin/python
+# the wheels of scripts/gpu_wheels.sh, carried here, where `import minirl` fails (the lent image may lack matplotlib,
+# ipywidgets, cloudpickle): installed offline into a scratch folder, nothing else touched
+if [[ -d gpu_wheels ]] && ! "$py" -c "import minirl" 2>/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --target /tmp/minirl-gpu-deps gpu_wheels/*.whl &&
+    export PYTHONPATH="$PYTHONPATH:/tmp/minirl-gpu-deps"
+fi
 exec timeout 480 "$py" scripts/gpu_check.py "$@"

@@ -6,7 +6,8 @@
 # since 2a66cce they are imported at the top, so `import minirl`, and every gpu_check section but `env`, needs them),
 # nor whether it has pytest and pytest-xdist (pyproject's addopts pass `-n 2`), which running the tests there needs.
 #   bash scripts/gpu_wheels.sh            # here, with an index: ./gpu_wheels (git-ignored, ~37 MB)
-# On the GPU machine (the folder carried there; the repository root), installed only where something is missing:
+# On the GPU machine (the folder carried there; the repository root) gpu_check.sh installs them where `import minirl`
+# fails; by hand, installed only where something is missing:
 #   python3 -c "import minirl, pytest, xdist" 2>/dev/null ||
 #     python3 -m pip install -q --no-index --no-deps --target /tmp/deps gpu_wheels/*.whl
 #   export PYTHONPATH=/tmp/deps; bash scripts/gpu_check.sh     # and python3 -m pytest ... likewise
