@@ -107,6 +107,8 @@ TRL_NAMES = {
     "vllm_importance_sampling_correction": "tis_cap (None: no correction)", "eval_steps": "eval_every",
     "save_total_limit": "keep_checkpoints", "model_init_kwargs": "model_kwargs", "log_completions": "log_samples",
     "num_completions_to_print": "log_samples", "max_seq_length": "max_prompt_tokens (+ max_tokens)",
+    "vllm_importance_sampling_mode": "tis_cap (token_truncate) / is_mask_high (token_mask)",
+    "off_policy_mask_threshold": "opsm_delta", "multi_objective_aggregation": "reward_normalization",
 }
 
 
