@@ -201,3 +201,28 @@ def test_a_trl_field_name_is_answered_with_minirls_name():
         Config(num_generations=8, learning_rate=1e-5)
     fields = {f.name for f in dataclasses.fields(Config)}
     assert not set(TRL_NAMES) & fields and {v.split()[0] for v in TRL_NAMES.values()} <= fields
+
+
+def trl_table_names(page: str) -> set[str]:
+    """The TRL / Unsloth names in the first column of docs/coming-from-trl.md's GRPOConfig table (plain
+    identifiers; `LoraConfig(...)`, `_cap` and the dataset's own `prompt` column are not config keys)."""
+    import re
+    table = page.split("| TRL / Unsloth | minirl | note |", 1)[1].split("\n\n", 1)[0]
+    firsts = [row.split("|")[1] for row in table.splitlines()[2:]]
+    return {n for cell in firsts if not cell.strip().startswith("dataset")
+            for n in re.findall(r"`([a-z][a-z0-9_]*)`", cell)}
+
+
+def test_every_trl_name_the_docs_map_is_a_field_or_answered_with_one():
+    """A name the coming-from-trl table maps, left in a config, is a field (the same name) or gets minirl's name in
+    the error line (TRL_NAMES), as the page promises."""
+    from pathlib import Path
+
+    from minirl.config.io import TRL_NAMES
+    page = (Path(__file__).resolve().parent.parent / "docs" / "coming-from-trl.md").read_text(encoding="utf-8")
+    names = trl_table_names(page)
+    fields = {f.name for f in dataclasses.fields(Config)}
+    assert {"num_generations", "bf16", "max_seq_length", "learning_rate"} <= names
+    assert sorted(names - fields - set(TRL_NAMES)) == []
+    row = "| `vllm_importance_sampling_correction` / `_cap` |"
+    assert row in page and "unmapped_trl_knob" in trl_table_names(page.replace(row, row[:-1] + " `unmapped_trl_knob` |"))

@@ -148,22 +148,54 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def _anchors(page: Path) -> set[str]:
-    """GitHub's ids of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    """GitHub's ids of a page's headings: lower case, punctuation dropped, spaces to hyphens; a repeated id gets
+    -1, -2, ... in order."""
     heads = re.findall(r"^#+\s+(.*)$", FENCE.sub("", page.read_text(encoding="utf-8")), re.M)
-    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+    ids: set[str] = set()
+    for h in heads:
+        base = re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+        k, slug = 0, base
+        while slug in ids:
+            k += 1
+            slug = f"{base}-{k}"
+        ids.add(slug)
+    return ids
 
 
-def test_every_relative_link_and_anchor_exists():
-    tutorials = sorted((ROOT / "tutorials").glob("*.md"))
-    for page in [*PAGES, *tutorials]:
+def broken_links(pages: list[Path]) -> list[str]:
+    """Each relative link of `pages` whose file, or whose #anchor in a .md file, does not exist."""
+    bad = []
+    for page in pages:
+        where = page.relative_to(ROOT) if page.is_relative_to(ROOT) else page.name
         for target in LINK.findall(page.read_text(encoding="utf-8")):
             if "://" in target or target.startswith("mailto:"):
                 continue
             path, _, anchor = target.partition("#")
             dest = (page.parent / path).resolve() if path else page
-            assert dest.exists(), f"{page.name}: link to {target}: no such file"
-            if anchor and dest.suffix == ".md":
-                assert anchor in _anchors(dest), f"{page.name}: link to {target}: no such heading"
+            if not dest.exists():
+                bad.append(f"{where}: link to {target}: no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{where}: link to {target}: no such heading")
+    return bad
+
+
+def test_every_relative_link_and_anchor_exists():
+    """README, docs/ (docs/notebooks/ too) and tutorials/: every relative link and #anchor resolves."""
+    pages = [*PAGES, *sorted((ROOT / "docs").glob("*/*.md")), *sorted((ROOT / "tutorials").glob("*.md"))]
+    assert ROOT / "docs" / "notebooks" / "README.md" in pages
+    assert broken_links(pages) == []
+
+
+def test_a_broken_link_or_anchor_is_caught(tmp_path):
+    """Positive control: a missing file, a missing heading (here or on another page) and a repeated heading's
+    second id are told apart from links that resolve."""
+    (tmp_path / "b.md").write_text("# Title\n\n## Same\n\n## Same\n\n```bash\n# not a heading\n```\n")
+    (tmp_path / "a.md").write_text("# Top: `x_y`, here\n"
+                                   "[ok](b.md) [ok](b.md#same) [ok](b.md#same-1) [ok](#top-x_y-here)\n"
+                                   "[no](nope.md) [no](b.md#same-2) [no](b.md#not-a-heading) [no](#nothing)\n")
+    assert broken_links([tmp_path / "a.md"]) == [
+        "a.md: link to nope.md: no such file", "a.md: link to b.md#same-2: no such heading",
+        "a.md: link to b.md#not-a-heading: no such heading", "a.md: link to #nothing: no such heading"]
 
 
 def test_the_readme_is_short_and_opens_with_the_command_ci_runs():

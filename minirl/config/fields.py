@@ -199,10 +199,12 @@ class Config(ConfigMethods, metaclass=Coercing):
     or a flag) is yours and stays when loss_type changes. 'grpo': seq-mean, group, clip 0.2 / 0.2, token. 'dr_grpo':
     constant, none, 0.2 / 0.2, token. 'dapo': token-mean, group, 0.2 / 0.28, token. 'bnpo': the same settings as
     'dapo' (TRL's two differ only in counting tokens per device or over the whole step; minirl's weights always span
-    the step). 'gspo': seq-mean, group, 3e-4 / 4e-4, sequence. 'cispo': dapo's settings with objective 'cispo'. All
-    but 'cispo' have objective 'ppo-clip'. None: 'dapo'. No preset touches kl_coef (0 = off, as TRL's beta),
-    tis_cap, behav_clip, opsm_delta or the fields after kl_coef. `cfg.recipe` holds the six as resolved; a run's
-    config.yaml writes an unset one as null with the value it resolved to. Table: docs/recipes.md."""
+    the step). 'gspo' (not a TRL loss_type: TRL's GSPO settings under one name): seq-mean, group, 3e-4 / 4e-4,
+    sequence. 'cispo': dapo's settings with objective 'cispo'. All but 'cispo' have objective 'ppo-clip'. None:
+    'dapo'. Unlike TRL's loss_type, a preset sets the clip range and scale_rewards too. No preset touches kl_coef
+    (0 = off, as TRL's beta), tis_cap, behav_clip, opsm_delta or the fields after kl_coef. `cfg.recipe` holds the
+    six as resolved; a run's config.yaml writes an unset one as null with the value it resolved to. Table:
+    docs/recipes.md."""
     loss_agg: str | None = None
     """Loss aggregation: 'token-mean' (DAPO), 'seq-mean' (GRPO paper) or 'constant' (Dr. GRPO). None: loss_type's."""
     scale_rewards: str | None = None

@@ -102,7 +102,13 @@ TRL_NAMES = {
     "vllm_importance_sampling_cap": "tis_cap", "use_vllm": "backend", "vllm_mode": "backend",
     "vllm_gpu_memory_utilization": "gpu_memory_utilization", "shuffle_dataset": "shuffle", "output_dir": "out_dir",
     "save_steps": "checkpoint_every", "r": "lora_rank", "model_name": "model", "model_name_or_path": "model",
-    "dataset": "data", "dataset_name": "data",
+    "dataset": "data", "dataset_name": "data", "bf16": "dtype (bfloat16)", "fp16": "dtype (float16)",
+    "num_train_epochs": "steps (no epochs)", "warmup_ratio": "warmup_steps (a number of steps)",
+    "vllm_importance_sampling_correction": "tis_cap (None: no correction)", "eval_steps": "eval_every",
+    "save_total_limit": "keep_checkpoints", "model_init_kwargs": "model_kwargs", "log_completions": "log_samples",
+    "num_completions_to_print": "log_samples", "max_seq_length": "max_prompt_tokens (+ max_tokens)",
+    "vllm_importance_sampling_mode": "tis_cap (token_truncate) / is_mask_high (token_mask)",
+    "off_policy_mask_threshold": "opsm_delta", "multi_objective_aggregation": "reward_normalization",
 }
 
 
