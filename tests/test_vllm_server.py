@@ -211,3 +211,26 @@ def test_bad_server_settings_are_one_line(fields, message):
     from minirl.config import ConfigError
     with pytest.raises(ConfigError, match=re.escape(message)):
         Config(**fields)
+
+
+def test_servers_minirl_starts_hold_a_whole_episode(monkeypatch):
+    """An env run's later turns follow the opening prompt: the servers minirl starts get the in-process engine's
+    max_model_len (prompt + max_episode_tokens), not prompt + max_tokens, which refused a long episode's later turn."""
+    import torch
+
+    from minirl.config import Config
+    from minirl.generation import factory
+
+    launched = []
+    monkeypatch.setattr(factory, "vllm_available", lambda: True)
+    monkeypatch.setattr(factory, "ServerGenerator", lambda launch, **kw: launched.append(launch) or object())
+    monkeypatch.setattr(factory, "ServerSync", lambda root: object())
+
+    class Trainer:  # what the factory reads of a trainer
+        model = torch.nn.Linear(1, 1)
+        model_path, device = "m", "cpu"
+    for env, expect in ((None, 512 + 48), ("sums", 512 + 300)):
+        cfg = Config(backend="vllm-server", env=env, max_async_steps=1, max_prompt_tokens=512, max_tokens=48,
+                     max_episode_tokens=300)
+        factory.make_generator(cfg, Trainer(), "vllm-server", True, "0")
+        assert launched[-1][0].max_model_len == expect

@@ -29,6 +29,12 @@ class ConfigMethods:
         """The old name: whether advantages are divided by the group std (scale_rewards == 'group')."""
         return self.recipe.scale_rewards == "group"
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence a generation engine must hold: the prompt plus the completion, or with an `env` the
+        whole episode (its later turns follow the opening prompt)."""
+        return self.max_prompt_tokens + (self.max_episode_tokens if self.env else self.max_tokens)
+
     def validate(self) -> None:
         """Raise one `ConfigError` naming the field and the fix for a bad setting (`validate.py`)."""
         validate(self)

@@ -95,8 +95,7 @@ def make_generator(cfg: Config, trainer: PolicyTrainer, backend: str, asynchrono
         gen = VLLMGenerator(trainer.model_path, max_lora_rank=cfg.lora_rank, seed=cfg.seed, dtype=dtype,
                             cpu_cores=None if on_gpu else gen_devices, device_ids=gen_devices if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, gpu_memory_utilization=share,
-                            max_model_len=cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens),
-                            inflight=cfg.inflight, sleep_mode=sleep_mode,  # env runs: turns follow the prompt
+                            max_model_len=cfg.max_model_len, inflight=cfg.inflight, sleep_mode=sleep_mode,
                             quantization=quant)
         try:
             sync, why = make_sync(cfg.sync_transport, gen, trainer.device, inflight=cfg.inflight == "inflight")
@@ -145,7 +144,7 @@ def _server_generator(cfg: Config, trainer: PolicyTrainer, gen_devices: str | No
         raise RuntimeError("backend='vllm-server' starts vLLM servers, but vllm is not installed here: `bash "
                            "install.sh cpu` (CPU) or `bash install.sh gpu` (GPU), or give server_urls")
     places = split_devices(gen_devices, cfg.num_servers, on_gpu)
-    launch = [ServerOptions(trainer.model_path, dtype=dtype, max_model_len=cfg.max_prompt_tokens + cfg.max_tokens,
+    launch = [ServerOptions(trainer.model_path, dtype=dtype, max_model_len=cfg.max_model_len,
                             max_lora_rank=cfg.lora_rank, max_loras=cfg.max_async_steps + 2, seed=cfg.seed,
                             on_cpu=not on_gpu, cores=None if on_gpu else p, gpus=p if on_gpu else None,
                             kv_cache_gb=cfg.kv_cache_gb, extra_args=tuple(cfg.server_args),

@@ -282,8 +282,7 @@ def _estimate(cfg: Config, shape: Shape, device: str, memory_gb: float | None, b
                 reserve = 0 if holds.sleeps else acts + logits
                 util = max(0.0, _share(total - sum(resident.values()) * GiB, total, reserve))
             cache = util * total / GiB - ew - over  # vLLM gives its KV cache what its share leaves
-            one = (cfg.max_prompt_tokens + (cfg.max_episode_tokens if cfg.env else cfg.max_tokens)) \
-                * shape.kv_bytes_per_token(b) / GiB
+            one = cfg.max_model_len * shape.kv_bytes_per_token(b) / GiB
             if cache < one:
                 short = (f"gpu_memory_utilization={util} on {device} gives {'each' if n > 1 else 'the'} vLLM engine "
                          f"{util * memory_gb:.1f} GB, "
