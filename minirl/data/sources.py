@@ -39,9 +39,15 @@ def read_jsonl(p: Path) -> tuple[list[dict], list[str]]:
                                  "save the file as UTF-8") from None
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{k}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                    rows.append(json.loads(line.rstrip("\r\n")))  # a cut line: an unterminated string, not a
+                except json.JSONDecodeError as e:  # control character (the newline); "... at" the column
+                    if k == 1 and line.lstrip().startswith("["):  # a JSON array (a .json file) named .jsonl
+                        raise ValueError(f"{p}:1: starts a JSON array, not one JSON object a line; name the file "
+                                         f"{p.with_suffix('.json').name} (a .json file holds a list of objects)"
+                                         ) from None
+                    at = e.msg if e.msg.endswith(" at") else f"{e.msg} at"
+                    raise ValueError(f"{p}:{k}: not valid JSON ({at} column {e.colno}); each line must be one JSON "
+                                     "object") from None
                 names.append(f"{p}:{k}")
                 if not isinstance(rows[-1], dict):
                     raise ValueError(f"{p}:{k}: a JSON {type(rows[-1]).__name__}, not an object; each line must be "

@@ -98,7 +98,9 @@ def resolve_model(name: str) -> str:
             raise ValueError(f"model folder {name!r} has no config.json; point `model` at a saved model folder")
         return str(p)
     if name.startswith((".", "/", "~")):
-        raise ValueError(f"model path {name!r} does not exist")
+        raise ValueError(f"model path {name!r} does not exist; point `model` at a folder with config.json and a "
+                         f"tokenizer (relative to the current folder), a Hugging Face id like 'org/name', or "
+                         f"'{EMBEDDED}'")
     if "/" not in name:
         raise ValueError(f"unknown model {name!r}: use '{EMBEDDED}', a Hugging Face id like 'org/name', "
                          "or a local folder")
