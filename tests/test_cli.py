@@ -159,6 +159,24 @@ def test_a_model_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path
     assert "model: smollm2-135m-instruct" in line
 
 
+def test_a_dataset_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path, capsys):
+    """`data: hf:NAME` not in the local cache, the Hub unreachable: one line at once (datasets alone retried for
+    ~30 s, printing a line each time)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("minirl.run.build.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    t0 = time.time()
+    assert main(["demo", "--data", "hf:someone/no-such-data@train"]) == 2
+    assert time.time() - t0 < 20  # the probe times out after 3 s
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert lines == ["minirl: error: data 'hf:someone/no-such-data@train': the dataset 'someone/no-such-data' is not "
+                     "in the local Hugging Face cache and the Hub cannot be reached (offline); download it where there "
+                     "is a network, or save it with Dataset.save_to_disk and give that folder"], lines
+
+
 @pytest.mark.parametrize("tty", [True, False])
 def test_progress_shows_step_reward_rate_and_eta(tty, capsys):
     from minirl.cli import _Progress

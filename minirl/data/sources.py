@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 FILE_KINDS = ".jsonl, .json, .csv, .parquet"
@@ -111,13 +112,22 @@ def _offline() -> bool:
 
 def load_hf(spec: str, field: str = "data") -> list[dict]:
     """`hf:NAME[:CONFIG][@SPLIT]` through `datasets.load_dataset`; offline, only what the local cache holds."""
+    from unittest import mock
+
     import datasets
+    import huggingface_hub.constants
+
+    from minirl.training.models import _hub_reachable
     name, config, split = parse_hf(spec, field)
+    # the Hub unreachable: the cache alone, at once (datasets would retry for ~30 s, a log line each time)
+    unreachable = not _offline() and not _hub_reachable()
     try:
-        ds = datasets.load_dataset(name, config, split=split)
+        with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True) if unreachable else nullcontext(), \
+                mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True) if unreachable else nullcontext():
+            ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if _offline() or "offline" in first.lower() or isinstance(e, ConnectionError):
+        if unreachable or _offline() or "offline" in first.lower() or isinstance(e, ConnectionError):
             raise ValueError(f"{field} {spec!r}: the dataset {name!r} is not in the local Hugging Face cache and the "
                              "Hub cannot be reached (offline); download it where there is a network, or save it with "
                              "Dataset.save_to_disk and give that folder") from None
