@@ -10,8 +10,11 @@ import csv
 import io
 import json
 import os
-from contextlib import nullcontext
 from pathlib import Path
+
+import huggingface_hub.constants as hub_constants
+
+from minirl.core.hub import hub_reachable
 
 FILE_KINDS = ".jsonl, .json, .csv, .parquet"
 HF_PREFIX = "hf:"
@@ -112,19 +115,15 @@ def _offline() -> bool:
 
 def load_hf(spec: str, field: str = "data") -> list[dict]:
     """`hf:NAME[:CONFIG][@SPLIT]` through `datasets.load_dataset`; offline, only what the local cache holds."""
-    from unittest import mock
-
     import datasets
-    import huggingface_hub.constants
-
-    from minirl.training.models import _hub_reachable
     name, config, split = parse_hf(spec, field)
     # the Hub unreachable: the cache alone, at once (datasets would retry for ~30 s, a log line each time)
-    unreachable = not _offline() and not _hub_reachable()
+    unreachable = not _offline() and not hub_reachable()
+    saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
     try:
-        with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True) if unreachable else nullcontext(), \
-                mock.patch.object(huggingface_hub.constants, "HF_HUB_OFFLINE", True) if unreachable else nullcontext():
-            ds = datasets.load_dataset(name, config, split=split)
+        if unreachable:
+            datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+        ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         if unreachable or _offline() or "offline" in first.lower() or isinstance(e, ConnectionError):
@@ -133,6 +132,8 @@ def load_hf(spec: str, field: str = "data") -> list[dict]:
                              "Dataset.save_to_disk and give that folder") from None
         raise ValueError(f"{field} {spec!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) failed "
                          f"({type(e).__name__}: {first}); check the name, config and split") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
     return ds.to_list()
 
 
