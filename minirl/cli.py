@@ -20,6 +20,7 @@ from tqdm import tqdm
 from minirl.benchmarks.dispatch import run as bench
 from minirl.config import DEMO, Config, ConfigError, add_cli_args, dashed, overrides_from_args
 from minirl.config.cli import _parse_value
+from minirl.config.io import TRL_NAMES
 from minirl.core.lifecycle import Terminated, sigterm_interrupts
 from minirl.generation.tasks import TASKS
 from minirl.run.checkpoint import atomic_write, latest_checkpoint
@@ -38,8 +39,8 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
             known = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(Config)] + RUN_FLAGS
-            hints = [f"{a} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(a.split("=")[0], known, 1))
-                     else a for a in message.split(":", 1)[1].split() if a.startswith("-")]
+            hints = [_trl_flag(a) or (f"{a} (did you mean {m[0]}?)" if (m := difflib.get_close_matches(
+                a.split("=")[0], known, 1)) else a) for a in message.split(":", 1)[1].split() if a.startswith("-")]
             message = f"unrecognized arguments: {' '.join(hints) or message.split(':', 1)[1].strip()}"
         if message == "the following arguments are required: cmd" and self.commands:  # `minirl` alone
             message = "give a command: " + ", ".join(self.commands)
@@ -48,6 +49,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 RUN_FLAGS = ["--resume", "--overwrite", "--out", "--adapter", "--seeds", "--ks"]
+
+
+def _trl_flag(arg: str) -> str | None:
+    """`--learning-rate` (a TRL GRPOConfig field as a flag) named with minirl's flag (`--lr`); None for others."""
+    name = arg.split("=")[0].lstrip("-").replace("-", "_")
+    if name not in TRL_NAMES:
+        return None
+    ours, _, note = TRL_NAMES[name].partition(" ")
+    return f"{arg.split('=')[0]} (TRL's name; minirl's is --{ours.replace('_', '-')}{' ' + note if note else ''})"
 
 
 class _Progress:
@@ -157,11 +167,25 @@ def _eval(cfg: Config, adapter: str | None = None) -> dict:
         where = "its adapter/ folder" if (Path(adapter) / "adapter").is_dir() else "a folder holding it"
         raise ValueError(f"--adapter {adapter}: no adapter_model.safetensors there; give {where} (a run's "
                          "out_dir/adapter, or a checkpoint's adapter)")
+    conf = _adapter_config(adapter) if adapter else {}
+    if conf:  # the adapter's own shape, not the flags' (a run with lora_rank 8 would not load into the default 16)
+        shape = dict(lora_rank=conf.get("r"), lora_alpha=conf.get("lora_alpha"),
+                     target_modules=conf.get("target_modules"))
+        cfg = cfg.replace(**{k: sorted(v) if isinstance(v, list) else v for k, v in shape.items() if v is not None})
     run = Run(cfg.replace(steps=0))
     run.load()  # no out_dir of its own: nothing is written
     try:
         if adapter:
-            set_peft_model_state_dict(run.trainer.model, load_file(str(weights)))
+            base = f"; it was trained on {conf['base_model_name_or_path']!r} (its adapter_config.json): give that " \
+                "as --model" if conf.get("base_model_name_or_path") else "; give its base model as --model"
+            try:
+                loaded = set_peft_model_state_dict(run.trainer.model, load_file(str(weights)))
+            except RuntimeError as e:  # another base: the shapes differ
+                raise ValueError(f"--adapter {adapter} does not fit the model {cfg.model!r} "
+                                 f"({str(e).strip().splitlines()[-1].strip()}){base}") from None
+            if extra := getattr(loaded, "unexpected_keys", None):  # weights for modules this model does not have
+                raise ValueError(f"--adapter {adapter} does not fit the model {cfg.model!r} ({len(extra)} of its "
+                                 f"weights have no place in it, e.g. {extra[0]}){base}")
             run.trainer.version = 1
             run.sync.push(run.trainer, run.generator)
         res = evaluate(run.rollouts, run.eval_prompts, run.scorer, cfg.max_tokens, **eval_options(cfg, 0))
@@ -169,6 +193,26 @@ def _eval(cfg: Config, adapter: str | None = None) -> dict:
                 "backend": run.backend}
     finally:
         run.close()
+
+
+def _adapter_config(adapter: str) -> dict:
+    """The adapter's adapter_config.json (peft's), checked before the model loads: a LoRA minirl can rebuild."""
+    path = Path(adapter) / "adapter_config.json"
+    if not path.is_file():
+        raise ValueError(f"--adapter {adapter}: no adapter_config.json beside adapter_model.safetensors; give a peft "
+                         "adapter folder (a run's out_dir/adapter, or a checkpoint's adapter)")
+    try:
+        conf = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); give the folder peft's save_pretrained wrote") from None
+    if not isinstance(conf, dict) or conf.get("peft_type", "LORA") != "LORA" or conf.get("use_dora") or \
+            conf.get("use_rslora"):
+        what = conf.get("peft_type") if isinstance(conf, dict) else type(conf).__name__
+        what = "DoRA" if isinstance(conf, dict) and conf.get("use_dora") else \
+            "rsLoRA" if isinstance(conf, dict) and conf.get("use_rslora") else what
+        raise ValueError(f"--adapter {adapter}: a {what} adapter; minirl evaluates the plain LoRA adapters it trains "
+                         "(evaluate this one with peft)")
+    return conf
 
 
 def _seeds(text: str) -> tuple[int, ...]:

@@ -97,6 +97,29 @@ BAD = [  # (what, files, argv, the line's content)
     ("bench trl from", {"t.json": '{"config": {"steps": 3}, "runs": {}}'}, ["bench", "trl", "--trl-from", "t.json"],
      "t.json: its TRL runs were made with other settings than these"),
     ("bench trl from nothing", {}, ["bench", "trl", "--trl-from", "no.json"], "--trl-from no.json: no such file"),
+    # a new user's mistakes (TRL / Unsloth habits, hand-edited files)
+    ("yaml field twice", {"c.yaml": "lr: 1e-4\nsteps: 3\nlr: 2e-4\n"}, ["train", "c.yaml"],
+     "c.yaml:3: 'lr' is given twice (lines 1 and 3); keep one"),
+    ("TRL flag", {}, ["demo", "--learning-rate", "1e-4", "--num-generations=4"],
+     "unrecognized arguments: --learning-rate (TRL's name; minirl's is --lr) --num-generations (TRL's name; "
+     "minirl's is --group-size)"),
+    ("reward not a function", {"c.yaml": "rewards: [rconst:SCALE]\n", "rconst.py": "SCALE = 3\n"}, ["train", "c.yaml"],
+     "reward 'rconst:SCALE' is an int, not a function; point it at a function f(prompt, completion, **columns)"),
+    ("reward as a file path", {"c.yaml": "rewards: [rpath.py:f]\n",
+                               "rpath.py": "def f(prompt, completion, **_):\n    return 1.0\n"}, ["train", "c.yaml"],
+     "reward 'rpath.py:f' cannot be imported: 'rpath.py' is a file path, not a module name; write 'rpath:f'"),
+    ("answers in another column", {"c.yaml": "data: d.jsonl\n", "d.jsonl": '{"prompt": "a", "solution": "1"}\n'},
+     ["train", "c.yaml"], "needs column(s) ['answer'] that the data lacks (columns: ['completion_tokens', "
+     "'finish_reason', 'solution']); add them to the dataset, give them defaults, or fix them in `rewards` as "
+     "arithmetic_correct(answer=...); the answers in 'solution'? set answer_column: solution"),
+    ("jsonl line cut short", {"c.yaml": "data: d.jsonl\n", "d.jsonl": '{"prompt": "a", "answer": 1}\n{"prompt": "b\n'},
+     ["train", "c.yaml"], "d.jsonl:2: not valid JSON (Unterminated string starting at column 12); each line must be"),
+    ("json array named jsonl", {"c.yaml": "data: d.jsonl\n", "d.jsonl": '[\n  {"prompt": "a", "answer": 1}\n]\n'},
+     ["train", "c.yaml"], "d.jsonl:1: starts a JSON array, not one JSON object a line; name the file d.json"),
+    ("no model folder", {"c.yaml": "model: ./no/model\n"}, ["train", "c.yaml"],
+     "model path './no/model' does not exist; point `model` at a folder with config.json and a tokenizer"),
+    ("eval adapter without its config", {"a/adapter_model.safetensors": ""}, ["eval", "--adapter", "a"],
+     "--adapter a: no adapter_config.json beside adapter_model.safetensors; give a peft adapter folder"),
 ]
 
 
@@ -136,6 +159,24 @@ def test_a_model_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path
     assert "model: smollm2-135m-instruct" in line
 
 
+def test_a_dataset_that_cannot_be_found_fails_within_seconds(monkeypatch, tmp_path, capsys):
+    """`data: hf:NAME` not in the local cache, the Hub unreachable: one line at once (datasets alone retried for
+    ~30 s, printing a line each time)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("minirl.run.build.Trainer", lambda *a, **k: pytest.fail("the model loaded"))
+    t0 = time.time()
+    assert main(["demo", "--data", "hf:someone/no-such-data@train"]) == 2
+    assert time.time() - t0 < 20  # the probe times out after 3 s
+    lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert lines == ["minirl: error: data 'hf:someone/no-such-data@train': the dataset 'someone/no-such-data' is not "
+                     "in the local Hugging Face cache and the Hub cannot be reached (offline); download it where there "
+                     "is a network, or save it with Dataset.save_to_disk and give that folder"], lines
+
+
 @pytest.mark.parametrize("tty", [True, False])
 def test_progress_shows_step_reward_rate_and_eta(tty, capsys):
     from minirl.cli import _Progress
@@ -162,6 +203,34 @@ def test_eval_measures_the_held_out_split_and_writes_nothing(tiny_model, tmp_pat
     out = json.loads(capsys.readouterr().out)
     assert out["eval_size"] == 6 and 0 <= out["accuracy"] <= 1
     assert not (tmp_path / "runs").exists()
+
+
+def _adapter(model: str, out, rank: int) -> None:
+    """A peft LoRA adapter of `model` (not minirl's default shape: rank `rank`, q/v only), saved to `out`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(model)
+    get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"])).save_pretrained(
+        out)
+
+
+def test_eval_reads_the_adapters_shape_and_names_a_base_it_does_not_fit(tiny_model, tmp_path, monkeypatch, capsys):
+    """`minirl eval --adapter` of a run trained with lora_rank 4 (not the default 16): evaluated with the adapter's
+    own shape (it was 60 lines of size mismatches); an adapter of another base: one line naming that base."""
+    from minirl.training.models import build_tiny_model
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    _write_run(tmp_path, tiny_model)
+    _adapter(tiny_model, tmp_path / "r4", rank=4)
+    argv = ["eval", "--adapter", "r4", "--backend", "hf", "--data", "my.jsonl", "--rewards", "[myrew:says_yes]",
+            "--max-tokens", "4"]
+    assert main(argv + ["--model", tiny_model]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["adapter"] == "r4"
+    wider = str(build_tiny_model(tmp_path / "wider", hidden=96))
+    assert main(argv + ["--model", wider]) == 2
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.startswith("minirl:")]
+    assert line.startswith(f"minirl: error: --adapter r4 does not fit the model {wider!r} (size mismatch")
+    assert line.endswith(f"it was trained on {tiny_model!r} (its adapter_config.json): give that as --model")
 
 
 def test_bench_trl_overrides_reach_the_benchmark_typed_as_config_flags(monkeypatch):

@@ -140,7 +140,9 @@ def from_yaml(cls, path: str | Path) -> Any:
         raise ConfigError(f"config file {str(p)!r} not found" if not p.exists() else
                           f"config {str(p)!r} is a folder; give a YAML file")
     try:
-        d = yaml.safe_load(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
+        d = yaml.safe_load(text)
+        _check_repeats(p, text)
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); "
                           "save it as UTF-8") from None
@@ -158,6 +160,22 @@ def from_yaml(cls, path: str | Path) -> Any:
         return from_dict(cls, d)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+
+
+def _check_repeats(p: Path, text: str) -> None:
+    """One ConfigError for a field given twice (YAML would keep the last silently: `lr: 1e-4` above, `lr: 1e-3`
+    further down)."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first: dict[str, int] = {}
+    for key, _ in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            line = key.start_mark.line + 1
+            if key.value in first:
+                raise ConfigError(f"{p}:{line}: {key.value!r} is given twice (lines {first[key.value]} and {line}); "
+                                  "keep one: YAML would silently take the last")
+            first[key.value] = line
 
 
 @lru_cache(maxsize=None)

@@ -12,6 +12,10 @@ import json
 import os
 from pathlib import Path
 
+import huggingface_hub.constants as hub_constants
+
+from minirl.core.hub import hub_reachable
+
 FILE_KINDS = ".jsonl, .json, .csv, .parquet"
 HF_PREFIX = "hf:"
 
@@ -39,9 +43,15 @@ def read_jsonl(p: Path) -> tuple[list[dict], list[str]]:
                                  "save the file as UTF-8") from None
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{k}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                    rows.append(json.loads(line.rstrip("\r\n")))  # a cut line: an unterminated string, not a
+                except json.JSONDecodeError as e:  # control character (the newline); "... at" the column
+                    if k == 1 and line.lstrip().startswith("["):  # a JSON array (a .json file) named .jsonl
+                        raise ValueError(f"{p}:1: starts a JSON array, not one JSON object a line; name the file "
+                                         f"{p.with_suffix('.json').name} (a .json file holds a list of objects)"
+                                         ) from None
+                    at = e.msg if e.msg.endswith(" at") else f"{e.msg} at"
+                    raise ValueError(f"{p}:{k}: not valid JSON ({at} column {e.colno}); each line must be one JSON "
+                                     "object") from None
                 names.append(f"{p}:{k}")
                 if not isinstance(rows[-1], dict):
                     raise ValueError(f"{p}:{k}: a JSON {type(rows[-1]).__name__}, not an object; each line must be "
@@ -107,16 +117,23 @@ def load_hf(spec: str, field: str = "data") -> list[dict]:
     """`hf:NAME[:CONFIG][@SPLIT]` through `datasets.load_dataset`; offline, only what the local cache holds."""
     import datasets
     name, config, split = parse_hf(spec, field)
+    # the Hub unreachable: the cache alone, at once (datasets would retry for ~30 s, a log line each time)
+    unreachable = not _offline() and not hub_reachable()
+    saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
     try:
+        if unreachable:
+            datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
         ds = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # noqa: BLE001 - datasets raises many kinds (ConnectionError, FileNotFoundError, ...)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if _offline() or "offline" in first.lower() or isinstance(e, ConnectionError):
+        if unreachable or _offline() or "offline" in first.lower() or isinstance(e, ConnectionError):
             raise ValueError(f"{field} {spec!r}: the dataset {name!r} is not in the local Hugging Face cache and the "
                              "Hub cannot be reached (offline); download it where there is a network, or save it with "
                              "Dataset.save_to_disk and give that folder") from None
         raise ValueError(f"{field} {spec!r}: datasets.load_dataset({name!r}, {config!r}, split={split!r}) failed "
                          f"({type(e).__name__}: {first}); check the name, config and split") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
     return ds.to_list()
 
 

@@ -110,10 +110,20 @@ def import_ref(ref: str, what: str, form: str) -> tuple[str, Any]:
             module = importlib.import_module(mod)
         return attr, getattr(module, attr)
     except (ImportError, AttributeError) as e:
+        if mod.endswith(".py") or "/" in mod:  # a file path ('rewards/my.py:f'), not a module name
+            path = mod.removesuffix(".py")
+            name, where = (path.rsplit("/", 1)[-1], "run from the folder that holds it") if \
+                path.startswith(("/", ".", "~")) else (path.replace("/", "."), "imported from the current folder")
+            raise ValueError(f"{what} {ref!r} cannot be imported: {mod!r} is a file path, not a module name; write "
+                             f"'{name}:{attr}' (a module's dotted name without '.py', {where})") from None
         raise ValueError(f"{what} {ref!r} cannot be imported ({_one_line(e)}); check the {form!r} path") from None
     except Exception as e:  # noqa: BLE001 - the module's own code failed; named, without a traceback
         raise ValueError(f"{what} {ref!r}: importing module {mod!r} raised {type(e).__name__}: {_one_line(e)}; "
                          "fix the module (import it in Python to see the traceback)") from None
+
+
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
 def _one_line(e: BaseException) -> str:
@@ -173,7 +183,12 @@ def resolve_reward(ref: str | Callable) -> tuple[str, Callable]:
     if ref in REGISTRY:
         return ref, REGISTRY[ref]
     if ":" in ref:
-        return import_ref(ref, "reward", "module:function")
+        name, fn = import_ref(ref, "reward", "module:function")
+        if not callable(fn):  # a constant, a list of rewards: it would fail on every sample, after the model loaded
+            raise ValueError(f"reward {ref!r} is {_a(type(fn).__name__)}, not a function; point it at a function "
+                             "f(prompt, completion, **columns) -> float (or TRL's batched f(prompts, completions, "
+                             "**kwargs))")
+        return name, fn
     if "," in ref and all(p.strip() in REGISTRY or ":" in p for p in ref.split(",")):
         names = [p.strip() for p in ref.split(",")]
         raise ValueError(f"reward {ref!r} names {len(names)} rewards in one string: give a list, rewards: {names} "
@@ -212,6 +227,11 @@ def check_data_columns(columns: Sequence[str]) -> list[str]:
     return list(columns) + list(COMPLETION_KEYWORDS)
 
 
+# column names other datasets give the answers (GSM8K's 'answer', MATH's 'solution', TRL examples' 'ground_truth')
+ANSWER_LIKE = ("solution", "solutions", "label", "labels", "target", "ground_truth", "gold", "answers", "output",
+               "expected", "expected_answer", "final_answer", "reference", "result")
+
+
 def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
     """Fail before training when a reward needs a keyword the data does not have (a batched reward also gets
     BATCH_KEYWORDS)."""
@@ -225,6 +245,10 @@ def check_columns(fn: Callable, name: str, columns: Sequence[str]) -> None:
     columns = [*columns, *BATCH_KEYWORDS] if is_batched(fn) else columns
     missing = [n for n in needed if n not in columns]
     if missing:
+        # the answers under another name ('solution', 'label'): answer_column renames that column to 'answer'
+        like = next((c for c in columns if c.lower() in ANSWER_LIKE), None)
+        renames = "" if "answer" not in missing else f"; the answers in {like!r}? set answer_column: {like}" if like \
+            else "; answers in another column? set answer_column to its name"
         raise ValueError(f"reward {name!r} needs column(s) {missing} that the data lacks "
                          f"(columns: {sorted(columns)}); add them to the dataset, give them defaults, or fix them in "
-                         f"`rewards` as {name.partition('(')[0]}({missing[0]}=...)")
+                         f"`rewards` as {name.partition('(')[0]}({missing[0]}=...){renames}")

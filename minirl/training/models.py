@@ -10,15 +10,12 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import tempfile
-import threading
 from functools import lru_cache
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import torch
-from huggingface_hub import constants, errors, hf_hub_download, try_to_load_from_cache
+from huggingface_hub import errors, hf_hub_download, try_to_load_from_cache
 from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
@@ -32,6 +29,7 @@ from transformers import (
 
 from minirl.config import Config, ConfigError
 from minirl.core.adapter import make_contiguous
+from minirl.core.hub import hub_reachable
 from minirl.training.folders import publish_folder
 from minirl.training.shapes.synthetic import synthetic as build
 
@@ -98,30 +96,13 @@ def resolve_model(name: str) -> str:
             raise ValueError(f"model folder {name!r} has no config.json; point `model` at a saved model folder")
         return str(p)
     if name.startswith((".", "/", "~")):
-        raise ValueError(f"model path {name!r} does not exist")
+        raise ValueError(f"model path {name!r} does not exist; point `model` at a folder with config.json and a "
+                         f"tokenizer (relative to the current folder), a Hugging Face id like 'org/name', or "
+                         f"'{EMBEDDED}'")
     if "/" not in name:
         raise ValueError(f"unknown model {name!r}: use '{EMBEDDED}', a Hugging Face id like 'org/name', "
                          "or a local folder")
     return _hub_model(name)
-
-
-def _hub_reachable(timeout_s: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers a TCP connect within `timeout_s` (name lookup included: it runs in a
-    thread of its own, since `getaddrinfo` has no timeout of its own)."""
-    url = urlsplit(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
-    ok: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                     timeout_s).close()
-            ok.append(True)
-        except OSError:
-            pass
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join(timeout_s + 0.5)
-    return bool(ok)
 
 
 @lru_cache(maxsize=None)
@@ -129,7 +110,7 @@ def _hub_model(name: str) -> str:
     """A Hugging Face id, found within seconds or one clear error (once per process). Offline (HF_HUB_OFFLINE, or the Hub unreachable)
     the cached snapshot folder is used, and offline mode is set so that processes started later (a generator) do not
     wait on the network either; online, the id must exist on the Hub."""
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or not _hub_reachable()
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes") or not hub_reachable()
     if offline:
         cached = try_to_load_from_cache(name, "config.json")
         if isinstance(cached, str):
