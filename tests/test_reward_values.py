@@ -154,3 +154,75 @@ def test_a_worker_reply_is_bounded_in_bytes_and_objects_and_checked_by_type():
                 "reply of 1099511627776 bytes is over the 65536-byte limit" if name == "huge" else
                 "return value cannot come back from the worker ("), (name, out.error)
             assert [(o.value, o.error) for o in rw.call_many([RewardCall("ok", "p", "c")])] == [(1.0, None)], name
+
+
+def test_torch_scalars_and_tensors_are_numbers_as_trl_takes_them_in_process_and_from_workers():
+    """A 0-d tensor of a real dtype is a number (per sample, and as a batched entry); a batched reward may return a
+    1-d tensor (TRL: torch.tensor(rewards)). A bool, complex or 1-element 1-d tensor is refused as before, by its
+    type, and a 1-d tensor of the wrong length is a wrong length."""
+    import torch
+    values = {"f32": lambda: torch.tensor(0.5), "i64": lambda: torch.tensor(2), "f16": lambda: torch.tensor(
+        0.25, dtype=torch.float16), "grad": lambda: torch.tensor(1.5, requires_grad=True) * 1,
+        "bool": lambda: torch.tensor(True), "cplx": lambda: torch.tensor(1j), "1d": lambda: torch.tensor([0.5])}
+
+    def tensor(prompts, completions, **kwargs):
+        return torch.tensor([float(len(c)) for c in completions])
+
+    def entries(prompts, completions, **kwargs):
+        return [torch.tensor(1.0)] + [None] * (len(completions) - 1)
+
+    def short(prompts, completions, **kwargs):
+        return torch.tensor([1.0])
+
+    for workers in (0, 1):
+        g = _score(values, workers=workers)
+        assert g.rewards == (0.5, 2.0, 0.25, 1.5, None, None, None), workers
+        assert all(type(v) is float for v in g.rewards if v is not None)
+        assert [f.reason for f in g.failures] == ["returned Tensor (not shown), expected a float or None"] * 3
+        scorer = Scorer([("tensor", tensor), ("entries", entries), ("short", short)], [1.0, 1.0, 0.0], timeout_s=5.0,
+                        workers=workers)
+        try:
+            g = scorer.score_group(_group(["a", "bb"]))
+        finally:
+            scorer.close()
+        assert g.per_reward == {"tensor": (1.0, 2.0), "entries": (1.0, None), "short": (None, None)}, workers
+        assert g.rewards == (2.0, 2.0)  # entries' None: TRL's nansum; `short` is a check (weight 0)
+        assert [f.reason for f in g.failures] == ["wrong length: returned 1 values for 2 completions; a batched "
+                                                  "reward gives one value (or None) per completion, in order"] * 2
+
+
+def test_a_reward_that_edits_its_inputs_changes_nothing_another_reward_or_the_data_sees():
+    """In-process as in a worker: a per-sample reward appending to a list column, and a batched one editing its
+    lists (a column's entries, the completions), each get their own copy; the reward scored after them, the next
+    sample and the group's columns see the data as it was."""
+    def edits(prompt, completion, tests, meta, **_):
+        tests.append("assert False")
+        meta["seen"] = meta.get("seen", 0) + 1
+        return 1.0
+
+    def edits_batched(prompts, completions, tests, **kwargs):
+        tests[0].clear()
+        completions.append("extra")
+        completions[0] = "changed"
+        return [0.0] * (len(completions) - 1)
+
+    def reads(prompt, completion, tests, meta, **_):
+        return float(len(tests) + 10 * len(meta))
+
+    def reads_batched(prompts, completions, tests, **kwargs):
+        return [float(len(completions) + 10 * len(t)) + (c == "changed") for c, t in zip(completions, tests)]
+
+    columns = {"tests": ["assert f(1) == 1"], "meta": {}}
+    for workers in (0, 1):
+        scorer = Scorer([("edits", edits), ("edits_batched", edits_batched), ("reads", reads),
+                         ("reads_batched", reads_batched)], [1.0] * 4, timeout_s=5.0, workers=workers)
+        group = Group(Prompt(0, (1, 2), "q", columns), tuple(Completion((5,), (-1.0,), (0,), t, "stop")
+                                                               for t in ("a", "b")))
+        try:
+            g = scorer.score_group(group)
+        finally:
+            scorer.close()
+        assert g.failures == () and g.per_reward["edits"] == (1.0, 1.0), workers
+        assert g.per_reward["reads"] == (1.0, 1.0) and g.per_reward["reads_batched"] == (12.0, 12.0), workers
+        assert columns == {"tests": ["assert f(1) == 1"], "meta": {}}
+        assert [c.text for c in g.group.completions] == ["a", "b"]

@@ -98,9 +98,10 @@ def run_batched(fn: Callable, prompts: list, completions: list, kwargs: dict,
 
 
 def batch_values(value: Any, n: int) -> tuple[list | None, list | str]:
-    """What a batched reward returned, as `run_batched` gives it: a list (a tuple, a 1-d numpy array) of `n`
-    numbers or None, each entry taken by `number`; anything else one reason for the whole call."""
-    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 1:
+    """What a batched reward returned, as `run_batched` gives it: a list (a tuple, a 1-d numpy array or torch tensor,
+    as TRL takes them) of `n` numbers or None, each entry taken by `number`; anything else one reason for the whole
+    call."""
+    if _library(value) in ("numpy", "torch") and getattr(value, "ndim", None) == 1:
         value = value.tolist()
     if not isinstance(value, (list, tuple)):
         return None, (f"returned {shown(value)}, expected a list of {n} floats or None "
@@ -128,8 +129,9 @@ def call_batched(fn: Callable, prompts: list, completions: list, kwargs: dict) -
 
 
 def number(v: Any) -> tuple[float | None, str | None]:
-    """(float(v), None); (None, None) for None (a skip); (None, why) for a value that is not an int, float or numpy
-    number, or that float() cannot take. An exception given as a value (a batched reward's entry: `judge`'s
+    """(float(v), None); (None, None) for None (a skip); (None, why) for a value that is not an int, float, numpy
+    number or 0-d torch tensor of a real dtype (TRL takes a tensor: torch.tensor(rewards)), or that float() cannot
+    take. An exception given as a value (a batched reward's entry: `judge`'s
     unreadable reply) is that sample's failure, its reason as if raised. A value's own methods can run here (a
     subclass's __float__, __class__ in isinstance) but never its __repr__; on an exact float or None no code of the
     value's runs."""
@@ -139,7 +141,9 @@ def number(v: Any) -> tuple[float | None, str | None]:
         return None, reason(v)
     try:
         if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
-            return None, f"returned {shown(v)}, expected a float or None"
+            if not _is_torch_number(v):
+                return None, f"returned {shown(v)}, expected a float or None"
+            v = v.detach()  # a loss-like value with requires_grad: the same number, without torch's warning
         return float(v), None
     except Exception as e:  # noqa: BLE001 - whatever a value's own methods raise, it is this call's failure
         return None, f"returned {shown(v)}, which float() cannot take ({reason(e)})"
@@ -167,8 +171,21 @@ def shown(v: Any) -> str:
     return f"{t.__name__:.40} {text:.40}"
 
 
+def _library(v: Any) -> str:
+    """The top package of a value's type ('numpy', 'torch', 'builtins'): no code of the value's runs."""
+    module = type(v).__module__
+    return module.partition(".")[0] if type(module) is str else ""
+
+
 def _is_numpy_number(v: Any) -> bool:
-    return type(v).__module__ == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
+    return _library(v) == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
+
+
+def _is_torch_number(v: Any) -> bool:
+    """A 0-d torch tensor of a real dtype (floating or integer; not bool or complex, as numpy's), by duck typing:
+    a worker never imports torch for this. On the GPU too (float() copies it back)."""
+    return _library(v) == "torch" and getattr(v, "ndim", None) == 0 and hasattr(v, "dtype") and \
+        (v.dtype.is_floating_point or not v.dtype.is_complex and str(v.dtype) != "torch.bool")
 
 
 def reply(value: float | list | None, error: str | list | None) -> bytes:

@@ -14,9 +14,9 @@ wrong in a call becomes its `RewardOutcome.error`, one line, and the pool goes o
   printed more than N bytes", its worker killed at once. A failure rather than a truncation: a reward printing
   that much is looping or dumping, and stopping it then bounds its time and what the trainer reads. Below the
   cap, what a call printed comes back in `RewardOutcome.output`;
-- it returns something that is not a number (int, float, numpy number) or None, or that float() cannot take:
-  "returned list of 2 items, expected a float or None". The conversion runs where the call ran (its worker, or
-  its thread in-process), so a value whose `__float__` hangs is a timeout like a hung call;
+- it returns something that is not a number (int, float, numpy number, 0-d torch tensor) or None, or that
+  float() cannot take: "returned list of 2 items, expected a float or None". The conversion runs where the call
+  ran (its worker, or its thread in-process), so a value whose `__float__` hangs is a timeout like a hung call;
 - its worker sends a reply that is not one: over MAX_REPLY_BYTES, or not JSON `[float or null, str or null]` (a
   reward can write to its worker's socket): "return value cannot come back from the worker (...)"; its worker is
   replaced. JSON has no shared references and builds only builtin objects, so a reply of n bytes makes at most n
@@ -38,13 +38,14 @@ counts what the reward allocates, not address space merely reserved (thread stac
 initialised).
 
 `workers=0` runs each call in-process in its own daemon thread, one call after another, with the same per-call
-timeout and the same outcomes for raised errors: the opt-in for pure, cheap rewards. It cannot stop a call that
-hangs (the thread is abandoned, still running), survive `os._exit` or a segfault, cap memory, or capture prints
-(`output` is None).
+timeout and the same outcomes for raised errors, each on its own (deep) copy of its arguments as in a worker: the
+opt-in for pure, cheap rewards. It cannot stop a call that hangs (the thread is abandoned, still running), survive
+`os._exit` or a segfault, cap memory, or capture prints (`output` is None).
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import json
 import math
 import os
@@ -184,8 +185,15 @@ class RewardWorkers:
     def _call_here(self, call: RewardCall) -> RewardOutcome:
         done: cf.Future = cf.Future()
         fn = self._fns[call.reward]
-        run = (lambda: run_batched(fn, call.prompt, call.completion, dict(call.columns), call.batch)) if call.batch \
-            else (lambda: run_call(fn, call.prompt, call.completion, dict(call.columns)))
+
+        def run() -> tuple[Any, Any]:
+            # its own copy of what it is given, as a worker's call gets from the pickle (and under its timeout): a
+            # reward that edits a column (appends to a list of tests) changes neither the data nor what the next
+            # reward or sample is given
+            prompt, completion, columns = _own_copy((call.prompt, call.completion, dict(call.columns)))
+            if call.batch:
+                return run_batched(fn, prompt, completion, columns, call.batch)
+            return run_call(fn, prompt, completion, columns)
         threading.Thread(target=lambda: done.set_result(run()), daemon=True, name="minirl-reward").start()
         try:
             value, error = done.result(timeout=self.timeout_s)
@@ -331,6 +339,14 @@ def _kill(w: _Worker) -> None:
     w.proc.wait()
     w.sock.close()
     w.proc.stdout.close()
+
+
+def _own_copy(x: Any) -> Any:
+    """A deep copy of a call's arguments; `x` itself where some column cannot be copied (it is the reward's then)."""
+    try:
+        return copy.deepcopy(x)
+    except Exception:  # noqa: BLE001 - an object deepcopy cannot take: the call goes on with the shared one
+        return x
 
 
 def _shutdown(workers: list[_Worker], spawner: cf.ThreadPoolExecutor) -> None:
