@@ -324,3 +324,42 @@ def test_minirl_train_with_trls_quickstart_reward_from_yaml(tiny_model, tmp_path
     steps = [e for e in read_log(tmp_path / "runs/trl") if e["event"] == "step"]
     assert len(steps) == 2 and all(e["reward/failures"] == 0 for e in steps)
     assert all(-20.0 <= e["reward/reward_len"] < 0 for e in steps)
+
+
+def test_check_takes_a_value_as_the_scorer_does():
+    """`check` says what a run would record: a numpy number, a 0-d tensor, an async reward's awaited value are
+    numbers (they failed every case); a value the scorer fails (1e30 beyond reward_clip, NaN) fails the case even
+    where `expect` would take it; SystemExit and a predicate raising on a skip are the case's failure, not a
+    traceback out of check."""
+    import numpy as np
+    import torch
+
+    async def judged(prompt, completion, **_):
+        return 1.0
+
+    async def judged_batched(prompts, completions, **kwargs):
+        return [0.5 for _ in completions]
+
+    def tensor_batched(prompts, completions, **kwargs):
+        return torch.tensor([0.25 for _ in completions])
+
+    def nan_batched(prompts, completions, **kwargs):
+        return [float("nan")]
+
+    def quits(prompt, completion, **_):
+        raise SystemExit(1)
+
+    for fn, want in ((lambda p, c, **_: np.int64(1), 1.0), (lambda p, c, **_: np.float32(0.5), 0.5),
+                     (lambda p, c, **_: torch.tensor(0.5), 0.5), (judged, 1.0), (judged_batched, 0.5),
+                     (tensor_batched, 0.25)):
+        minirl.check(fn, [("a", want)]).assert_ok()
+    why = lambda fn, expect: minirl.check(fn, [dict(completion="a", expect=expect)]).failures[0]["why"]  # noqa: E731
+    assert why(lambda p, c, **_: 1e30, 1e30) == "returned 1e+30, beyond reward_clip=1e+06"
+    assert why(lambda p, c, **_: float("nan"), lambda v: True) == "returned non-finite nan"
+    assert why(nan_batched, lambda v: True) == "returned non-finite nan"
+    assert why(quits, 1.0) == "raised SystemExit(1)"
+    assert why(lambda p, c, **_: None, lambda v: v > 0.5) == ("predicate raised TypeError: '>' not supported between "
+                                                              "instances of 'NoneType' and 'float' (the reward "
+                                                              "returned None: a skip)")
+    assert why(lambda p, c, **_: None, 1.0) == "returned None (a skip), expected a number"
+    assert why(lambda p, c, **_: "1.0", 1.0) == "returned str '1.0', expected a float or None"

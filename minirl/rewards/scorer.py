@@ -89,17 +89,8 @@ class Scorer:
             self._pool = None
 
     def check_value(self, v: Any) -> tuple[float | None, str | None]:
-        """(value, None) for a usable reward value or an explicit skip (None); (None, reason) otherwise, also for a
-        value that float() cannot take (10**400): never an exception. The pool's values are floats already
-        (`worker_main.number` ran under the call's timeout), so no code of a returned value runs here."""
-        v, why = number(v)
-        if v is None:
-            return None, why
-        if not math.isfinite(v):
-            return None, f"returned non-finite {v}"
-        if abs(v) > self.reward_clip:
-            return None, f"returned {v:.3g}, beyond reward_clip={self.reward_clip:g}"
-        return v, None
+        """`check_value` with this scorer's reward_clip."""
+        return check_value(v, self.reward_clip)
 
     def watch(self, scored: Sequence[ScoredGroup]) -> None:
         """Called by a run after each step: raises RewardsFailing once a weighted reward has failed every call for
@@ -162,6 +153,20 @@ class Scorer:
             totals.append(None if skipped or any(v is None for v, _ in vals) else sum(v * w for v, w in vals))
         return ScoredGroup(group, tuple(totals), {n: tuple(v) for n, v in per.items()}, (), tuple(failures),
                            dict(self.versions), {n: weights[n] for n in per})
+
+
+def check_value(v: Any, reward_clip: float = 1e6) -> tuple[float | None, str | None]:
+    """(value, None) for a usable reward value or an explicit skip (None); (None, reason) otherwise, also for a
+    value that float() cannot take (10**400): never an exception. The pool's values are floats already
+    (`worker_main.number` ran under the call's timeout), so no code of a returned value runs here."""
+    v, why = number(v)
+    if v is None:
+        return None, why
+    if not math.isfinite(v):
+        return None, f"returned non-finite {v}"
+    if abs(v) > reward_clip:
+        return None, f"returned {v:.3g}, beyond reward_clip={reward_clip:g}"
+    return v, None
 
 
 def _columns(columns: dict, completion, takes: set[str] | None = None) -> dict:

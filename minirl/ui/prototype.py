@@ -10,8 +10,12 @@ Tables are lists of dicts with an HTML view for notebooks (no pandas needed; `pa
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
 import html
+import inspect
 import math
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -27,7 +31,8 @@ from minirl.generation.hf import HFGenerator
 from minirl.rewards import Scorer, check_columns, check_data_columns, resolve_reward, source_hash
 from minirl.rewards.advantages import step_advantages
 from minirl.rewards.registry import accepted_keywords, reward_form
-from minirl.rewards.worker_main import batch_values, call_batched
+from minirl.rewards.scorer import check_value
+from minirl.rewards.worker_main import batch_values, call_batched, number, reason
 from minirl.training.models import load_tokenizer, resolve_model
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
@@ -123,8 +128,11 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
 
     A case is a dict: `completion`, `expect` (a number, `None` for "should skip", or a callable predicate on the
     score), optional `prompt`, and any dataset columns the reward needs (`answer=12`). A tuple
-    `(completion, expect)` or `(completion, expect, columns)` works too. A case whose call raises fails with the
-    exception as its reason. `strict=True` raises AssertionError when any case fails.
+    `(completion, expect)` or `(completion, expect, columns)` works too. The value is taken as a run's scorer takes
+    it: an async reward is awaited, a numpy number or 0-d tensor is a number, and a case whose call raises (its
+    reason "raised ...") or whose value the scorer would record as a failure (NaN, inf, beyond reward_clip's
+    default 1e6, a non-number) fails with that reason, whatever `expect` says; so does a predicate that raises.
+    `strict=True` raises AssertionError when any case fails.
 
     A batched (TRL-style) reward is called once per case, on lists of one: `prompts=[prompt]`,
     `completions=[completion]`, each column as `[value]`, `completion_ids=[[]]` (a written case has no tokens) and a
@@ -144,26 +152,24 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
             completion = cols.pop("completion")
             expect = cols.pop("expect")
             prompt = cols.pop("prompt", "")
-        try:
-            got, err = (_batched_case(fn, prompt, completion, cols, conversational) if batched else
-                        (fn(prompt, completion, **cols), None))
-        except Exception as e:  # noqa: BLE001 - reported as the case's failure
-            got, err = None, f"raised {type(e).__name__}: {e}"
+        got, err = _case_value(fn, batched, prompt, completion, cols, conversational)
         if not (expect is None or callable(expect) or isinstance(expect, (int, float))):
             ok, why = False, (f"expect is {type(expect).__name__} {expect!r}: give a number, None (a skip) or a "
                               "predicate (a tuple case is (completion, expect[, columns]))")
         elif err:
             ok, why = False, err
         elif callable(expect):
-            ok = bool(expect(got))
-            why = "" if ok else "predicate is false"
+            try:
+                ok = bool(expect(got))
+                why = "" if ok else "predicate is false"
+            except Exception as e:  # noqa: BLE001 - `lambda v: v > 0.5` on a skip: the case's failure, not a raise
+                ok, why = False, f"predicate raised {reason(e)}" + (" (the reward returned None: a skip)"
+                                                                    if got is None else "")
         elif expect is None:
             ok = got is None
             why = "" if ok else "expected a skip (None)"
-        elif isinstance(got, bool) or not isinstance(got, (int, float)):
-            ok, why = False, f"returned {type(got).__name__}, expected a number"
-        elif not math.isfinite(got):
-            ok, why = False, "returned a non-finite number"
+        elif got is None:
+            ok, why = False, "returned None (a skip), expected a number"
         else:
             ok = abs(got - expect) <= tol
             why = "" if ok else f"off by {got - expect:+.3g}"
@@ -176,16 +182,48 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
     return rep
 
 
-def _batched_case(fn: Callable, prompt: Any, completion: Any, cols: dict, conversational: bool) -> tuple[Any, Any]:
-    """(value, None) or (None, why) of a batched reward on one case (a batch of one)."""
+def _case_value(fn: Callable, batched: bool, prompt: Any, completion: Any, cols: dict,
+                conversational: bool) -> tuple[float | None, str | None]:
+    """(value, None) or (None, why) of one case, as a run's scorer records it: the call in a thread of its own (an
+    async reward awaited there, beside a notebook's running event loop), its value taken as the scorer takes it
+    (a numpy number or 0-d tensor is a number; NaN, inf, a value beyond the default reward_clip or a non-number is
+    a failure with its reason); whatever it raises, SystemExit included, is "raised ..."."""
+    done: cf.Future = cf.Future()
+
+    def call() -> None:
+        try:
+            got = _batched_call(fn, prompt, completion, cols, conversational) if batched else \
+                fn(prompt, completion, **cols)
+            if inspect.isawaitable(got):
+                got = asyncio.run(_awaited(got))
+        except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a reward's failures too
+            return done.set_result((None, f"raised {reason(e)}"))
+        try:
+            if batched:
+                values, why = batch_values(got, 1)
+                done.set_result((None, why) if values is None else (values[0], why[0]))
+            else:
+                done.set_result(number(got))
+        except BaseException as e:  # noqa: BLE001 - never a result left unset
+            done.set_result((None, reason(e)))
+    threading.Thread(target=call, daemon=True, name="minirl-check").start()
+    value, why = done.result()
+    return (None, why) if why is not None else check_value(value)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _batched_call(fn: Callable, prompt: Any, completion: Any, cols: dict, conversational: bool) -> Any:
+    """What a batched reward returns on one case (a batch of one)."""
     if conversational or isinstance(prompt, list) or isinstance(completion, list):
         prompt = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}] if prompt else []
         completion = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
     takes = accepted_keywords(fn)
     extra = {"completion_ids": [[]], "trainer_state": SimpleNamespace(global_step=0)}
     kw = {**{k: [v] for k, v in cols.items()}, **{k: v for k, v in extra.items() if takes is None or k in takes}}
-    values, why = batch_values(call_batched(fn, [prompt], [completion], kw), 1)
-    return (None, why) if values is None else (values[0], why[0])
+    return call_batched(fn, [prompt], [completion], kw)
 
 
 # --- preview: score the current model's samples -------------------------------------------------------------
