@@ -150,6 +150,29 @@ def test_a_reward_failing_every_call_for_three_steps_stops_with_the_cause_and_th
                             "it weight 0")
 
 
+def forgot_return(prompt, completion):  # a module-level function: reward workers import it by name
+    0.5 if "2" in completion else 0.0
+
+
+def test_a_reward_that_returns_none_for_every_sample_stops_the_run_naming_it(toy_cfg):
+    """None means "skip this sample"; a reward that forgot its `return` skips every sample, and nothing failed, so
+    the failing rule above never fires: without this the run went on for all its steps training on nothing."""
+    scorer = Scorer([("mine", len), ("logged", len)], [1.0, 0.0])
+    skipped = ScoredGroup(_group(["x"] * 4), (None,) * 4, {"mine": (None,) * 4})
+    scorer.watch([skipped, skipped])
+    scorer.watch([skipped, ScoredGroup(_group(["x"] * 4), (None, 1.0, None, None), {})])  # one value: count restarts
+    for _ in range(2):
+        scorer.watch([skipped])
+    with pytest.raises(RewardsFailing, match=r"^every sample of 3 steps in a row was skipped: reward 'mine' returned "
+                       r"None .*a missing `return`\?"):
+        scorer.watch([skipped])
+
+    run = Run(toy_cfg.replace(steps=5, eval_size=0), data=TOY_ROWS[:24], rewards=[forgot_return])
+    with pytest.raises(RewardsFailing, match="reward 'forgot_return' returned None"):
+        run.run()
+    assert len(run.history) == 2  # steps 0 and 1 ran on nothing; the third stopped the run
+
+
 def test_a_code_reward_run_where_no_sandbox_works_stops_naming_how_to_get_one(toy_cfg, monkeypatch):
     from minirl.rewards.sandbox import process
     monkeypatch.setattr(process, "_probe", lambda: ("none", "none", "unshare: Operation not permitted"))

@@ -110,14 +110,15 @@ def test_in_a_worker_a_hanging_conversion_is_a_timeout_and_the_worker_is_replace
     assert g.rewards == (None, 1.0) and [f.reason for f in g.failures] == ["timeout after 1.0s"]
 
 
-def test_numpy_scalars_are_numbers_in_process_and_from_workers():
+def test_numpy_scalars_and_bools_are_numbers_in_process_and_from_workers():
+    """TRL turns its rewards into a float32 tensor, so a reward returning `answer in completion` (a bool) means 1.0
+    or 0.0 there; so it does here, for Python's and numpy's bools alike."""
     values = {"f32": lambda: np.float32(0.5), "f64": lambda: np.float64(0.25), "i64": lambda: np.int64(2),
-              "bool": lambda: np.bool_(True)}
+              "bool": lambda: np.bool_(True), "pybool": lambda: False}
     for workers in (0, 2):
         g = _score(values, workers=workers)
-        assert g.rewards == (0.5, 0.25, 2.0, None), workers
-        assert [v for v in g.per_reward["r"] if type(v) is float] == [0.5, 0.25, 2.0]
-        assert [f.reason for f in g.failures] == ["returned bool (not shown), expected a float or None"]
+        assert g.rewards == (0.5, 0.25, 2.0, 1.0, 0.0), workers
+        assert all(type(v) is float for v in g.per_reward["r"]) and not g.failures
 
 
 def _nested_set_bomb() -> bytes:
@@ -158,8 +159,8 @@ def test_a_worker_reply_is_bounded_in_bytes_and_objects_and_checked_by_type():
 
 def test_torch_scalars_and_tensors_are_numbers_as_trl_takes_them_in_process_and_from_workers():
     """A 0-d tensor of a real dtype is a number (per sample, and as a batched entry); a batched reward may return a
-    1-d tensor (TRL: torch.tensor(rewards)). A bool, complex or 1-element 1-d tensor is refused as before, by its
-    type, and a 1-d tensor of the wrong length is a wrong length."""
+    1-d tensor (TRL: torch.tensor(rewards)); a 0-d bool tensor is 1.0 / 0.0. A complex or 1-element 1-d tensor is
+    refused, by its type, and a 1-d tensor of the wrong length is a wrong length."""
     import torch
     values = {"f32": lambda: torch.tensor(0.5), "i64": lambda: torch.tensor(2), "f16": lambda: torch.tensor(
         0.25, dtype=torch.float16), "grad": lambda: torch.tensor(1.5, requires_grad=True) * 1,
@@ -176,9 +177,9 @@ def test_torch_scalars_and_tensors_are_numbers_as_trl_takes_them_in_process_and_
 
     for workers in (0, 1):
         g = _score(values, workers=workers)
-        assert g.rewards == (0.5, 2.0, 0.25, 1.5, None, None, None), workers
+        assert g.rewards == (0.5, 2.0, 0.25, 1.5, 1.0, None, None), workers
         assert all(type(v) is float for v in g.rewards if v is not None)
-        assert [f.reason for f in g.failures] == ["returned Tensor (not shown), expected a float or None"] * 3
+        assert [f.reason for f in g.failures] == ["returned Tensor (not shown), expected a float or None"] * 2
         scorer = Scorer([("tensor", tensor), ("entries", entries), ("short", short)], [1.0, 1.0, 0.0], timeout_s=5.0,
                         workers=workers)
         try:

@@ -45,6 +45,7 @@ class Scorer:
     stop_after_failing_steps: int = 3  # a weighted reward failing every call this many steps in a row stops a run
     _pool: RewardWorkers | None = field(default=None, init=False, repr=False)
     _failing_steps: Counter = field(default_factory=Counter, init=False, repr=False)
+    _skipping_steps: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.versions = {n: source_hash(f) for n, f in self.rewards}
@@ -104,6 +105,16 @@ class Scorer:
             self._failing_steps[name] = self._failing_steps[name] + 1 if len(reasons) == calls else 0
             if self._failing_steps[name] >= self.stop_after_failing_steps:
                 raise RewardsFailing(_stop_line(name, self._failing_steps[name], reasons[-1]))
+        # every sample skipped (None from every reward), nothing failed: a reward that forgot its `return`
+        if calls:
+            skipped = all(v is None for g in scored for v in g.rewards) and not any(g.failures for g in scored)
+            self._skipping_steps = self._skipping_steps + 1 if skipped else 0
+            if self._skipping_steps >= self.stop_after_failing_steps:
+                names = [n for (n, _), w in zip(self.rewards, self.weights) if w]
+                raise RewardsFailing(
+                    f"every sample of {self._skipping_steps} steps in a row was skipped: {_names(names)} returned "
+                    "None (None means 'skip this sample') for all of them, so the run trains on nothing; stopping "
+                    "the run: return a number (a missing `return`? try the reward on samples with minirl.check)")
 
     def score_group(self, group: Group, names: Sequence[str] | None = None) -> ScoredGroup:
         """Every reward (or only `names`) on every completion of `group`."""
@@ -206,6 +217,10 @@ ALL_CHECKS = ("reward_weights are all 0: every reward is a check (logged, never 
 
 class RewardsFailing(RuntimeError):
     """A weighted reward failed every call for several steps in a row; the message says which, why, and the fix."""
+
+
+def _names(names: Sequence[str]) -> str:
+    return f"reward {names[0]!r}" if len(names) == 1 else "rewards " + ", ".join(map(repr, names))
 
 
 def _stop_line(name: str, steps: int, last: str) -> str:

@@ -129,18 +129,18 @@ def call_batched(fn: Callable, prompts: list, completions: list, kwargs: dict) -
 
 
 def number(v: Any) -> tuple[float | None, str | None]:
-    """(float(v), None); (None, None) for None (a skip); (None, why) for a value that is not an int, float, numpy
-    number or 0-d torch tensor of a real dtype (TRL takes a tensor: torch.tensor(rewards)), or that float() cannot
-    take. An exception given as a value (a batched reward's entry: `judge`'s
-    unreadable reply) is that sample's failure, its reason as if raised. A value's own methods can run here (a
-    subclass's __float__, __class__ in isinstance) but never its __repr__; on an exact float or None no code of the
-    value's runs."""
+    """(float(v), None); (None, None) for None (a skip); (None, why) for a value that is not an int, float, bool
+    (1.0 / 0.0, as TRL's float32 tensor of the rewards takes it), numpy number or 0-d torch tensor of a real or bool
+    dtype (TRL takes a tensor: torch.tensor(rewards)), or that float() cannot take. An exception given as a value
+    (a batched reward's entry: `judge`'s unreadable reply) is that sample's failure, its reason as if raised. A
+    value's own methods can run here (a subclass's __float__, __class__ in isinstance) but never its __repr__; on an
+    exact float or None no code of the value's runs."""
     if v is None:
         return None, None
     if isinstance(v, BaseException):
         return None, reason(v)
     try:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) and not _is_numpy_number(v):
+        if not isinstance(v, (int, float)) and not _is_numpy_number(v):
             if not _is_torch_number(v):
                 return None, f"returned {shown(v)}, expected a float or None"
             v = v.detach()  # a loss-like value with requires_grad: the same number, without torch's warning
@@ -178,14 +178,14 @@ def _library(v: Any) -> str:
 
 
 def _is_numpy_number(v: Any) -> bool:
-    return _library(v) == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "iuf" and v.ndim == 0
+    return _library(v) == "numpy" and hasattr(v, "dtype") and v.dtype.kind in "biuf" and v.ndim == 0
 
 
 def _is_torch_number(v: Any) -> bool:
-    """A 0-d torch tensor of a real dtype (floating or integer; not bool or complex, as numpy's), by duck typing:
-    a worker never imports torch for this. On the GPU too (float() copies it back)."""
+    """A 0-d torch tensor of a real or bool dtype (not complex, as numpy's), by duck typing: a worker never imports
+    torch for this. On the GPU too (float() copies it back)."""
     return _library(v) == "torch" and getattr(v, "ndim", None) == 0 and hasattr(v, "dtype") and \
-        (v.dtype.is_floating_point or not v.dtype.is_complex and str(v.dtype) != "torch.bool")
+        not v.dtype.is_complex
 
 
 def reply(value: float | list | None, error: str | list | None) -> bytes:
