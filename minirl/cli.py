@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -124,6 +125,16 @@ def _render(out) -> None:
 
 def _why(stop: KeyboardInterrupt) -> str:
     return "SIGTERM" if isinstance(stop, Terminated) else "Ctrl-C"
+
+
+def _flags(overrides: dict) -> str:
+    """The config flags a command was given, as they are typed again (the hint after a stop names them: without
+    `--steps 40` or `--out-dir B`, `--resume` would refuse, or continue the run in the YAML's out_dir)."""
+    out = []
+    for name, v in overrides.items():
+        text = v if isinstance(v, str) and _parse_value(v) == v else json.dumps(v)
+        out.append(f" --{name.replace('_', '-')} {shlex.quote(text)}")
+    return "".join(out)
 
 
 def _run(cfg: Config, resume: bool, overwrite: bool, again: str) -> dict:
@@ -338,12 +349,12 @@ def _command(args: argparse.Namespace) -> int:
         task = {} if args.task == "arithmetic" else {"env": args.task, **TASKS[args.task].demo}  # env tasks
         cfg = Config(**{**DEMO, **task, **overrides_from_args(args), **({"out_dir": args.out} if args.out else {})})
         again = "minirl demo" + (f" --task {args.task}" if args.task != "arithmetic" else "") \
-            + (f" --out {args.out}" if args.out else "")
+            + (f" --out {args.out}" if args.out else "") + _flags(overrides_from_args(args))
         _run(cfg, args.resume, args.overwrite, again)
     elif args.cmd == "train":
         cfg = Config.from_yaml(args.config)
         cfg = cfg.replace(**overrides_from_args(args))  # the file's fields and the flags win over loss_type
-        _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}")
+        _run(cfg, args.resume, args.overwrite, f"minirl train {args.config}{_flags(overrides_from_args(args))}")
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
     elif args.cmd == "plan":

@@ -239,3 +239,25 @@ def test_bench_trl_overrides_reach_the_benchmark_typed_as_config_flags(monkeypat
     monkeypatch.setattr("minirl.cli.bench", lambda what, out, **kw: seen.update(kw) or {})
     assert main(["bench", "trl", "--minirl-overrides", "lr=1e-3,train_zero_adv=true"]) == 0
     assert seen["minirl_overrides"] == {"lr": 1e-3, "train_zero_adv": True}
+
+
+def test_the_hint_after_a_stop_repeats_the_flags_the_run_was_given(tmp_path, monkeypatch, capsys):
+    """`minirl train my.yaml --resume --steps 40 --out-dir B`, stopped: the hint is that command with --resume. It
+    said `minirl train my.yaml --resume`, which refuses a finished run extended to 40 steps ('already trained its
+    30 steps') and continues the YAML's out_dir, not B."""
+    class Stopped:
+        def __init__(self, cfg, **_):
+            self.cfg = cfg
+
+        def setup(self):
+            raise KeyboardInterrupt
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # main() puts the current directory on it
+    monkeypatch.setattr("minirl.cli.Run", Stopped)
+    (tmp_path / "my.yaml").write_text("steps: 30\nout_dir: runs/a\n")
+    assert main(["train", "my.yaml", "--resume", "--steps", "40", "--out-dir", "runs/b", "--stop", "[a b]"]) == 130
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    again = "minirl train my.yaml --stop '[\"a b\"]' --steps 40 --out-dir runs/b --resume"  # in the Config's order
+    assert line == f"minirl: stopped during set-up (Ctrl-C); nothing was written: run `{again}` again"
+    assert main(["demo", "--out", "runs/d", "--lr", "1e-05"]) == 130
+    assert "run `minirl demo --out runs/d --lr 1e-05` again" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from conftest import TOY_ROWS
 
 from minirl import Config, Run
 from minirl.cli import main
+from minirl.run.export import export_merged
 
 PROMPTS = ["What is 1 + 2 ?", "What is 7 + 5 ? Answer", "yes no the a b"]
 
@@ -70,6 +71,18 @@ def test_cli_export_and_its_one_line_errors(trained, tmp_path, capsys):
     assert main(["export", str(tmp_path), "--merged", str(tmp_path / "n")]) == 2
     assert "is not a minirl run folder (no config.yaml)" in capsys.readouterr().err
     assert not (tmp_path / "n").exists()
+
+
+def test_the_merged_folder_gets_the_usual_permissions(trained, tmp_path):
+    """As a run's adapter: the folder and every file readable as a new one of this user's is (the umask's), not
+    private (mkdtemp's 0700 folder, safetensors' 0600 weights), so a server run by another user can load it."""
+    _, out = trained
+    merged = Path(export_merged(out, tmp_path / "m")["merged"])
+    (tmp_path / "new_dir").mkdir()
+    (tmp_path / "new_file").touch()
+    folder, file = (tmp_path / "new_dir").stat().st_mode & 0o777, (tmp_path / "new_file").stat().st_mode & 0o777
+    assert merged.stat().st_mode & 0o777 == folder
+    assert {f.name: f.stat().st_mode & 0o777 for f in merged.iterdir()} == {f.name: file for f in merged.iterdir()}
 
 
 def test_a_qlora_run_merges_into_the_full_precision_base_and_says_so(trained, tmp_path, capsys):

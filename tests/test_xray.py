@@ -218,6 +218,19 @@ def test_html_escapes_what_the_log_holds_and_marks_clip_and_masks():
     assert torch.tensor(v.colour(0)).tolist()[1] > torch.tensor(v.colour(1)).tolist()[1]  # green up, red down
 
 
+def test_the_header_names_the_sampling_version_and_the_trainers_apart():
+    """One step off-policy (K = 1): tokens sampled by version 28, the step's trainer at 29. The header said
+    "policy version 29" above a version column of 28s."""
+    x = TokenXray((5, 6), ("a", "b"), (1, 1), (28, 28), (-1.0, -1.0), weight_T=(0.0, 0.0), advantage=0.0,
+                  trainer_version=29, note="not trained: zero advantage")
+    v = minirl.xray(x, step=29)
+    for text in (v.text().splitlines()[0], v.html()):
+        assert "sampled by policy version 28, trainer at version 29" in text and "policy version 29" not in text
+    mixed = TokenXray((5, 6, 7), ("a", "b", "c"), (1, 0, 1), (3, 9, 4), (-1.0, 0.0, -1.0), weight_T=(0.0,) * 3,
+                      trainer_version=5)
+    assert "sampled by policy versions 3-4, trainer at version 5" in minirl.xray(mixed).text()
+
+
 def test_sample_rows_attach_an_xray_only_to_the_completion_it_describes():
     """A stale record (another completion's tokens, e.g. a step that did not make X-rays) is never shown as this
     step's: the row then has no "xray"."""

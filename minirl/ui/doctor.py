@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 from minirl.core.hacking import episodes
+from minirl.core.metrics import load_events
+from minirl.types import RunView
 
 
 @dataclass(frozen=True)
@@ -36,13 +39,17 @@ def _early_recent(xs: list[float], k: int = 3) -> tuple[float, float]:
     return statistics.fmean(xs[:k]), statistics.fmean(xs[-k:])
 
 
-def doctor(history: Sequence[dict], *, min_steps: int = 6, evals: Sequence[dict] = ()) -> list[Alert]:
+def doctor(history: Sequence[dict] | str | Path | RunView, *, min_steps: int = 6,
+           evals: Sequence[dict] = ()) -> list[Alert]:
     """Classic failure signs in a run's per-step records (`run.history` or the log's step events; its "eval" events
-    in `history` or `evals`).
+    in `history` or `evals`), or in a finished run: its out_dir or metrics.jsonl (all its events, evaluations
+    included), or a live `Run`.
 
     Pure: the same records give the same alerts. Trend rules compare the first and the last few steps, and
     only speak once there are `min_steps` steps; point rules (reward failures, sync spikes) speak at once. The
     reward-hacking watch's warnings come first, one per episode of each condition, at the step it began."""
+    if isinstance(history, (str, Path)) or hasattr(history, "events"):  # a run folder, its log, or a Run
+        history = load_events(history)
     hist = [h for h in history if h.get("event", "step") == "step"]
     evals = [*evals, *(h for h in history if h.get("event") == "eval")]
     alerts: list[Alert] = [Alert(f.code, "warn", f.title, f.detail, s, f.check) for s, f in episodes(hist, evals)]
@@ -81,9 +88,11 @@ def doctor(history: Sequence[dict], *, min_steps: int = 6, evals: Sequence[dict]
         return alerts
 
     ent = _series(hist, "entropy")
+    collapsed = False
     if len(ent) >= min_steps:
         e0, e1 = _early_recent(ent)
         if e1 < 0.3 * e0 or e1 < 0.02:
+            collapsed = True
             add("entropy_collapse", "warn", f"entropy collapsed: {e0:.3g} → {e1:.3g}",
                 "The policy has become nearly deterministic, so groups stop producing different answers and "
                 "learning stalls. Lower lr, raise temperature, or use clip-higher (clip_high) / fewer ppo_epochs.")
@@ -122,10 +131,13 @@ def doctor(history: Sequence[dict], *, min_steps: int = 6, evals: Sequence[dict]
             if r:
                 rm = statistics.fmean(r)
                 hi = max(_series(hist, "reward/mean") or [1.0])
-                if rm > 0 and rm >= 0.8 * hi:
-                    why = " Rewards are near their best: the task may be solved or too easy; use harder prompts."
-                elif rm <= 0.2 * hi or rm <= 0:
+                if rm <= 0.2 * hi or rm <= 0:
                     why = " Rewards are low: the task may be too hard; use easier prompts or a denser reward."
+                elif collapsed:  # not the prompts: a near-deterministic policy gives each prompt one answer
+                    why = (" The policy has become nearly deterministic (entropy collapsed), so a group's completions "
+                           "agree, right or wrong: lower lr or raise temperature (the prompts need not be too easy).")
+                elif rm >= 0.8 * hi:
+                    why = " Rewards are near their best: the task may be solved or too easy; use harder prompts."
                 else:
                     why = (" Rewards are middling, so groups are all-right or all-wrong: the policy is getting "
                            "deterministic (see entropy); raise temperature.")

@@ -78,6 +78,16 @@ def _fmt(x: Any, spec: str = ".4g") -> str:
     return "-" if x is None else format(x, spec) if isinstance(x, (int, float)) else str(x)
 
 
+def versions(x: TokenXray) -> str:
+    """Which policy sampled the completion and where the step's trainer stood, e.g. "sampled by policy version 28,
+    trainer at version 29" (one step off-policy); a completion sampled across a weight update names its range."""
+    vs = sorted({v for v, m in zip(x.version_T, x.loss_mask_T) if m}) or sorted(set(x.version_T))
+    if not vs:
+        return f"trainer at version {x.trainer_version}"
+    by = f"{vs[0]}" if len(vs) == 1 else f"{vs[0]}-{vs[-1]}"
+    return f"sampled by policy version{'s' if len(vs) > 1 else ''} {by}, trainer at version {x.trainer_version}"
+
+
 def _shown(piece: str) -> str:
     return piece.replace("\n", "↵").replace("\t", "→") or "·"
 
@@ -141,7 +151,7 @@ class XrayView:
         r = self.row
         head = [f"step {self.step}" if self.step is not None else "", f"sample {self.sample}",
                 f"reward {_fmt(r.get('reward'), '.3g')}" if r else "", f"advantage {_fmt(x.advantage, '+.3g')}",
-                f"policy version {x.trainer_version}", x.note]
+                versions(x), x.note]
         cut = [t for t in range(len(x)) if t < len(x.masked_T) and x.masked_T[t]]
         counts = (f"{sum(x.clipped_T)} clipped, {len(cut)} masked/capped of {sum(x.loss_mask_T)} trained tokens"
                   if x.trained else "")
@@ -170,8 +180,8 @@ class XrayView:
         """The table as aligned text (the CLI's output without --out)."""
         x = self.record
         cols = ("t", "piece", "weight", "ratio", "clipped", "is_weight", "masked", "mismatch", "version")
-        lines = [f"step {self.step} sample {self.sample}: advantage {_fmt(x.advantage, '+.3g')}, policy version "
-                 f"{x.trainer_version}" + (f"; {x.note}" if x.note else ""),
+        lines = [f"step {self.step} sample {self.sample}: advantage {_fmt(x.advantage, '+.3g')}, {versions(x)}"
+                 + (f"; {x.note}" if x.note else ""),
                  "  ".join(f"{c:>10}" for c in cols)]
         for r in self._rows:
             vals = {**r, "piece": repr(r["piece"])[:10]}
