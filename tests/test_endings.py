@@ -161,7 +161,8 @@ def test_sigterm_stops_the_cli_cleanly(tiny_model, tmp_path):
     lines.finish()
     last, done = lines[-1].strip(), latest_checkpoint(tmp_path / "runs/my").step
     assert done >= 2 and last.startswith("minirl: interrupted after") and "(SIGTERM)" in last
-    assert last.endswith(f"`minirl train my.yaml --resume` continues after step {done} (the latest checkpoint)")
+    assert last.endswith("`minirl train my.yaml --steps 500 --checkpoint-every 1 --resume` continues after step "
+                         f"{done} (the latest checkpoint)")
     assert not any("Traceback" in x for x in lines)
     print(f"{sig}: all gone {took:.1f} s after the exit")
 

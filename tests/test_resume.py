@@ -258,6 +258,24 @@ def test_a_checkpoint_is_written_on_error_and_on_stop(toy_cfg):
     assert [e["step"] for e in _steps(out)] == list(range(6))
 
 
+def test_an_extension_stopped_by_an_error_keeps_the_runs_summary(toy_cfg):
+    """A finished run extended (resume, more steps) and stopped by Ctrl-C or an error: summary.json was replaced by
+    one without the steps (only the adapter and the accuracy before); it now holds every step made, old and new."""
+    cfg = toy_cfg.replace(steps=2, checkpoint_every=0)
+    first = Run(cfg, data=TOY_ROWS).run()
+    run = Run(cfg.replace(steps=5), data=TOY_ROWS, resume=True)
+
+    def interrupt_at_2(rec):
+        if rec["step"] == 2:
+            raise KeyboardInterrupt
+    run.on_step.append(interrupt_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        run.run()
+    summary = json.loads((Path(cfg.out_dir) / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["stopped_after_step"] == 3
+    assert summary["reward_first"] == first["reward_first"] and summary["adapter"]
+
+
 def test_ctrl_c_in_the_cli_checkpoints_and_says_how_to_continue(tiny_model, tmp_path):
     from test_cli import _write_run
     _write_run(tmp_path, tiny_model)
@@ -272,5 +290,6 @@ def test_ctrl_c_in_the_cli_checkpoints_and_says_how_to_continue(tiny_model, tmp_
     last = rest.strip().splitlines()[-1]
     done = latest_checkpoint(tmp_path / "runs/my").step
     assert done >= 2 and last.startswith("minirl: interrupted after")  # Ctrl-C mid-update: the step before
-    assert last.endswith(f"`minirl train my.yaml --resume` continues after step {done} (the latest checkpoint)")
+    assert last.endswith("`minirl train my.yaml --steps 500 --checkpoint-every 1 --resume` continues after step "
+                         f"{done} (the latest checkpoint)")  # the flags given again: without them the config is another
     assert "Traceback" not in rest

@@ -327,10 +327,16 @@ class Run(Background):
 
     def _save_final(self) -> None:
         """At the end, on stop or on an error: a checkpoint (unless the error struck mid-step: then the last one
-        stands), the adapter and the summary, each written atomically. Saved even on a crash, so nothing is lost;
+        stands), the adapter and the summary (after an error: the steps made so far and `stopped_after_step`), each
+        written atomically. Saved even on a crash, so nothing is lost;
         but a non-finite adapter is never saved."""
         if self._between_steps:
             self._checkpoint()
+        if "steps" not in self.summary and self.history:  # ended early: the steps made (a resume's old ones too),
+            last = [e for e in self._evals if e["step"] > 0]  # not a summary without them over the finished run's
+            self.summary.update(step_summary(self.history), stopped_after_step=self.history[-1]["step"] + 1,
+                                **({"eval_accuracy_last": last[-1]["accuracy"], "eval_last_step": last[-1]["step"]}
+                                   if last else {}))
         self.dir.save_final(self.trainer, self.summary)
 
     def _interrupt(self) -> None:
