@@ -363,3 +363,20 @@ def test_check_takes_a_value_as_the_scorer_does():
                                                               "returned None: a skip)")
     assert why(lambda p, c, **_: None, 1.0) == "returned None (a skip), expected a number"
     assert why(lambda p, c, **_: "1.0", 1.0) == "returned str '1.0', expected a float or None"
+
+
+def test_check_gives_up_on_a_hanging_reward_as_the_scorer_does():
+    """A reward that never returns failed nothing and hung the notebook cell: it is the case's timeout now, and the
+    next case runs."""
+    import threading
+    release = threading.Event()
+
+    def hangs(prompt, completion, **_):
+        if completion == "stuck":
+            release.wait()  # until the test lets it go
+        return 1.0
+    try:
+        report = minirl.check(hangs, [("stuck", 1.0), ("fine", 1.0)], timeout_s=0.5)
+    finally:
+        release.set()
+    assert [(r["ok"], r["why"]) for r in report.results] == [(False, "timeout after 0.5s"), (True, "")]

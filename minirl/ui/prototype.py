@@ -123,7 +123,7 @@ class CheckReport:
 
 
 def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: float = 1e-6,
-          strict: bool = False, conversational: bool = False) -> CheckReport:
+          strict: bool = False, conversational: bool = False, timeout_s: float | None = 10.0) -> CheckReport:
     """Run a reward on hand-written cases and report each mismatch clearly.
 
     A case is a dict: `completion`, `expect` (a number, `None` for "should skip", or a callable predicate on the
@@ -131,8 +131,10 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
     `(completion, expect)` or `(completion, expect, columns)` works too. The value is taken as a run's scorer takes
     it: an async reward is awaited, a numpy number or 0-d tensor is a number, and a case whose call raises (its
     reason "raised ...") or whose value the scorer would record as a failure (NaN, inf, beyond reward_clip's
-    default 1e6, a non-number) fails with that reason, whatever `expect` says; so does a predicate that raises.
-    `strict=True` raises AssertionError when any case fails.
+    default 1e6, a non-number) fails with that reason, whatever `expect` says; so does a predicate that raises,
+    and a call still running after `timeout_s` (reward_timeout_s's default; None: no limit), "timeout after ...",
+    the cell going on to the next case (the call's thread is left to finish). `strict=True` raises AssertionError
+    when any case fails.
 
     A batched (TRL-style) reward is called once per case, on lists of one: `prompts=[prompt]`,
     `completions=[completion]`, each column as `[value]`, `completion_ids=[[]]` (a written case has no tokens) and a
@@ -152,7 +154,7 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
             completion = cols.pop("completion")
             expect = cols.pop("expect")
             prompt = cols.pop("prompt", "")
-        got, err = _case_value(fn, batched, prompt, completion, cols, conversational)
+        got, err = _case_value(fn, batched, prompt, completion, cols, conversational, timeout_s)
         if not (expect is None or callable(expect) or isinstance(expect, (int, float))):
             ok, why = False, (f"expect is {type(expect).__name__} {expect!r}: give a number, None (a skip) or a "
                               "predicate (a tuple case is (completion, expect[, columns]))")
@@ -183,7 +185,7 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
 
 
 def _case_value(fn: Callable, batched: bool, prompt: Any, completion: Any, cols: dict,
-                conversational: bool) -> tuple[float | None, str | None]:
+                conversational: bool, timeout_s: float | None) -> tuple[float | None, str | None]:
     """(value, None) or (None, why) of one case, as a run's scorer records it: the call in a thread of its own (an
     async reward awaited there, beside a notebook's running event loop), its value taken as the scorer takes it
     (a numpy number or 0-d tensor is a number; NaN, inf, a value beyond the default reward_clip or a non-number is
@@ -207,7 +209,10 @@ def _case_value(fn: Callable, batched: bool, prompt: Any, completion: Any, cols:
         except BaseException as e:  # noqa: BLE001 - never a result left unset
             done.set_result((None, reason(e)))
     threading.Thread(target=call, daemon=True, name="minirl-check").start()
-    value, why = done.result()
+    try:
+        value, why = done.result(timeout=timeout_s)
+    except cf.TimeoutError:  # a hanging reward: the case's failure, as the scorer records it; the cell goes on
+        return None, f"timeout after {timeout_s}s"
     return (None, why) if why is not None else check_value(value)
 
 
