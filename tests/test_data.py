@@ -89,6 +89,13 @@ def test_bad_rows_name_the_file_and_line(tmp_path):
         D.load_rows(p)
     with pytest.raises(ValueError, match="data row 1: no 'prompt' column"):
         D.load_rows([{"prompt": "a"}, {"q": "b"}], "prompt")
+    j = tmp_path / "d.json"  # a .json file's error names the file and the item, not "data row 0"
+    j.write_text("[1, 2, 3]")
+    with pytest.raises(ValueError, match=r"d.json: item 0: each row must be a dict \(a JSON object\)"):
+        D.load_rows(j)
+    j.write_text('[{"prompt": "a"}, {"q": "b"}]')
+    with pytest.raises(ValueError, match="d.json: item 1: no 'prompt' column"):
+        D.load_rows(j, "prompt")
 
 
 def test_a_run_on_data_alone_evaluates_a_held_out_split(toy_cfg):

@@ -153,10 +153,12 @@ def read_source(spec: str | Path, field: str = "data") -> tuple[list, list[str] 
                          "folder, hf:NAME[:CONFIG][@SPLIT], or a built-in task")
     kind = p.suffix.lower()
     if kind == ".json":
-        return _read_json(p), None
+        rows = _read_json(p)
+        return rows, [f"{p}: item {k}" for k in range(len(rows))]  # an error names the file and the list's item
     if kind == ".csv":
         rows = _read_csv(p)
         return rows, [f"{p}:{k + 2}" for k in range(len(rows))]  # line 1 is the header
     if kind == ".parquet":
-        return _read_parquet(p), None
+        rows = _read_parquet(p)
+        return rows, [f"{p}: row {k}" for k in range(len(rows))]
     return read_jsonl(p)  # .jsonl and anything else: one JSON object per line
