@@ -101,7 +101,7 @@ def _temp_name(folder: Path, stem: str, suffix: str = "") -> Path:
     return folder / f".{stem}-{uuid.uuid4().hex[:12]}{suffix}"
 
 
-def _usual_permissions(folder: Path) -> None:
+def usual_permissions(folder: Path) -> None:
     """Give the files in `folder` the permissions a new file gets (the umask's): safetensors writes its files
     private (0600), which would make an adapter unreadable to the other users of a shared machine."""
     probe = folder / f".probe-{uuid.uuid4().hex[:8]}"
@@ -113,7 +113,7 @@ def _usual_permissions(folder: Path) -> None:
             os.chmod(f, mode)
 
 
-def _temp_dir(folder: Path, stem: str) -> Path:
+def temp_dir(folder: Path, stem: str) -> Path:
     """A new hidden folder in `folder` (mkdtemp's would be private, 0700, and stay so after the rename)."""
     tmp = _temp_name(folder, stem)
     tmp.mkdir()
@@ -129,10 +129,10 @@ def save_adapter(trainer: Checkpointable, path: str | Path) -> Path:
     weights last): a reader sees the old adapter or the new one."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_dir(path.parent, "adapter")
+    tmp = temp_dir(path.parent, "adapter")
     try:
         trainer.save_adapter(tmp)
-        _usual_permissions(tmp)
+        usual_permissions(tmp)
         _fsync_tree(tmp)
         for f in sorted(tmp.iterdir(), key=lambda f: f.suffix == ".safetensors"):
             os.replace(f, path / f.name)
@@ -297,12 +297,12 @@ def save_checkpoint(out: Path, trainer: Checkpointable, state: dict, keep: int) 
     root = out / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state['step']:06d}"
-    tmp = _temp_dir(root, final.name)
+    tmp = temp_dir(root, final.name)
     try:
         trainer.save_adapter(tmp)
         torch.save({"trainer": trainer.state_dict(), "rng": rng_state()}, tmp / "trainer.pt")
         (tmp / "state.json").write_text(json.dumps(state, indent=1, default=str))
-        _usual_permissions(tmp)
+        usual_permissions(tmp)
         _fsync_tree(tmp)
         _recover_aside(root)
         aside = None

@@ -18,7 +18,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from minirl.config import Config
-from minirl.run.checkpoint import _temp_dir, _usual_permissions
+from minirl.run.checkpoint import temp_dir, usual_permissions
 from minirl.training.models import load_tokenizer, resolve_model, train_dtype
 
 
@@ -60,11 +60,11 @@ def export_merged(run_dir: str | Path, out: str | Path) -> dict:
     merged = merged.to(save_dtype)
     tok = load_tokenizer(cfg.model, cfg.model_kwargs, cfg.chat_template)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _temp_dir(out.parent, out.name)  # not mkdtemp's: private (0700), the folder would stay so
+    tmp = temp_dir(out.parent, out.name)  # not mkdtemp's: private (0700), the folder would stay so
     try:
         merged.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        _usual_permissions(tmp)  # safetensors writes its files private (0600): a server of another user could not read
+        usual_permissions(tmp)  # safetensors writes its files private (0600): a server of another user could not read
         if out.exists():
             out.rmdir()  # empty (checked above)
         os.rename(tmp, out)
