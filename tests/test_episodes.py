@@ -2,6 +2,8 @@
 SmolLM2's ChatML and the tiny test model's), token-exact episodes turn by turn (K = 0 and K = 1 runs), adapter
 swaps between turns, truncation, and envs that fail."""
 import math
+import sys
+import threading
 
 import pytest
 import torch
@@ -350,3 +352,79 @@ def test_dashboard_shows_turns_tool_calls_and_tool_errors_only_for_env_runs():
     assert lines["turns / episode"] == [2.0, 3.0, 4.0] and lines["tool calls / episode"] == [1.5] * 3
     assert lines["tool errors / episode"] == [0.0, 0.25, 0.5]
     assert not [a for a in render(steps).axes if a.get_title(loc="left").startswith("episodes")]
+
+
+# --- envs and tools that hang, exit, clash or cannot be made --------------------------------------------------
+
+RELEASE = threading.Event()
+
+
+class Hangs(Count):
+    def step(self, reply):
+        RELEASE.wait()  # until the test lets it go: a step stuck on a network call or a lock
+        return super().step(reply)
+
+
+class Exits(Count):
+    def step(self, reply):
+        sys.exit(3)  # a step that runs the model's code in-process, which called exit()
+
+
+def run_code(code: str) -> str:
+    """Run Python code."""
+    exec(code)
+    return "ran"
+
+
+def test_a_step_that_hangs_or_exits_fails_its_episode_and_the_run_goes_on(tiny_model, tiny_tok):
+    from minirl import Config
+    from minirl.generation.envs import EnvStep
+    from minirl.generation.hf import HFGenerator
+    from minirl.training.models import build_model
+    gen = HFGenerator(build_model(Config(model=tiny_model, lora_rank=8, lora_alpha=16), "cpu").eval(), tiny_tok)
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
+    try:
+        runner = EpisodeRunner(gen, Hangs, tiny_tok, max_turns=3, max_episode_tokens=64, step_timeout_s=0.2)
+        (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
+        assert all(c.episode.end == "error" and "did not return within 0.2 s" in c.episode.error
+                   for c in g.completions)
+        runner.make_env = Count  # the runner still works after abandoning the hung thread
+        (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
+        assert all(c.episode.end == "done" for c in g.completions)
+    finally:
+        RELEASE.set()
+    runner = EpisodeRunner(gen, Exits, tiny_tok, max_turns=3, max_episode_tokens=64)
+    (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
+    assert all(c.episode.end == "error" and "step called exit (3)" in c.episode.error for c in g.completions)
+
+    env = minirl.tools([run_code])()  # a tool's exit() is a tool error the model reads, as an exception is
+    assert env.call_tool("run_code('exit()')")[0]["content"].startswith("error: SystemExit")
+    assert env.tool_errors == 1 and isinstance(env.step("run_code('1')"), EnvStep)
+
+
+def test_tools_that_clash_and_envs_that_cannot_be_made_fail_in_one_line_before_the_model_loads(toy_cfg, monkeypatch):
+    from minirl.generation.tasks import resolve_env
+
+    def add(a: int, b: int) -> int:
+        """Add."""
+        return a + b
+    with pytest.raises(ValueError, match="two tools are named 'add'"):
+        minirl.tools([add, add])
+    with pytest.raises(ValueError, match="env 'json:__doc__' is str, not a class or factory"):
+        resolve_env("json:__doc__")
+
+    class NeedsLevel(Count):
+        def __init__(self, level):
+            self.level = level
+
+    class ResetStr(Count):
+        def reset(self, row):
+            return row["prompt"]
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded")
+    monkeypatch.setattr("minirl.run.build.Trainer", no_model)
+    for env, why in ((NeedsLevel, r"could not be made \(TypeError: .*level.*functools.partial"),
+                     (ResetStr, r"could not open an episode on the first training row .*reset\(row\) must give a list")):
+        with pytest.raises(ValueError, match=why):
+            minirl.Run(toy_cfg, data=ROWS, env=env, overwrite=True).run()

@@ -89,8 +89,8 @@ class Env:
                 raise ValueError(args)
             out = fns[name](**args)
             text = out if isinstance(out, str) else json.dumps(out, default=str)
-        except Exception as e:  # noqa: BLE001 - the model reads the error and may try again
-            self.tool_errors += 1
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the model reads the error and may try again (a tool
+            self.tool_errors += 1                # that runs the model's code in-process sees exit() as SystemExit)
             text = f"error: {type(e).__name__}: {e}"
         return [{"role": "tool", "name": name, "content": text}]
 
@@ -109,8 +109,10 @@ def tools(functions: Sequence[Callable]) -> Callable[[], Env]:
     """An env factory whose episodes open with the row's prompt and let the model call `functions` (plain
     functions with type hints and a docstring); a reply that calls no tool ends the episode."""
     functions = list(functions)
-    for f in functions:
-        tool_schema(f)  # a function that cannot be a tool fails here, by name
+    names = [tool_schema(f)["function"]["name"] for f in functions]  # a function that cannot be a tool fails here
+    if clash := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"two tools are named {clash[0]!r}: the model calls a tool by its name; rename one (its "
+                         "__name__) or pass it once")
     factory = functools.partial(ToolEnv, functions)
     factory.__name__ = f"tools({', '.join(f.__name__ for f in functions)})"
     return factory

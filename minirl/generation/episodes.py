@@ -20,9 +20,10 @@ Two ways to run episodes concurrently:
   (`VLLMGenerator.sample`), so episodes never wait for each other.
 
 The episode ends when the env says done, after `max_turns` replies, or when the next env part or reply would not
-fit in `max_episode_tokens` (the last two recorded as truncated). An env that raises, or answers with something
-that is not an `EnvStep`, ends its episode as a recorded failure (the `env` reward fails, the sample is left
-out of the loss); the run goes on.
+fit in `max_episode_tokens` (the last two recorded as truncated). An env that raises (`SystemExit` too: a tool
+that runs the model's code in-process may call `exit()`), answers with something that is not an `EnvStep`, or
+takes longer than `step_timeout_s` in one step, ends its episode as a recorded failure (the `env` reward fails,
+the sample is left out of the loss); the run goes on. A hung step's thread is abandoned (Python cannot stop it).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import queue
+import threading
 from typing import Any, Callable, Sequence
 
 from minirl.generation.base import request_seed
@@ -39,6 +42,17 @@ from minirl.generation.chat import ChatFormat
 from minirl.generation.engine_thread import gather_or_cancel, in_finish_order
 from minirl.generation.envs import Env, EnvStep, plain_tool_prompt, tool_schema
 from minirl.types import Completion, Episode, Generator, Group, Prompt, RolloutSource, SamplingParams, TurnSampler
+
+STEP_TIMEOUT_S = 60.0  # a step (its tools included) that takes longer fails its episode
+
+
+class StepTimeout(TimeoutError):
+    """An env's step did not return within the runner's `step_timeout_s`."""
+
+
+def _timeout(seconds: float) -> StepTimeout:
+    return StepTimeout(f"step did not return within {seconds:g} s (step_timeout_s); a step or tool that can hang "
+                       "needs a timeout of its own")
 
 
 def _one_line(e: BaseException) -> str:
@@ -52,6 +66,58 @@ def _check_messages(messages: Any, where: str) -> list[dict]:
         raise TypeError(f"{where} must give a list of messages like {{'role': 'user', 'content': '...'}}, "
                         f"got {messages!r:.80}")
     return list(messages)
+
+
+def _cannot_make(e: BaseException) -> str:
+    return (f"the env could not be made ({_one_line(e)}): env= takes a class or factory called with no arguments, "
+            "once per episode; bind arguments with functools.partial(MyEnv, ...) or a lambda")
+
+
+def check_env_opens(make_env: Callable[[], Env], row: dict) -> None:
+    """One env made and opened on `row` without a model: `make_env()` (a class whose constructor needs arguments fails
+    here), `reset(row)` (messages), its tools' schemas. A ValueError of one line naming the part to fix; a run calls
+    it before the model loads."""
+    try:
+        env = make_env()
+    except Exception as e:
+        raise ValueError(_cannot_make(e)) from e
+    if not callable(getattr(env, "step", None)):
+        raise ValueError(f"the env factory made {type(env).__name__}, which has no step(reply); subclass minirl.Env")
+    try:
+        _check_messages(env.reset(dict(row)), "reset(row)")
+        for f in env.tools():
+            tool_schema(f)
+    except Exception as e:
+        raise ValueError(f"the env could not open an episode on the first training row ({_one_line(e)}); fix its reset or "
+                         "its tools") from e
+
+
+class _Worker:
+    """A daemon thread that runs calls in turn (daemon: one stuck in a step never holds the process at exit)."""
+    HUNG = object()
+
+    def __init__(self):
+        self.q: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._loop, daemon=True, name="minirl-env").start()
+
+    def _loop(self) -> None:
+        while (job := self.q.get()) is not None:
+            fn, box, done = job
+            try:
+                box.append(fn())
+            except BaseException as ex:  # noqa: BLE001 - returned to the caller (SystemExit too: it ends a thread)
+                box.append(ex)
+            finally:
+                done.set()
+
+    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
+        box: list = []
+        done = threading.Event()
+        self.q.put((fn, box, done))
+        return box[0] if done.wait(timeout) else self.HUNG
+
+    def stop(self) -> None:
+        self.q.put(None)
 
 
 class _Live:
@@ -86,8 +152,11 @@ class EpisodeRunner:
     gen: RolloutSource
 
     def __init__(self, generator: RolloutSource | TurnSampler, make_env: Callable[[], Env], tokenizer, max_turns: int,
-                 max_episode_tokens: int, template_kwargs: dict | None = None):
+                 max_episode_tokens: int, template_kwargs: dict | None = None,
+                 step_timeout_s: float = STEP_TIMEOUT_S):
         self.gen, self.make_env, self.tok = generator, make_env, tokenizer
+        self.step_timeout_s = step_timeout_s
+        self._worker: _Worker | None = None
         self.chat = ChatFormat(tokenizer, template_kwargs)
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.rows: dict[int, dict] = {}  # prompt index -> its dataset row (what `reset` gets)
@@ -121,7 +190,11 @@ class EpisodeRunner:
         out = []
         for i, row in enumerate(rows):
             try:
-                messages, ids = self.opening(self.make_env(), row)
+                env = self.make_env()
+            except Exception as e:
+                raise ValueError(_cannot_make(e)) from e
+            try:
+                messages, ids = self.opening(env, row)
             except Exception as e:
                 raise ValueError(f"the env could not open an episode on row {i} ({_one_line(e)}); fix its reset "
                                  "(during training an env error is a recorded failure instead)") from e
@@ -149,6 +222,14 @@ class EpisodeRunner:
             e.fail(ex)
         return e
 
+    def _start_in_worker(self, prompt: Prompt) -> _Live:
+        out = self._in_worker(lambda: self._start(prompt))
+        if isinstance(out, _Live):
+            return out
+        e = _Live(prompt)
+        e.fail(out)
+        return e
+
     def _room(self, e: _Live, params: SamplingParams) -> int:
         return min(params.max_tokens, self.max_episode_tokens - len(e.ids))
 
@@ -162,7 +243,7 @@ class EpisodeRunner:
         append the env's part as token ids (masked out of the loss; the version of the reply it answers)."""
         try:
             if isinstance(out, BaseException):
-                raise out
+                raise RuntimeError(f"step called exit ({out})") if isinstance(out, SystemExit) else out
             if not isinstance(out, EnvStep):
                 raise TypeError(f"step returned {type(out).__name__}, expected a minirl.EnvStep")
             if out.reward is not None:
@@ -211,18 +292,30 @@ class EpisodeRunner:
                           "length")
 
     def _call_step(self, e: _Live, reply: str) -> Any:
-        try:
+        """`e.env.step(reply)`, or what it raised, or a StepTimeout (the batched runner's)."""
+        def call():
             out = e.env.step(reply)
             return _run_awaitable(out) if inspect.isawaitable(out) else out
-        except Exception as ex:  # noqa: BLE001 - recorded by _take_step
-            return ex
+        return self._in_worker(call)
+
+    def _in_worker(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the runner's env thread, or what it raised, or a StepTimeout after `step_timeout_s`: a step that
+        hangs fails its episode instead of stopping the run (its thread is abandoned; the next call gets a new one).
+        One thread for every call, so an env may hold thread-bound objects (a sqlite connection) from reset on."""
+        if self._worker is None:
+            self._worker = _Worker()
+        out = self._worker.call(fn, self.step_timeout_s)
+        if out is _Worker.HUNG:
+            self._worker = None
+            return _timeout(self.step_timeout_s)
+        return out
 
     # --- the batched runner ---------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Prompt], n: int, params: SamplingParams) -> list[Group]:
         """n episodes of each prompt, one Group per prompt in prompt order. Each turn samples the next reply of
         every live episode in one `generate` call (max_tokens: the largest room left; each reply is then cut to
         its own episode's room)."""
-        eps = [[self._start(p) for _ in range(n)] for p in prompts]
+        eps = [[self._start_in_worker(p) for _ in range(n)] for p in prompts]
         turn = 0
         while live := [e for row in eps for e in row if e.end is None]:
             rooms = [self._room(e, params) for e in live]
@@ -237,7 +330,9 @@ class EpisodeRunner:
         return [Group(p, tuple(self._completion(e) for e in row), params.temperature) for p, row in zip(prompts, eps)]
 
     def close(self) -> None:
-        pass
+        if self._worker is not None:
+            self._worker.stop()
+            self._worker = None
 
 
 class AsyncEpisodeRunner(EpisodeRunner):
@@ -264,13 +359,18 @@ class AsyncEpisodeRunner(EpisodeRunner):
         return self._completion(e)
 
     async def _step_async(self, e: _Live, reply: str) -> Any:
+        async def call():
+            try:
+                if inspect.iscoroutinefunction(e.env.step):
+                    return await e.env.step(reply)
+                out = await asyncio.get_running_loop().run_in_executor(None, e.env.step, reply)
+                return await out if inspect.isawaitable(out) else out
+            except (Exception, SystemExit) as ex:  # noqa: BLE001 - recorded by _take_step (a SystemExit left in a
+                return ex                          # task would stop the engine loop)
         try:
-            if inspect.iscoroutinefunction(e.env.step):
-                return await e.env.step(reply)
-            out = await asyncio.get_running_loop().run_in_executor(None, e.env.step, reply)
-            return await out if inspect.isawaitable(out) else out
-        except Exception as ex:  # noqa: BLE001 - recorded by _take_step
-            return ex
+            return await asyncio.wait_for(call(), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            return _timeout(self.step_timeout_s)
 
     async def group(self, prompt: Prompt, i: int, n: int, params: SamplingParams) -> Group:
         """n concurrent episodes of one prompt (`i`: its place in the step, for the seeds)."""
@@ -292,11 +392,12 @@ class AsyncEpisodeRunner(EpisodeRunner):
 
 
 def make_runner(generator: Generator, make_env: Callable[[], Env], tokenizer, max_turns: int,
-                max_episode_tokens: int, template_kwargs: dict | None = None) -> EpisodeRunner:
+                max_episode_tokens: int, template_kwargs: dict | None = None,
+                step_timeout_s: float = STEP_TIMEOUT_S) -> EpisodeRunner:
     """The runner for `generator`: one coroutine per episode where it samples on its own loop (vLLM), else
     batched turns. `template_kwargs`: Config.chat_template_kwargs."""
     cls = EpisodeRunner if generator.loop is None else AsyncEpisodeRunner
-    return cls(generator, make_env, tokenizer, max_turns, max_episode_tokens, template_kwargs)
+    return cls(generator, make_env, tokenizer, max_turns, max_episode_tokens, template_kwargs, step_timeout_s)
 
 
 def _run_awaitable(aw) -> Any:

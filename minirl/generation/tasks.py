@@ -111,5 +111,9 @@ def resolve_env(ref: str | Callable) -> tuple[str, Callable[[], Env]]:
     if ref in TASKS:
         return ref, TASKS[ref].env
     if ":" in ref:
-        return import_ref(ref, "env", "module:Class")
+        name, obj = import_ref(ref, "env", "module:Class")
+        if not callable(obj):
+            raise ValueError(f"env {ref!r} is {type(obj).__name__}, not a class or factory; name a minirl.Env "
+                             "subclass")
+        return name, obj
     raise ValueError(f"unknown env {ref!r}: built-in tasks are {sorted(TASKS)}; or give 'module:Class'")

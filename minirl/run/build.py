@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 from minirl.config import Config, ConfigError
 from minirl.data import rows as D
 from minirl.generation import Generator
-from minirl.generation.episodes import make_runner
+from minirl.generation.episodes import check_env_opens, make_runner
 from minirl.generation.factory import make_generator
 from minirl.generation.tasks import TASKS, resolve_env
 from minirl.rewards import Scorer, check_columns, check_data_columns
@@ -115,6 +115,8 @@ def build_parts(cfg: Config, refs: Sequence, env: Any, data: Any, eval_data: Any
     if checkpoint and checkpoint.state.get("data") != sp.fingerprint:
         raise ConfigError(f"the data differs from the data {str(checkpoint.path.parent.parent)!r} was trained on "
                           "(its checkpoint records another fingerprint); resume with the same data, or start a new run")
+    if env is not None and sp.train:
+        check_env_opens(env, sp.train[0])  # an env that cannot be made or opened: one line, before the model loads
     if not sp.eval:
         print(f"minirl: {sp.note}: held-out accuracy is not measured", flush=True)
     parts = RunParts(scorer, sp)
