@@ -33,91 +33,21 @@ import contextlib
 import dataclasses
 import inspect
 import math
-import queue
-import threading
 from typing import Any, Callable, Sequence
 
 from minirl.generation.base import request_seed
 from minirl.generation.chat import ChatFormat
 from minirl.generation.engine_thread import gather_or_cancel, in_finish_order
+from minirl.generation.env_calls import (
+    STEP_TIMEOUT_S,
+    EnvThread,
+    cannot_make,
+    check_messages,
+    one_line,
+    step_timeout,
+)
 from minirl.generation.envs import Env, EnvStep, plain_tool_prompt, tool_schema
 from minirl.types import Completion, Episode, Generator, Group, Prompt, RolloutSource, SamplingParams, TurnSampler
-
-STEP_TIMEOUT_S = 60.0  # a step (its tools included) that takes longer fails its episode
-
-
-class StepTimeout(TimeoutError):
-    """An env's step did not return within the runner's `step_timeout_s`."""
-
-
-def _timeout(seconds: float) -> StepTimeout:
-    return StepTimeout(f"step did not return within {seconds:g} s (step_timeout_s); a step or tool that can hang "
-                       "needs a timeout of its own")
-
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}".splitlines()[0][:300]
-
-
-def _check_messages(messages: Any, where: str) -> list[dict]:
-    if not isinstance(messages, (list, tuple)) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages):
-        raise TypeError(f"{where} must give a list of messages like {{'role': 'user', 'content': '...'}}, "
-                        f"got {messages!r:.80}")
-    return list(messages)
-
-
-def _cannot_make(e: BaseException) -> str:
-    return (f"the env could not be made ({_one_line(e)}): env= takes a class or factory called with no arguments, "
-            "once per episode; bind arguments with functools.partial(MyEnv, ...) or a lambda")
-
-
-def check_env_opens(make_env: Callable[[], Env], row: dict) -> None:
-    """One env made and opened on `row` without a model: `make_env()` (a class whose constructor needs arguments fails
-    here), `reset(row)` (messages), its tools' schemas. A ValueError of one line naming the part to fix; a run calls
-    it before the model loads."""
-    try:
-        env = make_env()
-    except Exception as e:
-        raise ValueError(_cannot_make(e)) from e
-    if not callable(getattr(env, "step", None)):
-        raise ValueError(f"the env factory made {type(env).__name__}, which has no step(reply); subclass minirl.Env")
-    try:
-        _check_messages(env.reset(dict(row)), "reset(row)")
-        for f in env.tools():
-            tool_schema(f)
-    except Exception as e:
-        raise ValueError(f"the env could not open an episode on the first training row ({_one_line(e)}); fix its reset or "
-                         "its tools") from e
-
-
-class _Worker:
-    """A daemon thread that runs calls in turn (daemon: one stuck in a step never holds the process at exit)."""
-    HUNG = object()
-
-    def __init__(self):
-        self.q: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, daemon=True, name="minirl-env").start()
-
-    def _loop(self) -> None:
-        while (job := self.q.get()) is not None:
-            fn, box, done = job
-            try:
-                box.append(fn())
-            except BaseException as ex:  # noqa: BLE001 - returned to the caller (SystemExit too: it ends a thread)
-                box.append(ex)
-            finally:
-                done.set()
-
-    def call(self, fn: Callable[[], Any], timeout: float) -> Any:
-        box: list = []
-        done = threading.Event()
-        self.q.put((fn, box, done))
-        return box[0] if done.wait(timeout) else self.HUNG
-
-    def stop(self) -> None:
-        self.q.put(None)
 
 
 class _Live:
@@ -142,7 +72,7 @@ class _Live:
         self.versions += versions
 
     def fail(self, e: BaseException) -> None:
-        self.end, self.error = "error", _one_line(e)
+        self.end, self.error = "error", one_line(e)
 
 
 class EpisodeRunner:
@@ -156,7 +86,7 @@ class EpisodeRunner:
                  step_timeout_s: float = STEP_TIMEOUT_S):
         self.gen, self.make_env, self.tok = generator, make_env, tokenizer
         self.step_timeout_s = step_timeout_s
-        self._worker: _Worker | None = None
+        self._worker: EnvThread | None = None
         self.chat = ChatFormat(tokenizer, template_kwargs)
         self.max_turns, self.max_episode_tokens = max_turns, max_episode_tokens
         self.rows: dict[int, dict] = {}  # prompt index -> its dataset row (what `reset` gets)
@@ -169,7 +99,7 @@ class EpisodeRunner:
     def opening(self, env: Env, row: dict) -> tuple[list[dict], list[int]]:
         """(messages, token ids) that open an episode of `env` on `row`: `reset(row)`, with the env's tools given
         through the template's tool format, or else described in a system message (`envs.plain_tool_prompt`)."""
-        messages = _check_messages(env.reset(dict(row)), "reset(row)")
+        messages = check_messages(env.reset(dict(row)), "reset(row)")
         fns = env.tools()
         if not fns:
             return messages, self.chat.encode(self.chat.opening(messages))
@@ -192,11 +122,11 @@ class EpisodeRunner:
             try:
                 env = self.make_env()
             except Exception as e:
-                raise ValueError(_cannot_make(e)) from e
+                raise ValueError(cannot_make(e)) from e
             try:
                 messages, ids = self.opening(env, row)
             except Exception as e:
-                raise ValueError(f"the env could not open an episode on row {i} ({_one_line(e)}); fix its reset "
+                raise ValueError(f"the env could not open an episode on row {i} ({one_line(e)}); fix its reset "
                                  "(during training an env error is a recorded failure instead)") from e
             if max_prompt_tokens and len(ids) > max_prompt_tokens:
                 raise ValueError(f"the episode of row {i} opens with {len(ids)} tokens, more than the limit "
@@ -251,7 +181,7 @@ class EpisodeRunner:
                 if not math.isfinite(r):
                     raise ValueError(f"step returned the reward {r}")
                 e.rewards.append(r)
-            messages = _check_messages(out.messages, "step(reply).messages")
+            messages = check_messages(out.messages, "step(reply).messages")
         except Exception as ex:  # noqa: BLE001 - a recorded failure of this episode
             e.fail(ex)
             return
@@ -303,11 +233,11 @@ class EpisodeRunner:
         hangs fails its episode instead of stopping the run (its thread is abandoned; the next call gets a new one).
         One thread for every call, so an env may hold thread-bound objects (a sqlite connection) from reset on."""
         if self._worker is None:
-            self._worker = _Worker()
+            self._worker = EnvThread()
         out = self._worker.call(fn, self.step_timeout_s)
-        if out is _Worker.HUNG:
+        if out is EnvThread.HUNG:
             self._worker = None
-            return _timeout(self.step_timeout_s)
+            return step_timeout(self.step_timeout_s)
         return out
 
     # --- the batched runner ---------------------------------------------------------------------------------
@@ -370,7 +300,7 @@ class AsyncEpisodeRunner(EpisodeRunner):
         try:
             return await asyncio.wait_for(call(), self.step_timeout_s)
         except asyncio.TimeoutError:
-            return _timeout(self.step_timeout_s)
+            return step_timeout(self.step_timeout_s)
 
     async def group(self, prompt: Prompt, i: int, n: int, params: SamplingParams) -> Group:
         """n concurrent episodes of one prompt (`i`: its place in the step, for the seeds)."""

@@ -11,7 +11,8 @@ from typing import Any, Callable, Sequence
 from minirl.config import Config, ConfigError
 from minirl.data import rows as D
 from minirl.generation import Generator
-from minirl.generation.episodes import check_env_opens, make_runner
+from minirl.generation.env_calls import check_env_opens
+from minirl.generation.episodes import make_runner
 from minirl.generation.factory import make_generator
 from minirl.generation.tasks import TASKS, resolve_env
 from minirl.rewards import Scorer, check_columns, check_data_columns
