@@ -123,7 +123,7 @@ class CheckReport:
 
 
 def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: float = 1e-6,
-          strict: bool = False, conversational: bool = False, timeout_s: float | None = 10.0) -> CheckReport:
+          strict: bool = False, conversational: bool = False, timeout_s: float | None = 60.0) -> CheckReport:
     """Run a reward on hand-written cases and report each mismatch clearly.
 
     A case is a dict: `completion`, `expect` (a number, `None` for "should skip", or a callable predicate on the
@@ -132,9 +132,9 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
     it: an async reward is awaited, a numpy number or 0-d tensor is a number, and a case whose call raises (its
     reason "raised ...") or whose value the scorer would record as a failure (NaN, inf, beyond reward_clip's
     default 1e6, a non-number) fails with that reason, whatever `expect` says; so does a predicate that raises,
-    and a call still running after `timeout_s` (reward_timeout_s's default; None: no limit), "timeout after ...",
-    the cell going on to the next case (the call's thread is left to finish). `strict=True` raises AssertionError
-    when any case fails.
+    and a call still running after `timeout_s` (60 s, room for a judge's own timeout; None: no limit): "timeout
+    after ...", the cell going on to the next case (the call's thread is left to finish). `strict=True` raises
+    AssertionError when any case fails.
 
     A batched (TRL-style) reward is called once per case, on lists of one: `prompts=[prompt]`,
     `completions=[completion]`, each column as `[value]`, `completion_ids=[[]]` (a written case has no tokens) and a
