@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -331,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_interrupts():  # SIGTERM stops as Ctrl-C does: checkpoint, children closed, exit 143
             return _command(args)
+    except BrokenPipeError:  # `minirl xray RUN | head`: the reader left; end quietly, as shell tools do
+        _quiet_stdout()
+        return 141  # 128 + SIGPIPE
     except (ConfigError, ValueError, RuntimeError, OSError) as e:
         for line in str(e).splitlines() or [""]:  # a ConfigError holds one line per bad setting
             print(f"minirl: error: {line}", file=sys.stderr)
@@ -339,6 +343,14 @@ def main(argv: list[str] | None = None) -> int:
         return 143  # 128 + SIGTERM, as a shell reports it
     except KeyboardInterrupt:
         return 130  # 128 + SIGINT
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's flush at exit does not fail on the closed pipe again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a file descriptor (a notebook's or pytest's stdout)
+        sys.stdout = open(os.devnull, "w")
 
 
 def _command(args: argparse.Namespace) -> int:

@@ -65,6 +65,8 @@ BAD = [  # (what, files, argv, the line's content)
      "--adapter runs/x: no adapter_model.safetensors there; give its adapter/ folder"),
     ("no command", {}, [], "give a command: demo, train, eval, bench, plan, export, xray; see `minirl --help`"),
     ("xray no run", {}, ["xray", "runs/none"], "runs/none: no metrics log here; give a run's out_dir or its metrics.jsonl"),
+    ("xray of a run's file", {"runs/r/metrics.jsonl": "", "runs/r/config.yaml": "steps: 3\n"},
+     ["xray", "runs/r/config.yaml"], "runs/r/config.yaml: not a metrics log; give the run's folder (runs/r) or its"),
     ("xray old run", {"runs/old/metrics.jsonl": '{"event": "samples", "step": 0, "samples": [{"prompt": "p"}]}\n'},
      ["xray", "runs/old"], "runs/old: no logged sample with a token X-ray; runs log one per sample"),
     ("reward typo", {}, ["demo", "--rewards", "arithmetic_corect"],
@@ -261,3 +263,18 @@ def test_the_hint_after_a_stop_repeats_the_flags_the_run_was_given(tmp_path, mon
     assert line == f"minirl: stopped during set-up (Ctrl-C); nothing was written: run `{again}` again"
     assert main(["demo", "--out", "runs/d", "--lr", "1e-05"]) == 130
     assert "run `minirl demo --out runs/d --lr 1e-05` again" in capsys.readouterr().err
+
+
+def test_output_cut_short_by_a_closed_pipe_is_not_an_error(tmp_path, monkeypatch, capsys):
+    """`minirl xray RUN | head`: the reader leaves early; the command ends quietly with 141 (128 + SIGPIPE), as
+    shell tools do, not with "minirl: error: [Errno 32] Broken pipe"."""
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr("minirl.cli.xray", lambda *a: type("X", (), {"text": lambda self: "t\n" * 100_000})())
+    monkeypatch.setattr(sys, "stdout", Closed())
+    assert main(["xray", "runs/r"]) == 141
+    assert capsys.readouterr().err == ""

@@ -305,6 +305,8 @@ def log_path(path: str | Path) -> Path:
     p = Path(path)
     if p.is_dir():
         p = p / "metrics.jsonl"
+    elif p.is_file() and p.suffix != ".jsonl":  # config.yaml, summary.json: the folder was meant
+        raise ValueError(f"{p}: not a metrics log; give the run's folder ({p.parent}) or its metrics.jsonl")
     if not p.exists():
         raise FileNotFoundError(f"{p}: no metrics log here; give a run's out_dir or its metrics.jsonl")
     return p
