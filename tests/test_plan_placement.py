@@ -171,3 +171,21 @@ def test_a_bad_device_figure_is_one_line(tmp_path, capsys, argv):
     assert main(["plan", path, *argv]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("minirl: error: plan for gpus=") and "--gpus 2 --gpu-gb 24" in line
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2])
+def test_your_servers_are_on_no_device_of_the_plan(tmp_path, gpus):
+    """`server_urls` (servers started by hand): the placement line names them, not a GPU or the cores they are not
+    on; on CPU the trainer takes every core and the plan counts no engine (it said "generation on 0" / "every core"
+    and counted a vLLM server's weights and KV cache on this machine)."""
+    from minirl.run.plan import plan_run
+    cfg, _ = _yaml(tmp_path, "qwen2.5-1.5b", backend="vllm-server", server_urls="['http://127.0.0.1:8000']")
+    devices = P.Devices.fake(gpus, 80, vllm=True)
+    p = P.place(cfg, devices)
+    assert "vllm-server generation on your 1 server (server_urls), training on" in p.line(), p.line()
+    assert p.gen_devices is None and p.your_servers == 1 and p.max_async_steps == 1  # nothing here to share
+    plan = plan_run(cfg, devices, p)
+    assert [d.role for d in plan.devices] == ["trainer"] + ["idle"] * (gpus - 1) if gpus else ["trainer"]
+    assert "engine" not in plan.table()
+    if not gpus:
+        assert p.train_threads == (__import__("os").cpu_count() or 1)

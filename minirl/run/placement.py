@@ -70,9 +70,12 @@ class Placement:
     cuda_devices: int
     engine_sleeps: bool = False  # vLLM shares the trainer's GPU with K = 0: it sleeps while the trainer works
     num_servers: int | None = None  # `backend: auto` on 3+ GPUs: the vLLM servers it starts (one a GPU)
+    your_servers: int = 0  # server_urls: servers started by hand, on no device of this plan
 
     def line(self) -> str:
         gen = self.gen_devices or ("every GPU" if self.cuda_devices else "every core")
+        if self.your_servers:
+            gen = f"your {self.your_servers} server{'s' if self.your_servers > 1 else ''} (server_urls)"
         gen += f" ({self.num_servers} servers, one per GPU)" if self.num_servers else ""
         train = self.train_device + (f" ({self.train_threads} threads)" if self.train_threads else "")
         return (f"minirl: placement: {self.backend} generation on {gen}, training on {train}, "
@@ -100,14 +103,16 @@ def cpu_split(cfg: Config, k: int) -> tuple[str | None, int]:
 def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int, str]:
     """(K, why) for `max_async_steps`; 'auto' by the rule measured with `minirl bench pipeline` and `minirl bench
     learning` (BENCHMARKS.md, "Earlier measurements"):
-    - vLLM with 2+ GPUs, generation and training on devices of their own: 1 (each would idle while the other
-      works; ahead by one step both stay busy). Reasoned, not measured: no GPU run yet.
+    - your vLLM servers (`server_urls`), or vLLM with 2+ GPUs: generation and training on devices of their own:
+      1 (each would idle while the other works; ahead by one step both stay busy). Reasoned, not measured.
     - otherwise (one device shared by both phases, e.g. the CPU): 0. Splitting 2 cores for K = 1 lost or tied on
       whole demo runs; it pays where rewards wait (a remote judge): set max_async_steps=1 there.
     """
     k = cfg.max_async_steps
     if k != "auto":
         return int(k), f"max_async_steps={k}"
+    if backend == "vllm-server" and cfg.server_urls:
+        return 1, "auto: generation on your servers (server_urls), training here: ahead by one step both stay busy"
     if backend in ("vllm", "vllm-server") and cuda_devices >= 2:
         return 1, f"auto: vLLM with {cuda_devices} GPUs, generation and training on devices of their own"
     return 0, ("auto: generation and training share " + ("one GPU" if cuda_devices else "the CPU cores")
@@ -152,9 +157,12 @@ def place(cfg: Config, devices: Devices | int) -> Placement:
     _check_devices(cfg, cuda_devices)
     backend, backend_why = pick_backend(cfg.backend, cuda_devices > 0, cfg.load_in_4bit, devices.vllm)
     k, async_why = pick_async_steps(cfg, backend, cuda_devices)
+    yours = len(cfg.server_urls) if backend == "vllm-server" else 0
     if not cuda_devices:
         gen, threads = cpu_split(cfg, k)
-        return Placement(backend, backend_why, k, async_why, gen, "cpu", threads, 0)
+        if yours and cfg.train_devices == "auto":  # no generator of ours shares these cores
+            gen, threads = None, os.cpu_count() or 1
+        return Placement(backend, backend_why, k, async_why, gen, "cpu", threads, 0, your_servers=yours)
     train = "cuda:0" if cfg.train_devices == "auto" else "cuda:" + cfg.train_devices.removeprefix("cuda:")
     servers = None
     if auto_servers(cfg, backend, k, cuda_devices):
@@ -173,7 +181,8 @@ def place(cfg: Config, devices: Devices | int) -> Placement:
                           "put two ranks on one GPU; use sync_transport='auto' (CUDA IPC there) or give the engine "
                           "a GPU of its own (gen_devices)")
     sleeps = backend == "vllm" and k == 0 and gen == train.removeprefix("cuda:")
-    return Placement(backend, backend_why, k, async_why, gen, train, None, cuda_devices, sleeps, servers)
+    return Placement(backend, backend_why, k, async_why, None if yours else gen, train, None, cuda_devices, sleeps,
+                     servers, yours)
 
 
 def cuda_device_count() -> int:

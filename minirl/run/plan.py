@@ -126,7 +126,7 @@ def holdings(cfg: Config, p: Placement) -> list[tuple[str, Holds]]:
     else:
         gen, ids = "hf", [p.train_device.removeprefix("cuda:")]
     if not p.cuda_devices:
-        return [("cpu", Holds(True, gen, max(len(ids), 1)))]
+        return [("cpu", Holds(True, None if p.your_servers else gen, max(len(ids), 1)))]
     out = []
     for i in range(p.cuda_devices):
         here, n = f"cuda:{i}" == p.train_device, ids.count(str(i))
