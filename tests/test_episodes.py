@@ -245,6 +245,11 @@ class BadReward(Count):
         return minirl.EnvStep(reward=math.nan, done=True)
 
 
+class StringReward(Count):
+    def step(self, reply):
+        return minirl.EnvStep(reward="1.0", done=True)  # float() would take it: a number sent as text
+
+
 class Async(Count):
     async def step(self, reply):
         return super().step(reply)
@@ -259,7 +264,7 @@ def test_env_failures_are_recorded_never_raised(tiny_model, tiny_tok):
     scorer = Scorer.from_config(["env"], None, 10.0)
     params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
     for env, why in ((Raises, "KeyError: 'the env broke'"), (BadReturn, "expected a minirl.EnvStep"),
-                     (BadReward, "reward nan")):
+                     (BadReward, "reward nan"), (StringReward, "step's reward returned str '1.0', expected a float")):
         runner = EpisodeRunner(gen, env, tiny_tok, max_turns=3, max_episode_tokens=64)
         (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
         for c in g.completions:

@@ -47,6 +47,7 @@ from minirl.generation.env_calls import (
     step_timeout,
 )
 from minirl.generation.envs import Env, EnvStep, plain_tool_prompt, tool_schema
+from minirl.rewards.worker_main import number
 from minirl.types import Completion, Episode, Generator, Group, Prompt, RolloutSource, SamplingParams, TurnSampler
 
 
@@ -177,7 +178,9 @@ class EpisodeRunner:
             if not isinstance(out, EnvStep):
                 raise TypeError(f"step returned {type(out).__name__}, expected a minirl.EnvStep")
             if out.reward is not None:
-                r = float(out.reward)
+                r, why = number(out.reward)  # as a reward function's value is taken: a string is no number
+                if why:
+                    raise TypeError(f"step's reward {why}")
                 if not math.isfinite(r):
                     raise ValueError(f"step returned the reward {r}")
                 e.rewards.append(r)
