@@ -407,6 +407,61 @@ def test_a_step_that_hangs_or_exits_fails_its_episode_and_the_run_goes_on(tiny_m
     assert env.tool_errors == 1 and isinstance(env.step("run_code('1')"), EnvStep)
 
 
+class LoopSampler:
+    """A `TurnSampler` on a loop of its own, as the vLLM engine thread is: every reply is "yes" (no model)."""
+    version = 0
+
+    def __init__(self, tok):
+        import asyncio
+        self.ids = tuple(tok.encode("yes", add_special_tokens=False))
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    async def sample(self, token_ids, params, seed=None):
+        from minirl.types import Completion
+        return Completion(self.ids, (0.0,) * len(self.ids), (0,) * len(self.ids), "yes", "stop")
+
+    def call(self, coro):
+        import asyncio
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+
+class ResetHangs(Count):
+    def reset(self, row):
+        RELEASE_RESET.wait()
+        return super().reset(row)
+
+
+class ResetExits(Count):
+    def reset(self, row):
+        sys.exit(4)
+
+
+RELEASE_RESET = threading.Event()
+
+
+def test_the_loop_runner_fails_an_episode_whose_reset_hangs_or_exits(tiny_tok):
+    """vLLM's runner (episodes on the engine loop): a reset that hangs or calls exit() is that episode's recorded
+    failure, and the loop goes on (before: a hung reset held the group forever; exit() ended the engine loop)."""
+    from minirl.generation.episodes import AsyncEpisodeRunner, make_runner
+    sampler = LoopSampler(tiny_tok)
+    params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
+    try:
+        for env, why in ((ResetHangs, "reset did not return within 0.2 s"), (ResetExits, "reset called exit (4)")):
+            runner = make_runner(sampler, Count, tiny_tok, max_turns=3, max_episode_tokens=64, step_timeout_s=0.2)
+            assert isinstance(runner, AsyncEpisodeRunner)
+            prompts = runner.prompts(ROWS[:1])  # opened by Count: the prompt's own reset works
+            runner.make_env = env
+            (g,) = runner.generate(prompts, 2, params)
+            assert all(c.episode.end == "error" and why in c.episode.error for c in g.completions), \
+                [c.episode.error for c in g.completions]
+        runner.make_env = Count
+        (g,) = runner.generate(prompts, 2, params)
+        assert all(c.episode.end == "done" and c.episode.reward == 3.0 for c in g.completions)
+    finally:
+        RELEASE_RESET.set()
+
+
 def test_tools_that_clash_and_envs_that_cannot_be_made_fail_in_one_line_before_the_model_loads(toy_cfg, monkeypatch):
     from minirl.generation.tasks import resolve_env
 

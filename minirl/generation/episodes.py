@@ -41,6 +41,7 @@ from minirl.generation.engine_thread import gather_or_cancel, in_finish_order
 from minirl.generation.env_calls import (
     STEP_TIMEOUT_S,
     EnvThread,
+    StepTimeout,
     cannot_make,
     check_messages,
     one_line,
@@ -279,8 +280,7 @@ class AsyncEpisodeRunner(EpisodeRunner):
         return self.gen.loop
 
     async def _episode(self, prompt: Prompt, i: int, j: int, params: SamplingParams) -> Completion:
-        loop = asyncio.get_running_loop()
-        e = await loop.run_in_executor(None, self._start, prompt)
+        e = await self._start_async(prompt)
         turn = 0
         while e.end is None:
             seed = None if params.seed is None else request_seed(params.seed, i, j, turn)
@@ -290,6 +290,24 @@ class AsyncEpisodeRunner(EpisodeRunner):
             self._take_step(e, await self._step_async(e, c.text), c)
             turn += 1
         return self._completion(e)
+
+    async def _start_async(self, prompt: Prompt) -> _Live:
+        """`_start` in the loop's executor, under `step_timeout_s`: a reset that hangs or calls exit() fails its
+        episode (the engine loop goes on)."""
+        async def call():
+            try:
+                return await asyncio.get_running_loop().run_in_executor(None, self._start, prompt)
+            except (Exception, SystemExit) as ex:  # noqa: BLE001 - _start records an Exception; SystemExit ends here
+                return RuntimeError(f"reset called exit ({ex})") if isinstance(ex, SystemExit) else ex
+        try:
+            out = await asyncio.wait_for(call(), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            out = StepTimeout(f"reset did not return within {self.step_timeout_s:g} s (step_timeout_s)")
+        if isinstance(out, _Live):
+            return out
+        e = _Live(prompt)
+        e.fail(out)
+        return e
 
     async def _step_async(self, e: _Live, reply: str) -> Any:
         async def call():
