@@ -257,3 +257,16 @@ def test_a_crafted_metrics_log_injects_no_html_into_the_notebook(tmp_path):
     shown = dash.samples_box.value + dash.status.value + dash.doctor_box.value
     assert "<img" not in shown and "&lt;img src=x onerror=alert(1)&gt;" in dash.samples_box.value
     assert samples_html(events[2:]).count("&lt;img") == 7  # step, reward, per-reward name and value, adv, failure
+
+
+def test_a_resumed_runs_timeline_follows_the_part_before():
+    """Each part of a resumed run logs seconds from its own start; the panel shows the second part after the first
+    (it drew both from 0, one over the other), the live part shifted alike."""
+    from minirl.ui.panels import View
+    part = [{"event": "timeline", "side": "gen", "start": 0.0, "end": 2.0},
+            {"event": "timeline", "side": "train", "start": 2.0, "end": 3.0}]
+    events = [{"event": "start"}, *part, {"event": "resume", "step": 2}, *part, {"event": "resume", "step": 4}]
+    v = View.from_events(events, live_timeline={"gen": [(0.0, 1.0), (1.5, 1.75)], "train": []})
+    assert v.timeline == {"gen": [(0.0, 2.0), (3.0, 5.0), (6.0, 7.0), (7.5, 7.75)],
+                          "train": [(2.0, 3.0), (5.0, 6.0)]}
+    assert View.from_events(part).timeline == {"gen": [(0.0, 2.0)], "train": [(2.0, 3.0)]}

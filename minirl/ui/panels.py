@@ -36,14 +36,19 @@ class View:
         steps = [e for e in events if e.get("event") == "step"]
         samples = [e for e in events if e.get("event") == "samples"]
         evals = [e for e in events if e.get("event") == "eval"]
-        tl: dict[str, list[tuple[float, float]]] = {"gen": [], "train": []}
-        for e in events:
-            if e.get("event") == "timeline" and e.get("side") in tl:
-                tl[e["side"]].append((e["start"], e["end"]))
+        tl, seg, offset = {"gen": [], "train": []}, {"gen": [], "train": []}, 0.0
+        for e in events:  # each resumed part's seconds count from its own start: shown after the part before
+            if e.get("event") == "resume":
+                tl = {side: tl[side] + seg[side] for side in tl}
+                offset = max((b for ivs in tl.values() for _, b in ivs), default=offset)
+                seg = {"gen": [], "train": []}
+            elif e.get("event") == "timeline" and e.get("side") in seg:
+                seg[e["side"]].append(_shifted((e["start"], e["end"]), offset))
         if live_timeline:  # the asynchronous pipeline writes its timeline at the end; live, read it from memory
             for side in ("gen", "train"):
-                if len(live_timeline.get(side, ())) > len(tl[side]):
-                    tl[side] = list(live_timeline[side])
+                if len(live_timeline.get(side, ())) > len(seg[side]):
+                    seg[side] = [_shifted(iv, offset) for iv in live_timeline[side]]
+        tl = {side: tl[side] + seg[side] for side in tl}
         start = next((e for e in events if e.get("event") == "start"), {})
         cfg = start.get("config") or {}
         names = tuple(cfg.get("rewards") or ())
@@ -232,6 +237,10 @@ def draw_panel(ax, name: str, v: View) -> None:
         draw_timeline(ax, v.timeline)
     else:
         raise ValueError(f"unknown panel {name!r}; panels are {PANELS}")
+
+
+def _shifted(iv: tuple[float, float], offset: float) -> tuple[float, float]:
+    return iv[0] + offset, iv[1] + offset
 
 
 def draw_timeline(ax, timeline: dict[str, Sequence[tuple[float, float]]], title: str = "pipeline timeline") -> None:
