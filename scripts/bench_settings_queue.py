@@ -45,6 +45,8 @@ def run_item(work: Path, data: Path, seed: int, name: str, record: Path = RECORD
     if rec.exists() and not dest.exists():
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(rec, dest)
+    kept = json.loads(rec.read_text()).get("provenance", {}) if rec.exists() else {}  # the benchmark rewrites
+    # learning.json without it: each earlier seed's record comes from the committed file
     code = ("from minirl.benchmarks.learning import bench_presets; "
             f"bench_presets({str(work)!r}, presets=({name!r},), seeds=({seed},), eval_size=256, eval_every=10, "
             f"data={str(data / 'train.jsonl')!r}, eval_data={str(data / 'held.jsonl')!r})")
@@ -53,7 +55,8 @@ def run_item(work: Path, data: Path, seed: int, name: str, record: Path = RECORD
     res = json.loads(dest.read_text())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip()
-    res.setdefault("provenance", {})[f"s{seed}"] = {  # where and when each run was made
+    res["provenance"] = {**kept, **res.get("provenance", {})}
+    res["provenance"][f"s{seed}"] = {  # where and when each run was made
         "commit": commit, "machine": _cpu(), "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "wall_s": round(time.time() - t0)}
     dest.write_text(json.dumps(res, indent=2))
