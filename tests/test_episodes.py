@@ -388,16 +388,23 @@ def test_a_step_that_hangs_or_exits_fails_its_episode_and_the_run_goes_on(tiny_m
     from minirl.training.models import build_model
     gen = HFGenerator(build_model(Config(model=tiny_model, lora_rank=8, lora_alpha=16), "cpu").eval(), tiny_tok)
     params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
+    RELEASE.clear(), RELEASE_RESET.clear()
     try:
         runner = EpisodeRunner(gen, Hangs, tiny_tok, max_turns=3, max_episode_tokens=64, step_timeout_s=0.2)
         (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
         assert all(c.episode.end == "error" and "did not return within 0.2 s" in c.episode.error
                    for c in g.completions)
         runner.make_env = Count  # the runner still works after abandoning the hung thread
-        (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
+        prompts = runner.prompts(ROWS[:1])
+        (g,) = runner.generate(prompts, 2, params)
         assert all(c.episode.end == "done" for c in g.completions)
+        runner.make_env = ResetHangs
+        (g,) = runner.generate(prompts, 2, params)
+        assert all(c.episode.end == "error" and "reset did not return within 0.2 s" in c.episode.error
+                   for c in g.completions)
     finally:
         RELEASE.set()
+        RELEASE_RESET.set()
     runner = EpisodeRunner(gen, Exits, tiny_tok, max_turns=3, max_episode_tokens=64)
     (g,) = runner.generate(runner.prompts(ROWS[:1]), 2, params)
     assert all(c.episode.end == "error" and "step called exit (3)" in c.episode.error for c in g.completions)
@@ -446,6 +453,7 @@ def test_the_loop_runner_fails_an_episode_whose_reset_hangs_or_exits(tiny_tok):
     from minirl.generation.episodes import AsyncEpisodeRunner, make_runner
     sampler = LoopSampler(tiny_tok)
     params = SamplingParams(temperature=1.0, max_tokens=4, seed=0)
+    RELEASE_RESET.clear()
     try:
         for env, why in ((ResetHangs, "reset did not return within 0.2 s"), (ResetExits, "reset called exit (4)")):
             runner = make_runner(sampler, Count, tiny_tok, max_turns=3, max_episode_tokens=64, step_timeout_s=0.2)

@@ -16,8 +16,8 @@ class StepTimeout(TimeoutError):
     """An env's step did not return within the runner's `step_timeout_s`."""
 
 
-def step_timeout(seconds: float) -> StepTimeout:
-    return StepTimeout(f"step did not return within {seconds:g} s (step_timeout_s); a step or tool that can hang "
+def step_timeout(seconds: float, call: str = "step") -> StepTimeout:
+    return StepTimeout(f"{call} did not return within {seconds:g} s (step_timeout_s); a {call} or tool that can hang "
                        "needs a timeout of its own")
 
 

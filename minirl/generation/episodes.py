@@ -159,7 +159,7 @@ class EpisodeRunner:
         if isinstance(out, _Live):
             return out
         e = _Live(prompt)
-        e.fail(out)
+        e.fail(step_timeout(self.step_timeout_s, "reset") if isinstance(out, StepTimeout) else out)
         return e
 
     def _room(self, e: _Live, params: SamplingParams) -> int:
@@ -302,7 +302,7 @@ class AsyncEpisodeRunner(EpisodeRunner):
         try:
             out = await asyncio.wait_for(call(), self.step_timeout_s)
         except asyncio.TimeoutError:
-            out = StepTimeout(f"reset did not return within {self.step_timeout_s:g} s (step_timeout_s)")
+            out = step_timeout(self.step_timeout_s, "reset")
         if isinstance(out, _Live):
             return out
         e = _Live(prompt)
