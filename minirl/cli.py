@@ -313,12 +313,15 @@ def main(argv: list[str] | None = None) -> int:
                        "minirl's Config fields changed from its defaults, for an ablation (e.g. train_zero_adv=true)")
     bench.add_argument("--trl-from", default=None, metavar="TRL_JSON", help="trl: take TRL's runs from this trl.json "
                        "(same settings) and run minirl alone")
-    pl = sub.add_parser("plan", help="the memory plan of a YAML config, from the model's config.json alone")
-    pl.add_argument("config", help="YAML file with Config fields")
+    pl = sub.add_parser("plan", help="the memory plan of a YAML config (or of flags alone: minirl plan --model ID "
+                        "--gpu-gb 24), from the model's config.json alone")
+    pl.add_argument("config", nargs="?", default=None, help="YAML file with Config fields (default: the defaults; "
+                    "flags override either)")
     pl.add_argument("--gpu-gb", type=float, default=None, help="plan for GPUs of this many GB each (default: this "
                     "machine's, or its RAM on CPU)")
     pl.add_argument("--gpus", type=int, default=None, help="plan for this many GPUs, vLLM installed (default: "
                     "this machine's; one with --gpu-gb where it has none; 0: the CPU); the run's placement follows them")
+    add_cli_args(pl)
     xr = sub.add_parser("xray", help="a logged sample token by token as the loss saw it (docs/runs.md)")
     xr.add_argument("run_dir", help="the run's out_dir (or its metrics.jsonl)")
     xr.add_argument("--step", type=int, default=None, help="the step (default: the last logged)")
@@ -370,7 +373,8 @@ def _command(args: argparse.Namespace) -> int:
     elif args.cmd == "eval":
         print(json.dumps(_eval(Config(**overrides_from_args(args)), args.adapter), indent=2))
     elif args.cmd == "plan":
-        print(plan(Config.from_yaml(args.config), gpu_gb=args.gpu_gb, gpus=args.gpus).table())
+        cfg = (Config.from_yaml(args.config) if args.config else Config()).replace(**overrides_from_args(args))
+        print(plan(cfg, gpu_gb=args.gpu_gb, gpus=args.gpus).table())
     elif args.cmd == "export":
         if args.merged and args.type:
             raise ValueError("--type applies to --gguf only (the --merged folder keeps the run's dtype)")

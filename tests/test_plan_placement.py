@@ -189,3 +189,15 @@ def test_your_servers_are_on_no_device_of_the_plan(tmp_path, gpus):
     assert "engine" not in plan.table()
     if not gpus:
         assert p.train_threads == (__import__("os").cpu_count() or 1)
+
+
+def test_plan_takes_config_flags_with_or_without_a_yaml(tmp_path, capsys):
+    """`minirl plan --model ID --gpu-gb 24` (no YAML: a TRL user's "does it fit my GPU?"), and flags over a YAML's
+    fields, as `minirl train` takes them: the same plan as the YAML holding those fields."""
+    cfg, path = _yaml(tmp_path, "qwen2.5-1.5b", max_tokens=1024)
+    yaml_plan = _cli(capsys, path, "--gpu-gb", "24", "--gpus", "1")
+    flags = ["--model", cfg.model, "--backend", "vllm", "--max-tokens", "1024", "--reward-workers", "0",
+             "--out-dir", cfg.out_dir]
+    assert _cli(capsys, *flags, "--gpu-gb", "24", "--gpus", "1") == yaml_plan
+    smaller = _cli(capsys, path, "--max-tokens", "256", "--gpu-gb", "24", "--gpus", "1")
+    assert smaller != yaml_plan and "qwen2.5-1.5b" in smaller
