@@ -22,8 +22,9 @@ Two ways to run episodes concurrently:
 The episode ends when the env says done, after `max_turns` replies, or when the next env part or reply would not
 fit in `max_episode_tokens` (the last two recorded as truncated). An env that raises (`SystemExit` too: a tool
 that runs the model's code in-process may call `exit()`), answers with something that is not an `EnvStep` or with
-a reward that is not a number, or takes longer than `step_timeout_s` in one reset or step, ends its episode as a recorded failure (the `env` reward fails,
-the sample is left out of the loss); the run goes on. A hung step's thread is abandoned (Python cannot stop it).
+a reward that is not a number, or takes longer than `step_timeout_s` in one reset or step, ends its episode as a
+recorded failure (the `env` reward fails, the sample is left out of the loss); the run goes on. A hung step's thread
+is abandoned (Python cannot stop it).
 """
 from __future__ import annotations
 
