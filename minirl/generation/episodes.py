@@ -156,7 +156,11 @@ class EpisodeRunner:
         return e
 
     def _start_in_worker(self, prompt: Prompt) -> _Live:
-        out = self._in_worker(lambda: self._start(prompt))
+        return self._opened(prompt, self._in_worker(lambda: self._start(prompt)))
+
+    def _opened(self, prompt: Prompt, out: Any) -> _Live:
+        """What starting an episode gave: its `_Live`, or else a failed episode recording what the start raised or
+        that its reset did not return (both runners)."""
         if isinstance(out, _Live):
             return out
         e = _Live(prompt)
@@ -301,14 +305,9 @@ class AsyncEpisodeRunner(EpisodeRunner):
             except (Exception, SystemExit) as ex:  # noqa: BLE001 - _start records an Exception; SystemExit ends here
                 return RuntimeError(f"reset called exit ({ex})") if isinstance(ex, SystemExit) else ex
         try:
-            out = await asyncio.wait_for(call(), self.step_timeout_s)
+            return self._opened(prompt, await asyncio.wait_for(call(), self.step_timeout_s))
         except asyncio.TimeoutError:
-            out = step_timeout(self.step_timeout_s, "reset")
-        if isinstance(out, _Live):
-            return out
-        e = _Live(prompt)
-        e.fail(out)
-        return e
+            return self._opened(prompt, step_timeout(self.step_timeout_s, "reset"))
 
     async def _step_async(self, e: _Live, reply: str) -> Any:
         async def call():
