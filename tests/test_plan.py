@@ -137,3 +137,23 @@ def test_a_sleep_wake_cycle_costs_what_upstream_measured_not_only_the_copy():
     for params, seconds in ((0.6e9, 1.4), (8e9, 12.8)):
         assert abs(sleep_wake_seconds(params * 2 / GiB, int(params)) - seconds) < 0.05
     assert sleep_wake_seconds(0.6e9 * 2 / GiB, int(0.6e9)) > 10 * 2 * 0.6e9 * 2 / 20e9  # the copy alone is a tenth of it
+
+
+def test_offline_plan_of_an_uncached_hub_id_uses_the_shipped_shape(tmp_path, monkeypatch, capsys):
+    """No Hub, the id not cached: `minirl plan` plans a shipped shape's id (an -Instruct one: its base's sizes)
+    (any org: mirrors keep the name) with the plan of that config.json, saying so; any other id stays the one-line
+    error, naming the ids it knows."""
+    from minirl.cli import main
+    from minirl.training.models import ModelNotCached
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("minirl.training.models.try_to_load_from_cache", lambda *a, **k: None)  # nothing cached
+    hub = plan(Config(model="Qwen/Qwen2.5-1.5B-Instruct", backend="hf"), gpu_gb=24, gpus=1).trainer
+    assert "planned with the shape of qwen2.5-1.5b that minirl ships" in capsys.readouterr().err
+    here = plan(Config(model=_folder(tmp_path, "qwen2.5-1.5b"), backend="hf"), gpu_gb=24, gpus=1).trainer
+    assert (hub.train, hub.generate, hub.token_budget) == (here.train, here.generate, here.token_budget)
+    with pytest.raises(ModelNotCached, match="knows the Hub ids of the shapes it ships: Qwen/Qwen2.5-0.5B"):
+        plan(Config(model="Qwen/Qwen2.5-3B-Instruct"), gpu_gb=24, gpus=1)
+    assert main(["plan", "--model", "Qwen/Qwen2.5-Math-1.5B", "--gpu-gb", "24"]) == 2  # not a shipped shape's name
+    assert main(["plan", "--model", "unsloth/Qwen2.5-7B-Instruct", "--gpu-gb", "24"]) == 0  # a mirror: its name
+    assert main(["plan", "--model", "meta-llama/Llama-3.2-1B-Instruct", "--gpu-gb", "24"]) == 0
+    assert "Llama-3.2-1B-Instruct (1.24B)" in capsys.readouterr().out

@@ -29,8 +29,10 @@ import psutil
 from minirl.config import Config, ConfigError
 from minirl.generation.factory import split_devices
 from minirl.run.placement import Devices, Placement, device_facts, place
+from minirl.training.models import ModelNotCached, resolve_model
 from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, GiB, Holds, MemoryPlan, Shape, model_config, plan_shape
 from minirl.training.plan_reward import reward_model_loads
+from minirl.training.shapes.synthetic import SHIPPED, published_shape, shape_config
 
 
 @dataclass(frozen=True)
@@ -136,12 +138,13 @@ def holdings(cfg: Config, p: Placement) -> list[tuple[str, Holds]]:
 
 def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
              gradient_checkpointing: bool | None = None, prompt_tokens: int | None = None,
-             beside: bool = True) -> RunPlan:
+             beside: bool = True, shape: Shape | None = None) -> RunPlan:
     """The run's plan on `devices`, placed as `placement` (default: `place(cfg, devices)`): the trainer's device
     first (it picks the token budget, checkpointing and 4-bit), then every other device with those choices.
-    `beside`, on GPUs: with the plan of the other generator (`other_generator`) where both are options."""
+    `beside`, on GPUs: with the plan of the other generator (`other_generator`) where both are options. `shape`:
+    the model's (default: from its config.json)."""
     placement = placement or place(cfg, devices)
-    shape = Shape.from_config(model_config(cfg))
+    shape = shape or Shape.from_config(model_config(cfg))
     held = holdings(cfg, placement)
     train = next(d for d, h in held if h.trainer)
     loads, missing = reward_model_loads(cfg, train, prompt_tokens or min(cfg.max_prompt_tokens, 256))
@@ -168,7 +171,7 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
             plans[device] = plan_shape(chosen, shape, device, memory(device), t.gradient_checkpointing, holds,
                                        prompt_tokens)
     other = other_generator(cfg, placement, devices) if beside and placement.cuda_devices else None
-    alt = other and plan_run(other, devices, None, gradient_checkpointing, prompt_tokens, beside=False)
+    alt = other and plan_run(other, devices, None, gradient_checkpointing, prompt_tokens, beside=False, shape=shape)
     plans = {d: replace(p, notes=p.notes + loads[d].notes) if d in loads else p for d, p in plans.items()}
     return RunPlan(placement, tuple(plans[d] for d, _ in held), alt, tuple(missing))
 
@@ -206,7 +209,8 @@ def plan(cfg: Config, gpu_gb: float | None = None, gpus: int | None = None,
          gradient_checkpointing: bool | None = None, prompt_tokens: int | None = None) -> RunPlan:
     """The run's plan of `cfg` (`minirl.plan`, `minirl plan`): on this machine, or on `gpus` GPUs of `gpu_gb` GB
     each (either alone: the other from this machine, one GPU where it has none; a GPU box is assumed to have vLLM,
-    as `bash install.sh gpu` installs it). `gpus=0`: the CPU."""
+    as `bash install.sh gpu` installs it). `gpus=0`: the CPU. A Hub id that is not cached, with the Hub out of
+    reach, is planned with the shape minirl ships for it, where it ships one (`published_shape`), saying so."""
     if (gpus is not None and gpus < 0) or (gpu_gb is not None and gpu_gb <= 0):
         raise ConfigError(f"plan for gpus={gpus}, gpu_gb={gpu_gb}: give 0 GPUs or more (0: the CPU), of more than "
                           "0 GB each (`minirl plan CONFIG --gpus 2 --gpu-gb 24`)")
@@ -215,4 +219,19 @@ def plan(cfg: Config, gpu_gb: float | None = None, gpus: int | None = None,
         n = (devices.count or 1) if gpus is None else gpus
         gb = gpu_gb if gpu_gb is not None else devices.gb(0)
         devices = Devices.fake(n, gb, devices.capability, vllm=True if n else devices.vllm)
-    return plan_run(cfg, devices, gradient_checkpointing=gradient_checkpointing, prompt_tokens=prompt_tokens)
+    return plan_run(cfg, devices, gradient_checkpointing=gradient_checkpointing, prompt_tokens=prompt_tokens,
+                    shape=_shape_offline(cfg.model))
+
+
+def _shape_offline(model: str) -> Shape | None:
+    """The model's shape (None: read its config.json as a run does), or the shipped shape of an uncached Hub id."""
+    try:
+        resolve_model(model)
+        return None
+    except ModelNotCached as e:
+        if (name := published_shape(model)) is None:
+            raise ModelNotCached(f"{e}; offline, `minirl plan` knows the Hub ids of the shapes it ships: "
+                                 f"{', '.join(SHIPPED)} (and their -Instruct)") from None
+    print(f"minirl: plan: {model!r} is not in the local Hugging Face cache and the Hub cannot be reached; planned "
+          f"with the shape of {name} that minirl ships (its config.json's sizes)", file=sys.stderr, flush=True)
+    return Shape.from_config(shape_config(name))

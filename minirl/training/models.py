@@ -105,6 +105,10 @@ def resolve_model(name: str) -> str:
     return _hub_model(name)
 
 
+class ModelNotCached(ValueError):
+    """A Hub id that is not in the local cache, with the Hub unreachable (or HF_HUB_OFFLINE set)."""
+
+
 @lru_cache(maxsize=None)
 def _hub_model(name: str) -> str:
     """A Hugging Face id, found within seconds or one clear error (once per process). Offline (HF_HUB_OFFLINE, or the Hub unreachable)
@@ -116,7 +120,7 @@ def _hub_model(name: str) -> str:
         if isinstance(cached, str):
             os.environ["HF_HUB_OFFLINE"] = "1"
             return str(Path(cached).parent)
-        raise ValueError(f"model {name!r} is not in the local Hugging Face cache and the Hub cannot be reached; "
+        raise ModelNotCached(f"model {name!r} is not in the local Hugging Face cache and the Hub cannot be reached; "
                          f"use the embedded default (model: {EMBEDDED}), a local model folder, or download it "
                          "where there is a network")
     try:

@@ -22,6 +22,16 @@ def shape_config(name: str) -> dict:
     return json.loads((HERE / f"{name}.json").read_text())
 
 
+SHIPPED = ("Qwen/Qwen2.5-0.5B", "Qwen/Qwen2.5-1.5B", "Qwen/Qwen2.5-7B", "meta-llama/Llama-3.2-1B")  # Hub ids of NAMES
+
+
+def published_shape(model_id: str) -> str | None:
+    """The shipped shape of a Hub id ('Qwen/Qwen2.5-1.5B-Instruct', 'unsloth/Llama-3.2-1B' -> 'qwen2.5-1.5b',
+    'llama-3.2-1b': an instruct model has its base's sizes), or None. For a plan without the Hub."""
+    name = model_id.rsplit("/", 1)[-1].lower().removesuffix("-instruct")
+    return name if "/" in model_id and name in NAMES and name != "qwen2-tiny" else None
+
+
 def _default_dir() -> Path:
     return Path(os.environ.get("MINIRL_CACHE", Path.home() / ".cache" / "minirl")) / "synthetic"
 
