@@ -54,7 +54,7 @@ def test_raising_reward_is_a_recorded_failure_excluded_from_baseline():
     s = Scorer([("good", good), ("raises", raises)], [1.0, 0.0], timeout_s=2)
     g = s.score_group(_group(["right", "wrong", "boom"]))
     # 'raises' has weight 0 (logged only): its failure is recorded but does not exclude the sample
-    assert [f.reason for f in g.failures] == ["ZeroDivisionError: bad luck"]
+    assert [f.reason for f in g.failures] == ["raised ZeroDivisionError: bad luck"]
     assert g.rewards == (1.0, 0.0, 0.0)
     s = Scorer([("good", good), ("raises", raises)], [1.0, 1.0], timeout_s=2)
     g = s.score_group(_group(["right", "wrong", "boom"]))

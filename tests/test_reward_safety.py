@@ -182,7 +182,7 @@ def test_a_code_reward_run_where_no_sandbox_works_stops_naming_how_to_get_one(to
         run.run()
     line = str(e.value)
     assert "\n" not in line and line.startswith("reward 'code_tests_pass' failed every call for 3 steps in a row, "
-                                                 "last: SandboxUnavailable: no sandbox on this machine (unshare: ")
+                                                 "last: raised SandboxUnavailable: no sandbox on this machine (unshare: ")
     assert line.count("CAP_SYS_ADMIN") == 1 and "operation not permitted); stopping the run" in line.lower()
     assert line.endswith("stopping the run: to get a sandbox, run as root with CAP_SYS_ADMIN (Docker: --cap-add "
                          "SYS_ADMIN), or allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1;"

@@ -50,8 +50,8 @@ def test_errors_exits_and_crashes_are_recorded_and_the_pool_goes_on():
               "segfault": segfault}
     with pool(faults) as rw:
         out = rw.call_many(calls(*faults, "ok", "ok"))
-        assert [o.error for o in out] == ["ZeroDivisionError: division by zero", "SystemExit(0)",
-                                          "worker died (exit code 0)", "KeyboardInterrupt",
+        assert [o.error for o in out] == ["raised ZeroDivisionError: division by zero", "raised SystemExit(0)",
+                                          "worker died (exit code 0)", "raised KeyboardInterrupt",
                                           "worker died (signal SIGSEGV)", None, None]
         assert all(o.value is None for o in out[:5]) and [o.value for o in out[5:]] == [1.0, 1.0]
         assert [o.value for o in rw.call_many(calls("ok", "ok", "ok"))] == [1.0, 1.0, 1.0]
@@ -130,7 +130,7 @@ def test_memory_past_the_limit_is_a_memory_error_and_below_it_works():
 
     with pool({"bomb": bomb, "hundred_mb": hundred_mb}, memory_mb=256) as rw:
         out = rw.call_many(calls("bomb", "hundred_mb", "ok"))
-        assert [o.error for o in out] == ["MemoryError (a reward worker's memory is capped at reward_memory_mb=256 "
+        assert [o.error for o in out] == ["raised MemoryError (a reward worker's memory is capped at reward_memory_mb=256 "
                                           "MiB: raise it, or set reward_workers: 0 to score in the run's process)",
                                           None, None] and out[1].value == float(100 << 20)
 
@@ -415,7 +415,8 @@ def test_in_process_records_errors_and_exits_and_times_out():
         with pool(faults, workers=0, timeout_s=0.3) as rw:
             out = rw.call_many(calls(*faults, "ok"))
             assert [(o.value, o.error) for o in out] == [
-                (None, "ZeroDivisionError: division by zero"), (None, "SystemExit(3)"), (None, "KeyboardInterrupt"),
+                (None, "raised ZeroDivisionError: division by zero"), (None, "raised SystemExit(3)"),
+                (None, "raised KeyboardInterrupt"),
                 (None, "timeout after 0.3s"), (0.5, None), (1.0, None)]
             assert all(o.output is None for o in out)  # prints are not captured in-process
     finally:

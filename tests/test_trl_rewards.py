@@ -215,7 +215,7 @@ def test_wrong_length_non_numbers_and_raises_are_recorded_failures(workers):
     assert ("odd", 0) not in why and why[("odd", 1)] == "returned str '0.5', expected a float or None (entry 1)"
     assert why[("odd", 2)] == "returned non-finite nan"
     assert why[("scalar", 0)].startswith("returned float 1.0, expected a list of 3 floats or None")
-    assert why[("raises", 1)] == "ZeroDivisionError: division by zero"
+    assert why[("raises", 1)] == "raised ZeroDivisionError: division by zero"
     assert len(sg.failures) == 3 + 2 + 3 + 3 and sg.rewards == (None, None, None)
     assert failure_kinds([sg]) == {"wrong length": 3, "expected a float": 1, "non-finite": 1, "expected a list": 3,
                                    "ZeroDivisionError": 3}

@@ -238,5 +238,5 @@ def failure_kinds(groups: Sequence[ScoredGroup]) -> dict[str, int]:
                   "expected a list", "float() cannot take", "cannot come back"):
             if k in reason:
                 return k
-        return reason.split(":")[0].split("(")[0].strip() or "error"
+        return reason.removeprefix("raised ").split(":")[0].split("(")[0].strip() or "error"
     return dict(Counter(kind(f.reason) for g in groups for f in g.failures))

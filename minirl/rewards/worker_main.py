@@ -4,6 +4,7 @@ use on their socket, a reply's JSON (`reply`), and the conversion of a returned 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import ctypes
 import inspect
 import json
@@ -14,6 +15,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Callable
@@ -73,14 +75,14 @@ def memory_hint(why: str, memory_mb: int | None) -> str:
 
 def run_call(fn: Callable, prompt: str, completion: str, columns: dict) -> tuple[float | None, str | None]:
     """Call a reward (awaiting it if it gives an awaitable) and take its value as a number (`number`), both where
-    the call runs and so under its timeout; every exception becomes `(None, reason)`."""
+    the call runs and so under its timeout; every exception becomes `(None, 'raised ' + reason)`."""
     try:
         value = fn(prompt, completion, **columns)
         if inspect.isawaitable(value):
             value = asyncio.run(_awaited(value))
         return number(value)
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a reward's failures too
-        return None, reason(e)
+        return None, f"raised {reason(e)}"
 
 
 def run_batched(fn: Callable, prompts: list, completions: list, kwargs: dict,
@@ -94,7 +96,25 @@ def run_batched(fn: Callable, prompts: list, completions: list, kwargs: dict,
             value = asyncio.run(_awaited(value))
         return batch_values(value, n)
     except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a reward's failures too
-        return None, reason(e)
+        return None, f"raised {reason(e)}"
+
+
+def call_in_thread(run: Callable[[], tuple], timeout_s: float | None, name: str) -> tuple[Any, Any]:
+    """`run()` (a `run_call` or `run_batched`) in a daemon thread of its own, so that an async reward is awaited
+    beside a notebook's running event loop and a hanging one is left behind, not joined: its result, or `(None,
+    'timeout after Ns')`. The in-process twin of a worker's call under its timeout."""
+    done: cf.Future = cf.Future()
+
+    def call() -> None:
+        try:
+            done.set_result(run())
+        except BaseException as e:  # noqa: BLE001 - never a result left unset
+            done.set_result((None, reason(e)))
+    threading.Thread(target=call, daemon=True, name=name).start()
+    try:
+        return done.result(timeout=timeout_s)
+    except cf.TimeoutError:
+        return None, f"timeout after {timeout_s}s"
 
 
 def batch_values(value: Any, n: int) -> tuple[list | None, list | str]:

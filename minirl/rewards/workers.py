@@ -183,7 +183,6 @@ class RewardWorkers:
     # --- in-process -----------------------------------------------------------------------------------------
 
     def _call_here(self, call: RewardCall) -> RewardOutcome:
-        done: cf.Future = cf.Future()
         fn = self._fns[call.reward]
 
         def run() -> tuple[Any, Any]:
@@ -194,12 +193,7 @@ class RewardWorkers:
             if call.batch:
                 return run_batched(fn, prompt, completion, columns, call.batch)
             return run_call(fn, prompt, completion, columns)
-        threading.Thread(target=lambda: done.set_result(run()), daemon=True, name="minirl-reward").start()
-        try:
-            value, error = done.result(timeout=self.timeout_s)
-        except cf.TimeoutError:
-            value, error = None, f"timeout after {self.timeout_s}s"
-        return _outcome(value, error, None)
+        return _outcome(*worker_main.call_in_thread(run, self.timeout_s, "minirl-reward"), None)
 
     # --- worker processes -----------------------------------------------------------------------------------
 

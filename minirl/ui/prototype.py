@@ -10,12 +10,8 @@ Tables are lists of dicts with an HTML view for notebooks (no pandas needed; `pa
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures as cf
 import html
-import inspect
 import math
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,7 +28,7 @@ from minirl.rewards import Scorer, check_columns, check_data_columns, resolve_re
 from minirl.rewards.advantages import step_advantages
 from minirl.rewards.registry import accepted_keywords, reward_form
 from minirl.rewards.scorer import check_value
-from minirl.rewards.worker_main import batch_values, call_batched, number, reason
+from minirl.rewards.worker_main import call_in_thread, reason, run_batched, run_call
 from minirl.training.models import load_tokenizer, resolve_model
 from minirl.types import Completion, Group, Prompt, SamplingParams
 
@@ -186,49 +182,28 @@ def check(reward_fn: Callable | str, cases: Sequence[dict | tuple], *, tol: floa
 
 def _case_value(fn: Callable, batched: bool, prompt: Any, completion: Any, cols: dict,
                 conversational: bool, timeout_s: float | None) -> tuple[float | None, str | None]:
-    """(value, None) or (None, why) of one case, as a run's scorer records it: the call in a thread of its own (an
-    async reward awaited there, beside a notebook's running event loop), its value taken as the scorer takes it
-    (a numpy number or 0-d tensor is a number; NaN, inf, a value beyond the default reward_clip or a non-number is
-    a failure with its reason); whatever it raises, SystemExit included, is "raised ..."."""
-    done: cf.Future = cf.Future()
+    """(value, None) or (None, why) of one case, called and taken as a run's scorer does in-process (`call_in_thread`
+    over `run_call` / `run_batched`): a numpy number or 0-d tensor is a number; what it raises, SystemExit included,
+    is "raised ..."; NaN, inf, a value beyond the default reward_clip or a non-number is a failure with its reason."""
 
-    def call() -> None:
-        try:
-            got = _batched_call(fn, prompt, completion, cols, conversational) if batched else \
-                fn(prompt, completion, **cols)
-            if inspect.isawaitable(got):
-                got = asyncio.run(_awaited(got))
-        except BaseException as e:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are a reward's failures too
-            return done.set_result((None, f"raised {reason(e)}"))
-        try:
-            if batched:
-                values, why = batch_values(got, 1)
-                done.set_result((None, why) if values is None else (values[0], why[0]))
-            else:
-                done.set_result(number(got))
-        except BaseException as e:  # noqa: BLE001 - never a result left unset
-            done.set_result((None, reason(e)))
-    threading.Thread(target=call, daemon=True, name="minirl-check").start()
-    try:
-        value, why = done.result(timeout=timeout_s)
-    except cf.TimeoutError:  # a hanging reward: the case's failure, as the scorer records it; the cell goes on
-        return None, f"timeout after {timeout_s}s"
+    def run() -> tuple[Any, Any]:
+        if not batched:
+            return run_call(fn, prompt, completion, cols)
+        values, why = run_batched(fn, *_batched_args(fn, prompt, completion, cols, conversational), 1)
+        return (None, why) if values is None else (values[0], why[0])
+    value, why = call_in_thread(run, timeout_s, "minirl-check")
     return (None, why) if why is not None else check_value(value)
 
 
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
-
-
-def _batched_call(fn: Callable, prompt: Any, completion: Any, cols: dict, conversational: bool) -> Any:
-    """What a batched reward returns on one case (a batch of one)."""
+def _batched_args(fn: Callable, prompt: Any, completion: Any, cols: dict, conversational: bool) -> tuple:
+    """The prompts, completions and keywords a batched reward is given on one case (a batch of one)."""
     if conversational or isinstance(prompt, list) or isinstance(completion, list):
         prompt = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}] if prompt else []
         completion = completion if isinstance(completion, list) else [{"role": "assistant", "content": completion}]
     takes = accepted_keywords(fn)
     extra = {"completion_ids": [[]], "trainer_state": SimpleNamespace(global_step=0)}
     kw = {**{k: [v] for k, v in cols.items()}, **{k: v for k, v in extra.items() if takes is None or k in takes}}
-    return call_batched(fn, [prompt], [completion], kw)
+    return [prompt], [completion], kw
 
 
 # --- preview: score the current model's samples -------------------------------------------------------------
