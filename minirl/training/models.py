@@ -120,9 +120,9 @@ def _hub_model(name: str) -> str:
         if isinstance(cached, str):
             os.environ["HF_HUB_OFFLINE"] = "1"
             return str(Path(cached).parent)
-        raise ModelNotCached(f"model {name!r} is not in the local Hugging Face cache and the Hub cannot be reached; "
-                         f"use the embedded default (model: {EMBEDDED}), a local model folder, or download it "
-                         "where there is a network")
+        raise ModelNotCached(f"model {name!r} is not in the local Hugging Face cache and the Hub cannot be "
+                             f"reached; use the embedded default (model: {EMBEDDED}), a local model folder, or "
+                             "download it where there is a network")
     try:
         hf_hub_download(name, "config.json")
     except (errors.RepositoryNotFoundError, errors.GatedRepoError, errors.EntryNotFoundError) as e:
