@@ -310,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--save-every", type=int, default=None, help="steps between saved, scored adapters (trl; "
                        "default 2)")
     bench.add_argument("--minirl-overrides", type=_settings, default=None, metavar="KEY=VALUE,...", help="trl: "
-                       "minirl's Config fields changed from its defaults, for an ablation (e.g. train_zero_adv=true)")
+                       "minirl's Config fields changed from its defaults, for an ablation (e.g. train_zero_adv=true); "
+                       "learning: Config fields of every run over the demo's, e.g. your task (data=rows.jsonl,"
+                       "eval_data=held.jsonl,rewards=mymod:fn)")
     bench.add_argument("--trl-from", default=None, metavar="TRL_JSON", help="trl: take TRL's runs from this trl.json "
                        "(same settings) and run minirl alone")
     pl = sub.add_parser("plan", help="the memory plan of a YAML config (or of flags alone: minirl plan --model ID "

@@ -178,6 +178,24 @@ def test_presets_benchmark_runs_each_preset_per_seed_in_rotating_order(tmp_path,
         learning.bench_presets(tmp_path, presets=("ppo",))
 
 
+def test_bench_learning_runs_your_task_given_as_config_fields(tmp_path, monkeypatch, capsys):
+    """`minirl bench learning --presets ... --minirl-overrides data=...,max_tokens=...`: every setting's runs get
+    the fields, over the demo's and beside the setting's own."""
+    from minirl.benchmarks import learning
+    from minirl.cli import main
+    calls = []
+
+    def fake(out, seeds, ks, eval_size, eval_every, **kw):
+        calls.append((Path(out).name, kw))
+        _learning_json(Path(out) / "learning.json", {f"s{seeds[0]}_k{ks[0]}": _k0([[0, 0.1], [5, 0.5]])})
+    monkeypatch.setattr(learning, "bench_learning", fake)
+    assert main(["bench", "learning", "--out", str(tmp_path), "--presets", "dapo,rloo", "--seeds", "0",
+                 "--minirl-overrides", "data=rows.jsonl,max_tokens=32"]) == 0
+    yours = {"data": "rows.jsonl", "max_tokens": 32}
+    assert calls == [("dapo", {"loss_type": "dapo", **yours}),
+                     ("rloo", {"loss_type": "dapo", "advantage_estimator": "rloo", **yours})]
+
+
 def test_presets_benchmark_takes_settings_with_their_k_and_fields_and_compares_k1_runs(tmp_path, monkeypatch):
     from minirl.benchmarks import learning
     calls = []

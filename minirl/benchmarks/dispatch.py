@@ -14,14 +14,18 @@ from minirl.benchmarks.trl_bench import bench_trl
 # the sizing flags (`minirl bench WHAT --workloads/--steps/--rounds`) each benchmark takes
 SIZES = {"pipeline": ("workloads", "variants", "steps", "rounds"), "memory": ("steps", "rounds"),
          "trl": ("steps", "lr", "task", "eval_size", "save_every", "minirl_overrides", "trl_from"),
-         "learning": ("eval_size", "eval_every", "presets")}
+         "learning": ("eval_size", "eval_every", "presets", "minirl_overrides")}
+# Config fields a learning benchmark sets itself, each from a flag of its own
+OWN_FIELDS = {"seed": "--seeds", "max_async_steps": "--ks or a -k1 preset", "out_dir": "--out",
+              "eval_size": "--eval-size", "eval_every": "--eval-every"}
 BENCHMARKS = ("generation", "pipeline", "sync", "learning", "memory", "trl")
 
 
 def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2), **sizes) -> dict:
     """Run benchmark `what`; `sizes` (workloads, variants, steps, rounds; trl: lr, task, eval_size, save_every,
     minirl_overrides, trl_from;
-    learning: eval_size, eval_every, presets) go to the benchmarks that take them."""
+    learning: eval_size, eval_every, presets, minirl_overrides: Config fields of every run, e.g. a task of your own)
+    go to the benchmarks that take them."""
     if what not in BENCHMARKS:
         raise ValueError(f"unknown benchmark {what!r}: use {', '.join(BENCHMARKS[:-1])} or {BENCHMARKS[-1]}")
     wrong = sorted(set(sizes) - set(SIZES.get(what, ())))
@@ -49,7 +53,11 @@ def run(what: str, out: str | Path, seed: int = 0, seeds=(0, 1, 2), ks=(0, 1, 2)
             raise ValueError(f"unknown task {sizes['task']!r}: choose from {', '.join(TASKS)}")
         return bench_trl(out, seeds=seeds, **sizes)
     if what == "learning":
+        fields = sizes.pop("minirl_overrides", None) or {}
+        if own := [k for k in fields if k in OWN_FIELDS]:
+            raise ValueError(f"--minirl-overrides sets {own[0]}, which bench learning sets itself: use "
+                             f"{OWN_FIELDS[own[0]]}")
         if "presets" in sizes:
-            return bench_presets(out, seeds=seeds, **sizes)
-        return bench_learning(out, seeds=seeds, ks=ks, **sizes)
+            return bench_presets(out, seeds=seeds, **sizes, **fields)
+        return bench_learning(out, seeds=seeds, ks=ks, **sizes, **fields)
     return bench_memory(out, **sizes)
