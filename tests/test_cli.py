@@ -90,6 +90,10 @@ BAD = [  # (what, files, argv, the line's content)
      "--minirl-overrides sets seed, which bench learning sets itself: use --seeds"),
     ("bench learning override", {}, ["bench", "learning", "--presets", "dapo,rloo", "--minirl-overrides", "dat=r.jsonl"],
      "'dat' (did you mean 'data'?)"),
+    ("bench learning override a setting", {}, ["bench", "learning", "--presets", "dapo,rloo", "--minirl-overrides",
+                                               "advantage_estimator=group"],
+     "advantage_estimator='group' would replace what setting 'rloo' sets, so the settings would not differ by it: "
+     "leave advantage_estimator out"),
     ("bench learning your data", {"r.jsonl": '{"prompt": "a", "solution": "1"}\n'},
      ["bench", "learning", "--presets", "dapo,rloo", "--minirl-overrides", "data=r.jsonl"],
      "needs column(s) ['answer'] that the data lacks"),

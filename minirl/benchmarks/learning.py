@@ -157,6 +157,9 @@ def bench_presets(out: str | Path, presets=("grpo", "dr_grpo", "dapo", "gspo"), 
     unknown = [p for p in presets if p not in SETTINGS]
     if unknown:
         raise ValueError(f"unknown preset {unknown[0]!r}: choose from {', '.join(SETTINGS)}")
+    if clash := [(k, p) for p in presets for k in SETTINGS[p][1] if k in overrides]:
+        raise ValueError(f"{clash[0][0]}={overrides[clash[0][0]]!r} would replace what setting {clash[0][1]!r} "
+                         f"sets, so the settings would not differ by it: leave {clash[0][0]} out")
     for i, seed in enumerate(seeds):
         for p in presets[i % len(presets):] + presets[:i % len(presets)]:
             k, fields = SETTINGS[p]
