@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -455,13 +456,22 @@ def test_where_only_keyctl_is_blocked_the_sandbox_refuses():
 
 def _python_as(prefix: list[str], python: str, script: str) -> dict:
     """Run `script` (which prints one JSON line) in a fresh Python under `prefix` (setpriv ...), with the sandbox
-    package loaded from its folder as `sandbox` (it is standalone: the system Python has no minirl deps)."""
-    load = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('sandbox', {sandbox.__file__!r}, "
-            f"submodule_search_locations=[{os.path.dirname(sandbox.__file__)!r}])\n"
-            "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
-            "spec.loader.exec_module(sandbox)\n")
-    out = subprocess.run([*prefix, python, "-I", "-c", load + script], capture_output=True, text=True, timeout=120)
+    package loaded as `sandbox` (it is standalone: the system Python has no minirl deps) from a copy every uid can
+    read (a checkout in a 0700 folder, as `mktemp -d` makes, is not readable by another uid)."""
+    where = Path(tempfile.mkdtemp(prefix="minirl-sandbox-copy-"))
+    try:
+        where.chmod(0o755)
+        pkg = shutil.copytree(os.path.dirname(sandbox.__file__), where / "sandbox",
+                              ignore=shutil.ignore_patterns("__pycache__"))
+        load = ("import importlib.util, sys\n"
+                f"spec = importlib.util.spec_from_file_location('sandbox', {str(pkg / '__init__.py')!r}, "
+                f"submodule_search_locations=[{str(pkg)!r}])\n"
+                "sandbox = sys.modules['sandbox'] = importlib.util.module_from_spec(spec)\n"
+                "spec.loader.exec_module(sandbox)\n")
+        out = subprocess.run([*prefix, python, "-I", "-c", load + script], capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
