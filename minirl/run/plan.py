@@ -29,7 +29,7 @@ import psutil
 from minirl.config import Config, ConfigError
 from minirl.generation.factory import split_devices
 from minirl.run.placement import Devices, Placement, device_facts, place
-from minirl.training.models import ModelNotCached, resolve_model
+from minirl.training.models import ModelNotCached
 from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, GiB, Holds, MemoryPlan, Shape, model_config, plan_shape
 from minirl.training.plan_reward import reward_model_loads
 from minirl.training.shapes.synthetic import SHIPPED, published_shape, shape_config
@@ -220,14 +220,14 @@ def plan(cfg: Config, gpu_gb: float | None = None, gpus: int | None = None,
         gb = gpu_gb if gpu_gb is not None else devices.gb(0)
         devices = Devices.fake(n, gb, devices.capability, vllm=True if n else devices.vllm)
     return plan_run(cfg, devices, gradient_checkpointing=gradient_checkpointing, prompt_tokens=prompt_tokens,
-                    shape=_shape_offline(cfg.model))
+                    shape=_shape(cfg))
 
 
-def _shape_offline(model: str) -> Shape | None:
-    """The model's shape (None: read its config.json as a run does), or the shipped shape of an uncached Hub id."""
+def _shape(cfg: Config) -> Shape:
+    """The model's shape from its config.json, as a run reads it, or the shipped shape of an uncached Hub id."""
+    model = cfg.model
     try:
-        resolve_model(model)
-        return None
+        return Shape.from_config(model_config(cfg))
     except ModelNotCached as e:
         if (name := published_shape(model)) is None:
             raise ModelNotCached(f"{e}; offline, `minirl plan` knows the Hub ids of the shapes it ships: "
