@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from minirl.benchmarks.learning import accuracy_at_seconds, accuracy_over_time
+
 
 def _run_side(tree: Path, out: Path, seed: int, eval_size: int, eval_every: int, overrides: dict) -> dict:
     code = ("import json,sys; from minirl.benchmarks.learning import bench_learning; "
@@ -38,24 +40,8 @@ def _run_side(tree: Path, out: Path, seed: int, eval_size: int, eval_every: int,
             "load1_at_start": load}
 
 
-def _at(curve, step_s):
-    """[(training seconds, accuracy)] for each evaluation: one before step N counts the N steps before it."""
-    return [(sum(step_s[:int(step)]), acc) for step, acc in curve]
-
-
 def _to_target(points, target):
     return next((t for t, acc in points if acc >= target), None)
-
-
-def _area(points, horizon):
-    """Mean accuracy over [0, horizon] training seconds, each evaluation holding until the next (a step function)."""
-    area, (t_prev, a_prev) = 0.0, points[0]
-    for t, acc in points[1:]:
-        if t >= horizon:
-            break
-        area += (t - t_prev) * a_prev
-        t_prev, a_prev = t, acc
-    return (area + (horizon - t_prev) * a_prev) / horizon
 
 
 def _mean_se(xs):
@@ -70,12 +56,12 @@ def summarise(runs: dict, targets=(0.65, 0.70)) -> dict:
     horizon = min(sum(r["step_s"]) for side in runs.values() for r in side.values())
     out = {"horizon_s": horizon}
     for name, side in runs.items():
-        pts = {s: _at(r["curve"], r["step_s"]) for s, r in side.items()}
+        pts = {s: accuracy_at_seconds(r["curve"], r["step_s"]) for s, r in side.items()}
         out[name] = {
             **{f"s_to_{t:.2f}": {**_mean_se([_to_target(p, t) for p in pts.values()]),
                                  "reached": sum(_to_target(p, t) is not None for p in pts.values()), "seeds": len(pts)}
                for t in targets},
-            "mean_acc_over_horizon": _mean_se([_area(p, horizon) for p in pts.values()]),
+            "mean_acc_over_horizon": _mean_se([accuracy_over_time(p, horizon) for p in pts.values()]),
             "final_acc": _mean_se([r["curve"][-1][1] for r in side.values()]),
             "median_step_s": _mean_se([statistics.median(r["step_s"]) for r in side.values()]),
             "train_s": _mean_se([sum(r["step_s"]) for r in side.values()]),

@@ -161,6 +161,25 @@ def test_presets_compare_on_the_evaluations_every_run_has_and_pair_by_seed(tmp_p
     assert "after_minus_a" not in ra
 
 
+def test_presets_compare_time_to_accuracy_in_training_seconds(tmp_path):
+    from minirl.benchmarks.learning import compare_presets
+    # a: evaluations at 0, 10, 20 training seconds; b: at 0, 5, 30 (a slow second step). The horizon is the shortest
+    # run's 20 s; each evaluation's accuracy holds until the next.
+    a = [_learning_json(tmp_path / "a.json", {"s0_k0": _k0([[0, 0.4], [1, 0.6], [2, 0.8]], (10.0, 10.0)),
+                                             "s1_k0": _k0([[0, 0.1], [2, 0.2]], (10.0, 10.0))})]
+    b = [_learning_json(tmp_path / "b.json", {"s0_k0": _k0([[0, 0.4], [1, 0.7], [2, 0.7]], (5.0, 25.0))})]
+    r = compare_presets({"a": a, "b": b}, target=0.7)
+    ra, rb = r["settings"]["a"], r["settings"]["b"]
+    assert r["horizon_s"] == 20.0 and r["target"] == 0.7
+    assert ra["s_to_target"] == {"mean": 20.0, "se": None, "n": 1, "reached": 1, "seeds": 2}  # seed 1 never did
+    assert rb["s_to_target"]["mean"] == 5.0 and ra["train_s"]["mean"] == 20.0 and rb["train_s"]["mean"] == 30.0
+    assert ra["acc_over_time"]["mean"] == pytest.approx(((10 * 0.4 + 10 * 0.6) / 20 + 0.1) / 2)
+    assert rb["acc_over_time"]["mean"] == pytest.approx((5 * 0.4 + 15 * 0.7) / 20)
+    assert rb["acc_over_time_minus_a"] == {"mean": pytest.approx(0.625 - 0.5), "se": None, "n": 1}  # seed 0 only
+    # by steps b is behind at the end (0.7 against 0.8); by seconds it is ahead
+    assert rb["after_minus_a"]["mean"] == pytest.approx(-0.1)
+
+
 def test_presets_benchmark_runs_each_preset_per_seed_in_rotating_order(tmp_path, monkeypatch):
     from minirl.benchmarks import learning
     calls = []

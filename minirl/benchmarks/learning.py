@@ -107,29 +107,62 @@ def _runs(paths: list[Path]) -> dict[str, dict]:
     return runs
 
 
-def compare_presets(files: dict[str, list[Path]]) -> dict:
+def accuracy_at_seconds(curve: list[list[float]], step_s: list[float]) -> list[tuple[float, float]]:
+    """[(training seconds, held-out accuracy)] for each evaluation: the one before step N follows N steps."""
+    return [(sum(step_s[:int(step)]), acc) for step, acc in curve]
+
+
+def accuracy_over_time(points: list[tuple[float, float]], horizon: float) -> float:
+    """The mean held-out accuracy over [0, horizon] training seconds, each evaluation's accuracy holding until
+    the next one (a step function over `accuracy_at_seconds`' points)."""
+    area, (t_prev, a_prev) = 0.0, points[0]
+    for t, acc in points[1:]:
+        if t >= horizon:
+            break
+        area += (t - t_prev) * a_prev
+        t_prev, a_prev = t, acc
+    return (area + (horizon - t_prev) * a_prev) / horizon
+
+
+def compare_presets(files: dict[str, list[Path]], target: float = 0.7) -> dict:
     """Per setting (name -> its learning.json files, K = 0 runs): held-out accuracy after the run, its gain, and the
     curve's mean over the evaluations after step 0 that every run has (runs evaluated every 5 and every 10 steps
     compare at steps 10, 20, ...), each as mean and standard error over seeds; then each setting minus the first,
-    paired by seed (same problems, same first sample), over the seeds both have."""
+    paired by seed (same problems, same first sample), over the seeds both have.
+    Time to accuracy, from each run's step times (evaluations excluded): the training seconds to the first
+    evaluation at or above `target` (over the seeds that reached it), and the mean accuracy over the first
+    `horizon_s` training seconds (the shortest run's), paired as above. Seconds compare only runs timed on one
+    machine in one interleaved call (`bench_presets`); accuracies compare across calls (a seed's run repeats)."""
     runs = {name: _runs(paths) for name, paths in files.items()}
     steps = set.intersection(*({s for s, _ in r["curve"] if s > 0} for rs in runs.values() for r in rs.values()))
+    horizon = min(sum(r["step_s"]) for rs in runs.values() for r in rs.values())
 
     def curve_mean(r):
         return statistics.mean(a for s, a in r["curve"] if s in steps)
 
-    out: dict[str, Any] = {"common_eval_steps": sorted(steps), "settings": {}}
+    def over_time(r):
+        return accuracy_over_time(accuracy_at_seconds(r["curve"], r["step_s"]), horizon)
+
+    out: dict[str, Any] = {"common_eval_steps": sorted(steps), "target": target, "horizon_s": horizon,
+                           "settings": {}}
     first = next(iter(runs))
     for name, rs in runs.items():
+        hit = [t for r in rs.values() if (t := _time_to(r["curve"], r["step_s"], target)) is not None]
         row = {"seeds": sorted(rs, key=int), "after": _mean_se([r["after"] for r in rs.values()]),
                "gain": _mean_se([r["gain"] for r in rs.values()]),
                "curve_mean": _mean_se([curve_mean(r) for r in rs.values()]),
-               "median_step_s": _mean_se([statistics.median(r["step_s"]) for r in rs.values()])}
+               "median_step_s": _mean_se([statistics.median(r["step_s"]) for r in rs.values()]),
+               "train_s": _mean_se([sum(r["step_s"]) for r in rs.values()]),
+               "s_to_target": {**(_mean_se(hit) if hit else {"mean": None, "se": None, "n": 0}),
+                               "reached": len(hit), "seeds": len(rs)},
+               "acc_over_time": _mean_se([over_time(r) for r in rs.values()])}
         paired = [s for s in rs if s in runs[first]]
         if name != first and paired:
             row[f"after_minus_{first}"] = _mean_se([rs[s]["after"] - runs[first][s]["after"] for s in paired])
             row[f"curve_mean_minus_{first}"] = _mean_se([curve_mean(rs[s]) - curve_mean(runs[first][s])
                                                          for s in paired])
+            row[f"acc_over_time_minus_{first}"] = _mean_se([over_time(rs[s]) - over_time(runs[first][s])
+                                                            for s in paired])
         out["settings"][name] = row
     return out
 
