@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                        "default 5)")
     bench.add_argument("--presets", type=_names, default=None, help="learning: compare these settings, paired "
                        "against the first: loss_type presets at K = 0 (e.g. dapo,grpo,gspo,cispo), <preset>-k1 and "
-                       "<preset>-epochs2 (grpo, dapo, cispo, gspo), rloo, reinforce++, dapo-entropy "
+                       "<preset>-epochs2 (grpo, dapo, cispo, gspo), rloo, reinforce++, dapo-entropy, dapo-top-entropy "
                        "(benchmarks/learning.py)")
     bench.add_argument("--save-every", type=int, default=None, help="steps between saved, scored adapters (trl; "
                        "default 2)")

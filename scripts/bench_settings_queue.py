@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 RECORD = REPO / "docs" / "measurements" / "issue55"
 DAPO = REPO / "docs" / "measurements" / "time_to_accuracy_51543b3_vs_88a5752.json"
 ORDER = ("dapo-k1", "grpo-k1", "cispo-k1", "gspo-k1", "dapo-epochs2", "grpo-epochs2", "cispo-epochs2",
-         "gspo-epochs2", "rloo", "reinforce++", "dapo-entropy")
+         "gspo-epochs2", "rloo", "reinforce++", "dapo-entropy", "dapo-top-entropy")
 
 
 def _cpu() -> str:

@@ -169,8 +169,9 @@ def compare_presets(files: dict[str, list[Path]], target: float = 0.7) -> dict:
 
 # Settings `minirl bench learning --presets` takes besides the loss_type presets: name -> (K, Config overrides).
 # Issue 55's table: each ratio-based preset off-policy, one step behind (K = 1) or two epochs per batch (at K = 0
-# with one epoch every ratio is 1, and grpo = gspo, dapo = cispo exactly), the RLOO and REINFORCE++ baselines, and
-# the default with an entropy bonus (0.01: within the 1e-3 .. 1e-2 of verl's and SkyRL's examples).
+# with one epoch every ratio is 1, and grpo = gspo, dapo = cispo exactly), the RLOO and REINFORCE++ baselines, the
+# default with an entropy bonus (0.01: within the 1e-3 .. 1e-2 of verl's and SkyRL's examples), and the default
+# trained on the 20 % highest-entropy tokens only (TRL's rho 0.2, the "80/20" paper's setting).
 SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
     **{p: (0, {"loss_type": p}) for p in PRESETS},
     **{f"{p}-k1": (1, {"loss_type": p}) for p in ("grpo", "dapo", "cispo", "gspo")},
@@ -178,6 +179,7 @@ SETTINGS: dict[str, tuple[int, dict[str, Any]]] = {
     "rloo": (0, {"loss_type": "dapo", "advantage_estimator": "rloo"}),
     "reinforce++": (0, {"loss_type": "dapo", "advantage_estimator": "reinforce++"}),
     "dapo-entropy": (0, {"loss_type": "dapo", "entropy_coef": 0.01}),
+    "dapo-top-entropy": (0, {"loss_type": "dapo", "top_entropy_quantile": 0.2}),
 }
 
 
