@@ -224,9 +224,8 @@ def test_presets_benchmark_takes_settings_with_their_k_and_fields_and_compares_k
         curve = [[0, 0.1], [5, 0.5 if ks == (1,) else 0.3]]
         _learning_json(Path(out) / "learning.json", {f"s{seeds[0]}_k{ks[0]}": _k0(curve)})
     monkeypatch.setattr(learning, "bench_learning", fake)
-    r = learning.bench_presets(tmp_path, presets=("dapo", "gspo-k1", "gspo-epochs2", "rloo", "dapo-entropy",
-                                                              "dapo-top-entropy"),
-                               seeds=(0,), eval_size=16, eval_every=5)
+    presets = ("dapo", "gspo-k1", "gspo-epochs2", "rloo", "dapo-entropy", "dapo-top-entropy")
+    r = learning.bench_presets(tmp_path, presets=presets, seeds=(0,), eval_size=16, eval_every=5)
     assert calls == [("dapo", (0,), {"loss_type": "dapo"}), ("gspo-k1", (1,), {"loss_type": "gspo"}),
                      ("gspo-epochs2", (0,), {"loss_type": "gspo", "ppo_epochs": 2}),
                      ("rloo", (0,), {"loss_type": "dapo", "advantage_estimator": "rloo"}),
