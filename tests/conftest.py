@@ -107,10 +107,12 @@ def shared_vllm(embedded_model, _shared_vllm_store):
 
 @pytest.fixture
 def toy_cfg(tiny_model, tmp_path):
+    """K = 0: the synchronous loop, one process and exact runs (`auto` would give the generator process its own
+    core here); the tests of the pipeline, resume and endings at K >= 1 set it themselves."""
     from minirl import Config
     return Config(model=tiny_model, backend="hf", data="unused", rewards=["yes_reward"], steps=2,
                   prompts_per_step=4, group_size=4, max_tokens=6, lr=1e-2, eval_size=8, out_dir=str(tmp_path / "run"),
-                  lora_rank=8, lora_alpha=16, seed=0)
+                  lora_rank=8, lora_alpha=16, seed=0, max_async_steps=0)
 
 
 TOY_ROWS = [{"prompt": f"What is {a} + {b} ?", "answer": a + b} for a in range(8) for b in range(8)]

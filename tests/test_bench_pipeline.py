@@ -116,7 +116,7 @@ def test_one_pipeline_run_reports_its_figures(tiny_model, tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in TOY_ROWS))
     cfg = Config(model=tiny_model, backend="hf", data=str(data), rewards=["yes_reward"], steps=3, prompts_per_step=2,
-                 group_size=4, max_tokens=6, lora_rank=8, eval_size=0, out_dir=str(tmp_path / "run"))
+                 group_size=4, max_tokens=6, lora_rank=8, eval_size=0, out_dir=str(tmp_path / "run"), max_async_steps=0)
     r = _one(cfg, warmup=1)
     assert r["step_s"] > 0 and 0 < r["gen_busy"] < 1 and 0 < r["train_busy"] < 1
     assert 0 < r["length_mean"] <= 6 and r["max_staleness"] == 0 and r["backend"] == "hf"

@@ -85,17 +85,23 @@ def test_a_16_bit_dtype_on_a_cpu_that_emulates_bf16_is_warned_about(tmp_path):
 
 
 def test_max_async_steps_auto_follows_the_measured_rule():
-    """'auto' (the default): K = 1 only where generation can run beside training without taking its device
-    (vLLM on 2+ GPUs); else the synchronous loop, which measured fastest on CPU (README)."""
+    """'auto' (the default): K = 1 where generation can run beside training without taking its device (vLLM on
+    2+ GPUs, the transformers generator process on 2+ CPU cores: BENCHMARKS.md "K = 1 against K = 0, in training
+    seconds"); else the synchronous loop (one GPU shared by both phases, one core, vLLM on a CPU)."""
     import pytest
 
     from minirl.config import ConfigError
-    from minirl.run.placement import pick_async_steps
+    from minirl.run.placement import Devices, pick_async_steps, place
     auto = Config()
     assert auto.max_async_steps == "auto"
-    for backend in ("hf", "vllm"):  # on CPU, short or long completions alike
-        for tokens in (24, 160):
-            assert pick_async_steps(auto.replace(max_tokens=tokens), backend, 0)[0] == 0
+    for tokens in (24, 160):  # on CPU, short or long completions alike
+        assert pick_async_steps(auto.replace(max_tokens=tokens), "hf", 0, cores=2)[0] == 1
+        assert pick_async_steps(auto.replace(max_tokens=tokens), "hf", 0, cores=16)[0] == 1
+        assert pick_async_steps(auto.replace(max_tokens=tokens), "hf", 0, cores=1)[0] == 0
+        assert pick_async_steps(auto.replace(max_tokens=tokens), "vllm", 0, cores=2)[0] == 0
+    one, two = place(Config(backend="hf"), Devices(0, cores=1)), place(Config(backend="hf"), Devices(0, cores=2))
+    assert (one.max_async_steps, two.max_async_steps) == (0, 1) and "2 CPU cores" in two.async_why
+    assert pick_async_steps(auto, "hf", 1, cores=16)[0] == 0  # one GPU: the phases take turns on it
     assert pick_async_steps(auto, "vllm", 1)[0] == 0 and pick_async_steps(auto, "vllm", 2)[0] == 1
     assert pick_async_steps(auto, "vllm-server", 2)[0] == 1 and pick_async_steps(auto, "hf", 2)[0] == 0
     assert pick_async_steps(auto.replace(max_async_steps=2), "hf", 0) == (2, "max_async_steps=2")
@@ -107,9 +113,11 @@ def test_max_async_steps_auto_follows_the_measured_rule():
 
 
 def test_a_run_resolves_auto_k_before_loading_and_records_why(toy_cfg):
+    import os
+
     from minirl.run.loop import Run
     run = Run(toy_cfg.replace(max_async_steps="auto", backend="hf"))
-    assert run.cfg.max_async_steps == 0 and run.async_why.startswith("auto:")
+    assert run.cfg.max_async_steps == int((os.cpu_count() or 1) >= 2) and run.async_why.startswith("auto:")
     run = Run(toy_cfg.replace(max_async_steps=1, backend="hf"))
     assert run.cfg.max_async_steps == 1 and run.async_why == "max_async_steps=1"
 

@@ -194,7 +194,8 @@ def said_yes(prompt, completion, **_):
 def test_the_watch_fires_on_a_hackable_run_and_not_on_an_honest_one(tiny_model, tmp_path, capsys, check, fires):
     cfg = Config(model=tiny_model, backend="hf", data="unused", rewards=[check, "yes_count"], reward_weights=[0, 1],
                  steps=30, prompts_per_step=8, group_size=8, max_tokens=6, lr=0.1, eval_size=16, eval_every=10,
-                 seed=0, out_dir=str(tmp_path / "run"), lora_rank=8, lora_alpha=16, reward_workers=0)
+                 seed=0, out_dir=str(tmp_path / "run"), lora_rank=8, lora_alpha=16, reward_workers=0,
+                 max_async_steps=0)  # the synchronous loop: the same run each time
     run = Run(cfg, data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:56])  # eval/accuracy: the check's greedy mean
     run.run()
     assert all(h["reward/checks"] == [check] for h in run.history)

@@ -99,8 +99,8 @@ def test_http_judge_scores_caches_and_records_an_unreadable_reply(fake):
         scored.failures[0].reason, scored.failures[0].reason
     bodies = [b for _, _, b in fake.chats()]
     assert len(bodies) == 3 and bodies[0]["temperature"] == 0.0 and bodies[0]["model"] == "fake-judge"
-    assert bodies[1]["messages"][0]["content"] == TEMPLATE.format(prompt="What is 1 + 2 ?", completion="it is 3",
-                                                                  answer=3)
+    asked = TEMPLATE.format(prompt="What is 1 + 2 ?", completion="it is 3", answer=3)
+    assert [b["messages"][0]["content"] for b in bodies].count(asked) == 1  # the three go out at once, any order
     again = scorer.score_group(_group("it is 3", "3", "hmm", "four"))  # 3 seen (the unreadable one cached too)
     assert again.per_reward["grade"] == (7.0, 1.0, None, 4.0) and len(fake.chats()) == 4
     other = scorer.score_group(_group("3", answer=4))  # another column value: another question

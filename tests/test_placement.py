@@ -4,7 +4,7 @@ import os
 import pytest
 
 from minirl.config import Config, ConfigError
-from minirl.run.placement import place
+from minirl.run.placement import Devices, place
 
 
 @pytest.mark.parametrize("gpus,train,gen,k", [
@@ -19,12 +19,18 @@ def test_auto_on_gpus(gpus, train, gen, k):
 
 
 def test_auto_on_cpu_splits_cores_only_when_asynchronous():
-    n = os.cpu_count() or 1
-    p = place(Config(backend="hf"), 0)
-    assert (p.train_device, p.gen_devices, p.train_threads, p.max_async_steps) == ("cpu", None, n, 0)
-    if n >= 2:
-        p = place(Config(backend="hf", max_async_steps=1), 0)
-        assert p.train_threads == n // 2 and p.gen_devices is not None
+    """`auto` on CPU: one core, the synchronous loop on it; 2+ cores, K = 1 with the cores split (the first half
+    to the generator process); K = 0 set by hand, both phases on every core in turn."""
+    p = place(Config(backend="hf"), Devices(0, cores=1))
+    assert (p.train_device, p.gen_devices, p.train_threads, p.max_async_steps) == ("cpu", None, 1, 0)
+    for n, gen in ((2, "0"), (4, "0-1"), (16, "0-7")):
+        p = place(Config(backend="hf"), Devices(0, cores=n))
+        assert (p.gen_devices, p.train_threads, p.max_async_steps) == (gen, n // 2, 1)
+        p = place(Config(backend="hf", max_async_steps=0), Devices(0, cores=n))
+        assert (p.gen_devices, p.train_threads, p.max_async_steps) == (None, n, 0)
+    n = os.cpu_count() or 1  # this machine's, where Devices does not say
+    assert place(Config(backend="hf"), 0).max_async_steps == int(n >= 2)
+    assert place(Config(backend="hf", steps=0), Devices(0, cores=n)).max_async_steps == 0  # evaluation only
 
 
 def test_explicit_gpu_ids_in_either_form():

@@ -11,7 +11,7 @@ from minirl import Config, Run
 def _run(tiny_model, out, **kw):
     cfg = Config(model=tiny_model, backend="hf", data="unused", rewards=["yes_reward"], steps=4, prompts_per_step=4,
                  group_size=4, max_tokens=6, lr=1e-2, eval_size=4, out_dir=str(out), lora_rank=8, lora_alpha=16,
-                 lr_schedule="cosine", **kw)
+                 lr_schedule="cosine", **{"max_async_steps": 0, **kw})
     run = Run(cfg, data=TOY_ROWS[:40], eval_data=TOY_ROWS[40:44])
     run.run()
     return run

@@ -1,6 +1,7 @@
 """`minirl bench memory --out DIR`: where the demo workload's memory goes, by phase, for LoRA and QLoRA.
 
-Each row is the demo's config (SmolLM2-135M, 8 prompts x G = 8, 24 tokens, the synchronous loop) run for a few steps
+Each row is the demo's config (SmolLM2-135M, 8 prompts x G = 8, 24 tokens, the synchronous loop: K = 0, every
+row, so generation is in this process) run for a few steps
 in a fresh process of its own (a peak is per process, and the allocator keeps what an earlier row freed), with the
 peak resident memory of each phase: `load` (model + generator set-up), `generate` (every `generate` call; no
 held-out evaluation: its 16 greedy rows weigh less than a step's 64), `train` (every optimizer step). On Linux a phase's peak is the kernel's own high-water mark
@@ -10,7 +11,7 @@ total RSS), as is the model's own bytes (parameters + buffers: a 4-bit base coun
 Rows: `lora` (the demo: token_budget 512), `qlora`, the demo at token_budget 4096 and 1024 and at 4096 with
 max_tokens 48 (the memory plan's calibration: tests/test_plan_calibration.py), and `Config()`'s defaults at
 max_tokens 32. Every row but the defaults' runs with `cpu_compact_memory` on (resident memory follows the live
-tensors, which the plan counts); the defaults' row is what a user gets.
+tensors, which the plan counts); the defaults' row is what a user gets (at K = 0).
 Writes DIR/memory.json: {"rows": {name: {...}}, "vs_lora": {name: {peak and step-time ratios to lora}}, "order"}.
 """
 from __future__ import annotations
@@ -115,7 +116,7 @@ def measure(overrides: dict, steps: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="minirl-mem-") as tmp:
         base = {} if overrides.get("defaults") else DEMO
         cfg = Config(**{**base, "steps": steps, "eval_size": 0, "checkpoint_every": 0, "out_dir": tmp,
-                        **{k: v for k, v in overrides.items() if k != "defaults"}})
+                        "max_async_steps": 0, **{k: v for k, v in overrides.items() if k != "defaults"}})
         run = Run(cfg, overwrite=True)
         with peaks.phase("load"):
             run.setup()

@@ -48,7 +48,7 @@ WORKLOADS: dict[str, dict[str, Any]] = {
     "judge": dict(rewards=[f"{__name__}:judged_correct"], reward_workers=8),
 }
 VARIANTS: dict[str, dict[str, Any]] = {
-    "sync": dict(max_async_steps=0),                                         # the default loop, every core
+    "sync": dict(max_async_steps=0),                                         # the synchronous loop, every core
     "k1": dict(max_async_steps=1),                                           # the default split
     "k1_shared": dict(max_async_steps=1, gen_devices="all", train_devices="all"),
     "k2": dict(max_async_steps=2),

@@ -35,7 +35,8 @@ Side = Callable[[dict], dict]  # spec -> {"step_s": [...], "peak_rss_mb": ...}; 
 
 def minirl_config(spec: dict):
     """The minirl Config for a spec: its settings, float32, the rows in the given order (`shuffle=False`), no
-    evaluation of its own (the shared evaluator scores the saved adapters), then `spec["minirl"]` overrides."""
+    evaluation of its own (the shared evaluator scores the saved adapters), on-policy as TRL's trainer is (K = 0),
+    then `spec["minirl"]` overrides."""
     s = spec["settings"]
     return Config.from_dict({**dict(
         model=spec["model"], dtype="float32", seed=spec["seed"], steps=spec["steps"], shuffle=False, eval_size=0,
@@ -43,7 +44,7 @@ def minirl_config(spec: dict):
         prompts_per_step=s["prompts_per_step"], group_size=s["group_size"], max_tokens=s["max_tokens"],
         temperature=s["temperature"], lr=s["lr"], lr_schedule="constant", lora_rank=s["lora_rank"],
         lora_alpha=s["lora_alpha"], target_modules="all-linear", max_grad_norm=s["max_grad_norm"], kl_coef=0.0,
-        ppo_epochs=1), **spec.get("minirl", {})})
+        ppo_epochs=1, max_async_steps=0), **spec.get("minirl", {})})
 
 
 def _minirl_main(spec_path: str) -> None:

@@ -278,9 +278,9 @@ class Config(ConfigMethods, metaclass=Coercing):
     # --- async pipeline ------------------------------------------------------------------------------------
     max_async_steps: int | str = "auto"
     """K: generation may run at most K versions ahead of the trainer. 0 = synchronous (on-policy). 'auto': the
-    rule in `placement.pick_async_steps` (1 where generation and training have GPUs of their own, or generation is on
-    your servers, server_urls; else 0: on one shared device the phases take turns); the run logs the K it chose and
-    why."""
+    rule in `placement.pick_async_steps` (1 where generation and training have GPUs of their own, generation is on
+    your servers, server_urls, or the transformers generator is on a CPU of 2+ cores, a process of its own on half of
+    them; else 0: on one shared GPU the phases take turns); the run logs the K it chose and why."""
     max_staleness: int | None = None
     """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
     inflight: str = "continue"

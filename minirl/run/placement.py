@@ -6,7 +6,8 @@ function, `place`, before anything loads; a bad device string fails here, naming
 field and the accepted forms. The result is one printed line at start and `placement` in summary.json.
 
   CPU               the cores are split (vLLM's worker or the generator process on some, the trainer's torch
-                    threads on the rest) when K >= 1; synchronously each phase takes every core in turn.
+                    threads on the rest) when K >= 1 (`auto`: the transformers generator on 2+ cores);
+                    synchronously (K = 0) each phase takes every core in turn.
   1 GPU             engine and trainer share cuda:0, K = 0 (synchronous); a vLLM engine sleeps (sleep mode level 1)
                     while the trainer works, and is woken before the adapter push.
   2 GPUs (vLLM)     trainer on cuda:0, one engine on GPU 1 (its processes see only that GPU), K = 1.
@@ -33,11 +34,12 @@ _CORES = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 @dataclass(frozen=True)
 class Devices:
     """The facts of the machine a run is placed on: its GPU count (0: CPU), each GPU's memory in GB (1e9; empty:
-    not known), the lowest compute capability among them, and whether vLLM is installed."""
+    not known), the lowest compute capability among them, whether vLLM is installed, and its CPU cores."""
     count: int
     memory_gb: tuple[float, ...] = ()
     capability: tuple[int, int] | None = None
     vllm: bool | None = None  # None: looked up where the backend is picked
+    cores: int | None = None  # CPU cores; None: this machine's (os.cpu_count())
 
     @classmethod
     def fake(cls, count: int, gpu_gb: float | None = None, capability: tuple[int, int] | None = None,
@@ -77,7 +79,8 @@ class Placement:
         if self.your_servers:
             gen = f"your {self.your_servers} server{'s' if self.your_servers > 1 else ''} (server_urls)"
         gen += f" ({self.num_servers} servers, one per GPU)" if self.num_servers else ""
-        train = self.train_device + (f" ({self.train_threads} threads)" if self.train_threads else "")
+        n = self.train_threads
+        train = self.train_device + (f" ({n} thread{'s' if n > 1 else ''})" if n else "")
         return (f"minirl: placement: {self.backend} generation on {gen}, training on {train}, "
                 f"K = {self.max_async_steps} ({self.async_why})" + ("; the engine sleeps while the trainer works"
                                                                      if self.engine_sleeps else ""))
@@ -86,9 +89,8 @@ class Placement:
         return asdict(self)
 
 
-def cpu_split(cfg: Config, k: int) -> tuple[str | None, int]:
-    """On CPU: the cores generation is pinned to, and the trainer's torch thread count."""
-    n = os.cpu_count() or 1
+def cpu_split(cfg: Config, k: int, n: int) -> tuple[str | None, int]:
+    """On `n` CPU cores: the cores generation is pinned to, and the trainer's torch thread count."""
     gen = None if cfg.gen_devices == "auto" else cfg.gen_devices
     if cfg.train_devices != "auto":
         train = len(parse_cores(cfg.train_devices))
@@ -100,15 +102,17 @@ def cpu_split(cfg: Config, k: int) -> tuple[str | None, int]:
     return gen, train
 
 
-def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int, str]:
-    """(K, why) for `max_async_steps`; 'auto' by the rule measured with `minirl bench pipeline` and `minirl bench
-    learning` (BENCHMARKS.md, "Earlier measurements"):
+def pick_async_steps(cfg: Config, backend: str, cuda_devices: int, cores: int = 1) -> tuple[int, str]:
+    """(K, why) for `max_async_steps`; 'auto' by this rule (`cores`: the CPU cores, on a CPU run):
     - your vLLM servers (`server_urls`), or vLLM with 2+ GPUs: generation and training on devices of their own:
       1 (each would idle while the other works; ahead by one step both stay busy). Reasoned, not measured.
-    - otherwise (one device shared by both phases, e.g. the CPU): 0. It pays where rewards wait (a remote judge):
-      set max_async_steps=1 there. On 2 CPU cores split 1 + 1, K = 1 now also reaches the demo's accuracy sooner
-      (BENCHMARKS.md, "K = 1 against K = 0, in training seconds"; at 054b873 it lost or tied); moving `auto` there
-      would move every CPU run, the test suite's included, to the two-process path: not done yet.
+    - the transformers generator on a CPU with 2+ cores, for a run that trains (steps > 0): 1, the cores split
+      between a generator process and the trainer. Measured on 2 cores (`minirl bench learning --presets
+      dapo,dapo-k1`, BENCHMARKS.md "K = 1 against K = 0, in training seconds"): the demo reached 0.70 held-out
+      sooner on each of 3 seeds, its steps 0.83x as long. It holds a second copy of the model (the CPU memory plan
+      counts it) and a resumed run is no longer exact.
+    - otherwise (one GPU shared by both phases, one core, vLLM on a CPU: unmeasured): 0. It pays where rewards wait
+      (a remote judge): set max_async_steps=1 there.
     """
     k = cfg.max_async_steps
     if k != "auto":
@@ -117,11 +121,14 @@ def pick_async_steps(cfg: Config, backend: str, cuda_devices: int) -> tuple[int,
         return 1, "auto: generation on your servers (server_urls), training here: ahead by one step both stay busy"
     if backend in ("vllm", "vllm-server") and cuda_devices >= 2:
         return 1, f"auto: vLLM with {cuda_devices} GPUs, generation and training on devices of their own"
+    if backend == "hf" and not cuda_devices and cores >= 2 and cfg.steps > 0:  # steps 0: evaluation on every core
+        return 1, (f"auto: {cores} CPU cores, half to a generator process, half to the trainer; max_async_steps=0 "
+                   "is the synchronous loop, exact on resume")
     return 0, ("auto: generation and training share " + ("one GPU" if cuda_devices else "the CPU cores")
                + ": synchronous (set max_async_steps=1 when rewards wait, e.g. a remote judge)")
 
 
-def _check_devices(cfg: Config, cuda_devices: int) -> None:
+def _check_devices(cfg: Config, cuda_devices: int, cores: int) -> None:
     """One line naming the field and its accepted forms, before anything loads."""
     for name in ("gen_devices", "train_devices"):
         v = str(getattr(cfg, name))
@@ -136,7 +143,6 @@ def _check_devices(cfg: Config, cuda_devices: int) -> None:
                                   f"{'GPU ids' if name == 'gen_devices' else 'one GPU'} below {cuda_devices}, "
                                   f"e.g. {forms}, or 'auto'")
         else:
-            cores = os.cpu_count() or 1
             if not _CORES.match(v) or max(parse_cores(v)) >= cores:
                 raise ConfigError(f"{name}={v!r}: on CPU give cores below {cores} as '1', '0-3' or '0,2-3', "
                                   "or 'auto'")
@@ -153,17 +159,18 @@ def auto_servers(cfg: Config, backend: str, k: int, cuda_devices: int) -> bool:
 
 
 def place(cfg: Config, devices: Devices | int) -> Placement:
-    """The placement of a run on `devices` (a count: that many GPUs, 0: CPU), a pure function of its arguments."""
+    """The placement of a run on `devices` (a count: that many GPUs, 0: CPU), a pure function of its arguments
+    (and of this machine's core count, where `devices.cores` is None)."""
     devices = Devices(devices) if isinstance(devices, int) else devices
-    cuda_devices = devices.count
-    _check_devices(cfg, cuda_devices)
+    cuda_devices, cores = devices.count, devices.cores or os.cpu_count() or 1
+    _check_devices(cfg, cuda_devices, cores)
     backend, backend_why = pick_backend(cfg.backend, cuda_devices > 0, cfg.load_in_4bit, devices.vllm)
-    k, async_why = pick_async_steps(cfg, backend, cuda_devices)
+    k, async_why = pick_async_steps(cfg, backend, cuda_devices, cores)
     yours = len(cfg.server_urls) if backend == "vllm-server" else 0
     if not cuda_devices:
-        gen, threads = cpu_split(cfg, k)
+        gen, threads = cpu_split(cfg, k, cores)
         if yours and cfg.train_devices == "auto":  # no generator of ours shares these cores
-            gen, threads = None, os.cpu_count() or 1
+            gen, threads = None, cores
         return Placement(backend, backend_why, k, async_why, gen, "cpu", threads, 0, your_servers=yours)
     train = "cuda:0" if cfg.train_devices == "auto" else "cuda:" + cfg.train_devices.removeprefix("cuda:")
     servers = None
