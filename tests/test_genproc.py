@@ -58,7 +58,7 @@ def test_pushed_adapter_is_served_with_exact_versions(trainer, toy_cfg):
     finally:
         gen.close()
         sync.close()
-    assert not gen.proc.is_alive()
+    assert gen.proc.poll() is not None
 
 
 def test_merged_generation_samples_the_trainers_policy_and_leaves_its_weights_untouched(trainer, monkeypatch):
@@ -116,7 +116,7 @@ def test_an_interrupt_to_the_process_group_leaves_the_generator_serving(trainer,
         gen.generate(_prompts(trainer, 1), 2, params)  # serving
         os.kill(gen.proc.pid, signal.SIGINT)
         got = gen.generate(_prompts(trainer, 1), 2, params)
-        assert gen.proc.is_alive() and len(got[0].completions) == 2
+        assert gen.proc.poll() is None and len(got[0].completions) == 2
     finally:
         gen.close()
 
@@ -134,7 +134,7 @@ def test_a_dead_generator_process_raises_a_clear_error(trainer, toy_cfg):
         assert time.perf_counter() - t0 < 30
     finally:
         gen.close()
-    assert not gen.proc.is_alive()
+    assert gen.proc.poll() is not None
 
 
 def test_errors_inside_the_process_reach_the_caller_with_their_traceback(trainer, toy_cfg):
@@ -169,3 +169,21 @@ def test_the_served_version_is_answered_while_a_long_generation_runs(trainer, to
     finally:
         gen.close()
         sync.close()
+
+
+def test_a_script_with_no_main_guard_runs_with_the_generator_process(tiny_model, tmp_path):
+    """`python train.py` whose run starts at the top level, no `if __name__ == "__main__":` (as `auto` gives a CPU of
+    2+ cores K = 1): the generator process is a fresh interpreter that never runs the script, so the run trains.
+    Under multiprocessing's spawn the child re-ran the script and the run stopped (MAIN_GUARD)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import minirl\n"
+        f"cfg = minirl.Config(model={tiny_model!r}, backend='hf', data='unused', rewards=['arithmetic_correct'], "
+        "steps=2, prompts_per_step=2, group_size=2, max_tokens=4, eval_size=0, max_async_steps=1, reward_workers=0, "
+        f"checkpoint_every=0, lora_rank=8, out_dir={str(tmp_path / 'run')!r})\n"
+        "run = minirl.Run(cfg, data=[{'prompt': f'What is {a} + 1 ?', 'answer': a + 1} for a in range(8)])\n"
+        "run.run()\n"
+        "print('trained', run.summary['steps'], run.summary['max_async_steps'])\n")
+    out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "trained 2 1" in out.stdout and "__main__" not in out.stdout + out.stderr

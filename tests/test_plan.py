@@ -65,6 +65,20 @@ def test_a_gpu_run_that_cannot_fit_stops_in_one_line_and_cpu_warns(tmp_path, cap
     assert "minirl: warning: the memory plan does not fit" in err
 
 
+def test_a_plan_that_fits_only_in_4bit_stops_a_run_that_does_not_load_4bit(tmp_path):
+    """The trainer's plan picks 4-bit where 16 bits do not fit; a run loads 4-bit only when load_in_4bit says so, so
+    a plan that needed it, with load_in_4bit off, is a problem (a GPU run stops before loading), not a fit."""
+    cfg = Config(model=_folder(tmp_path, "qwen2.5-7b"), backend="hf")  # 7.6B: ~15 GiB of bf16 weights alone
+    gpu = Devices.fake(1, 16)
+    with pytest.raises(ConfigError, match=r"^the memory plan fits cuda:0 \(16.0 GB\) only with the base in 4-bit "
+                                          r"\(peak .* GiB\), which the run does not load: set load_in_4bit: true") as e:
+        check_run_plan(cfg, gpu, place(cfg, gpu))
+    assert "\n" not in str(e.value)
+    assert plan(cfg, gpu_gb=16, gpus=1).fits is False and plan(cfg, gpu_gb=80, gpus=1).fits
+    qlora = cfg.replace(load_in_4bit=True)
+    assert check_run_plan(qlora, gpu, place(qlora, gpu)).fits
+
+
 def test_token_budget_auto_resolves_in_one_place(tmp_path):
     cfg = Config()
     assert cfg.token_budget == "auto" and resolve_token_budget(cfg, "cpu") == 512
@@ -157,3 +171,24 @@ def test_offline_plan_of_an_uncached_hub_id_uses_the_shipped_shape(tmp_path, mon
     assert main(["plan", "--model", "unsloth/Qwen2.5-7B-Instruct", "--gpu-gb", "24"]) == 0  # a mirror: its name
     assert main(["plan", "--model", "meta-llama/Llama-3.2-1B-Instruct", "--gpu-gb", "24"]) == 0
     assert "Llama-3.2-1B-Instruct (1.24B)" in capsys.readouterr().out
+
+
+def test_auto_k_on_a_cpu_keeps_one_copy_of_the_model_where_two_do_not_fit(tmp_path):
+    """`auto` gives a CPU of 2+ cores K = 1, whose generator process holds a second copy of the model; where the
+    machine's memory holds one copy but not two, the run is placed synchronously (K = 0), saying why. A K set by
+    hand is kept (the plan warns), and so is K = 1 where neither fits."""
+    from minirl.run.plan import place_run, plan_run
+    from minirl.training.plan import HEADROOM, GiB
+    cfg = Config(model=_folder(tmp_path, "qwen2.5-1.5b"), backend="hf", dtype="float32")
+    roomy = Devices(0, cores=2, cpu_gb=1000.0)
+    assert place_run(cfg, roomy).max_async_steps == 1
+    one = plan_run(cfg, roomy, place(cfg.replace(max_async_steps=0), roomy)).devices[0].peak_gb
+    two = plan_run(cfg, roomy, place(cfg, roomy)).devices[0].peak_gb
+    assert two > one + 5  # the plan counts the generator process's copy: 1.5B parameters in float32
+    between = Devices(0, cores=2, cpu_gb=(one + two) / 2 * GiB / HEADROOM / 1e9)
+    p = place_run(cfg, between)
+    assert (p.max_async_steps, p.gen_devices, p.train_threads) == (0, None, 2)
+    assert p.async_why.startswith("auto: a generator process's second copy of the model would not fit (peak ")
+    assert plan_run(cfg, between).placement == p and plan_run(cfg, between).fits  # `minirl plan` shows the same
+    assert place_run(cfg.replace(max_async_steps=1), between).max_async_steps == 1
+    assert place_run(cfg, Devices(0, cores=2, cpu_gb=one / 2)).max_async_steps == 1

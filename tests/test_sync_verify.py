@@ -370,3 +370,25 @@ def test_a_faulty_engine_fails_the_check(gen, trainer, probe, far, ipc, fault):
     ipc.push(trainer, gen)
     trainer.check, trainer.at = _check(gen, trainer, probe, good), new
     assert trainer.check.verified, trainer.check.metrics()
+
+
+def test_the_probe_samples_the_base_policy_as_a_full_forward_per_token_would(toy_cfg):
+    """make_probe decodes with the KV cache (one token a forward after the prompt); the tokens are those a full
+    forward of the whole sequence per token samples with the same seeded generator, and the adapter is off."""
+    from minirl.training.trainer import Trainer
+    trainer = Trainer(toy_cfg)
+    model, tok = trainer.model, trainer.tokenizer
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 1.0)  # an adapter that would change the samples if it were on
+    prompt = tok("What is 3 + 4 ?")["input_ids"]
+    ids, out = _probe(model, tok, prompt)
+    g, ref = torch.Generator().manual_seed(0), []
+    with torch.no_grad(), model.disable_adapter():
+        for _ in range(32):
+            logits = model(input_ids=torch.tensor([list(prompt) + ref])).logits[0, -1].float()
+            logits[len(tok):] = -float("inf")
+            logits[list(tok.all_special_ids)] = -float("inf")
+            ref.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g)))
+    assert ids == list(prompt) and out == ref and len(out) == 32

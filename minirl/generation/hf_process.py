@@ -4,7 +4,7 @@ Why a process: transformers `generate` on a small model is mostly Python overhea
 training thread in one process take turns on the GIL and each runs at about half speed. In its own process,
 pinned to its own cores, generation runs truly beside the trainer.
 
-  trainer process                                       generator process (spawned)
+  trainer process                                       generator process (a fresh interpreter)
   ───────────────                                       ───────────────────────────
   ProcGenerator.generate(prompts) ── pipe ──►  worker thread: apply staged adapter, HFGenerator.generate
   ShmSync.push: pack LoRA → shared flat buffer   (minirl.sync.local)
@@ -24,13 +24,15 @@ import concurrent.futures as cf
 import ctypes
 import dataclasses
 import itertools
-import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import traceback
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -48,6 +50,14 @@ from minirl.types import AdapterUpdate, Group, Prompt, SamplingParams
 
 class GeneratorProcessError(RuntimeError):
     pass
+
+
+# The process is a fresh interpreter (`subprocess.Popen`, as reward workers are), not multiprocessing's spawn: spawn
+# re-runs the trainer's main script as `__mp_main__`, so a script that starts a run at its top level, with no
+# `if __name__ == "__main__":`, would start a second run in the child. It takes the trainer's sys.path, then
+# `_serve`'s arguments, over the socket it is given.
+_BOOT = ("import sys\nfrom multiprocessing.connection import Connection\nc = Connection(int(sys.argv[1]))\n"
+         "sys.path[:] = c.recv()\nfrom minirl.generation.hf_process import _serve\n_serve(c, *c.recv())")
 
 
 def _die_with(parent: int) -> None:
@@ -142,7 +152,7 @@ def _serve(conn, cfg: Config, layout: dict, shm_path: str, cores: list[int] | No
 
 
 class ProcGenerator(LocalEngine):
-    """`Generator` whose transformers model lives in a spawned process pinned to `cores` (CPU) or on `device`.
+    """`Generator` whose transformers model lives in a process of its own pinned to `cores` (CPU) or on `device`.
     `tensors` are the trainer's live LoRA parameters (peft names): `push(version)` sends them."""
 
     same_numerics = True  # the trainer's model code, dtype and kind of device: sync verification expects ~no noise
@@ -156,7 +166,7 @@ class ProcGenerator(LocalEngine):
         self._pending: dict[int, cf.Future] = {0: cf.Future()}
         self._lock = threading.Lock()
         self._closed = False
-        self.proc: mp.process.BaseProcess | None = None  # set as it starts (close() after a failed start)
+        self.proc: subprocess.Popen | None = None  # set as it starts (close() after a failed start)
         self._conn = self._reader = None
         layout = make_layout(tensors, {})
         self.nbytes = layout["nbytes"]
@@ -166,14 +176,14 @@ class ProcGenerator(LocalEngine):
             raw = torch.from_file(str(path), shared=True, size=self.nbytes, dtype=torch.uint8)
             self.packer = Packer(tensors, raw.view(next(iter(tensors.values())).dtype), layout)
             self.packer.pack()
-            ctx = mp.get_context("spawn")
-            self._conn, child = ctx.Pipe()
-            self.proc = ctx.Process(target=_serve, args=(child, cfg, layout, str(path), cores, device, os.getpid(),
-                                                         slots),
-                                    name="minirl-genproc", daemon=True)
-            self.proc.start()
+            mine, theirs = socket.socketpair()
+            with theirs:
+                self.proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(theirs.fileno())],
+                                             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
             lifecycle.adopt(self.proc.pid)  # ended by the watchdog if we die (a notebook kernel killed, say)
-            child.close()
+            self._conn = Connection(mine.detach())
+            self._conn.send(sys.path)
+            self._conn.send((cfg, layout, str(path), cores, device, os.getpid(), slots))
             self._reader = threading.Thread(target=self._read, name="minirl-genproc-reader", daemon=True)
             self._reader.start()
             self._pending[0].result(start_timeout_s)  # the model is built and the buffer mapped
@@ -198,7 +208,7 @@ class ProcGenerator(LocalEngine):
                     fut.set_result(out)
                 else:
                     fut.set_exception(GeneratorProcessError(f"in the generator process:\n{out}"))
-        code = self.proc.exitcode if self.proc is not None else None
+        code = self.proc.poll() if self.proc is not None else None
         with self._lock:
             pending, self._pending = self._pending, {}
             for fut in pending.values():
@@ -266,10 +276,11 @@ class ProcGenerator(LocalEngine):
                 self._conn.send((0, "close", ()))
             except (OSError, ValueError):
                 pass
-            proc.join(10)
-            if proc.is_alive():
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(5)
+                proc.wait(5)
         if self._conn is not None:
             self._conn.close()
         if self._reader is not None:

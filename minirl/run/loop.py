@@ -30,8 +30,8 @@ from minirl.run.checkpoint import Checkpoint, resume_point
 from minirl.run.evaluation import eval_options, evaluate
 from minirl.run.export import export_merged
 from minirl.run.folder import RunDir
-from minirl.run.placement import CpuThreads, device_facts, place
-from minirl.run.plan import RunPlan, plan_run
+from minirl.run.placement import CpuThreads, device_facts
+from minirl.run.plan import RunPlan, place_run, plan_run
 from minirl.run.trackers import scalars
 from minirl.sync.base import SyncStats
 from minirl.sync.check import SyncCheck
@@ -43,9 +43,10 @@ MAIN_GUARD = ('minirl: your script starts a run at import time; put it under `if
 
 def check_main_guard() -> None:
     """Exit with one line (MAIN_GUARD) when a run starts from the top level of a main script that a spawned process
-    re-imports: the trainer initialises CUDA, so vLLM (and the transformers generator process) start their processes
-    with spawn, which runs the user's script again as `__mp_main__`; unguarded, each child would start a run of its
-    own. A run started by a spawned child's target function (not at the script's top level) is allowed."""
+    re-imports: the trainer initialises CUDA, so vLLM starts its processes with spawn, which runs the user's script
+    again as `__mp_main__`; unguarded, each child would start a run of its own. (The transformers generator process
+    is a fresh interpreter that never runs the script.) A run started by a spawned child's target function (not at
+    the script's top level) is allowed."""
     frame = inspect.currentframe()
     while frame is not None:
         if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
@@ -69,7 +70,7 @@ class Run(Background):
         cfg = (config or Config()).replace(**overrides) if overrides else (config or Config())
         cfg, self._reward_refs, self._env = resolve_rewards(cfg, rewards, env)
         self.devices = device_facts()  # GPU count, memory, capability: the placement and the plan follow them
-        self.placement = place(cfg, self.devices)  # a bad device string fails here, before anything loads
+        self.placement = place_run(cfg, self.devices)  # a bad device string fails here, before anything loads
         if gap := engine_gap(cfg, self.placement.backend):  # QLoRA on an engine that holds the 16-bit base
             print(gap, flush=True)
             cfg = cfg.replace(verify_sync=False)

@@ -34,12 +34,13 @@ _CORES = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 @dataclass(frozen=True)
 class Devices:
     """The facts of the machine a run is placed on: its GPU count (0: CPU), each GPU's memory in GB (1e9; empty:
-    not known), the lowest compute capability among them, whether vLLM is installed, and its CPU cores."""
+    not known), the lowest compute capability among them, whether vLLM is installed, and its CPU cores and memory."""
     count: int
     memory_gb: tuple[float, ...] = ()
     capability: tuple[int, int] | None = None
     vllm: bool | None = None  # None: looked up where the backend is picked
     cores: int | None = None  # CPU cores; None: this machine's (os.cpu_count())
+    cpu_gb: float | None = None  # the machine's memory in GB (1e9); None: this machine's
 
     @classmethod
     def fake(cls, count: int, gpu_gb: float | None = None, capability: tuple[int, int] | None = None,

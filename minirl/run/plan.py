@@ -42,6 +42,7 @@ class RunPlan:
     devices: tuple[MemoryPlan, ...]
     beside: "RunPlan | None" = None  # on GPUs: the other generator's plan (the hf path beside vLLM's, or vLLM's)
     missing: tuple[str, ...] = ()  # what cannot be planned, one line each: a reward model on a device not here
+    asked_4bit: bool = False  # the config's own load_in_4bit (the trainer's plan may pick 4-bit where it is off)
 
     @property
     def trainer(self) -> MemoryPlan:
@@ -59,7 +60,7 @@ class RunPlan:
 
     @property
     def fits(self) -> bool | None:
-        verdicts = [p.fits for p in self.devices] + [False] * bool(self.missing)
+        verdicts = [p.fits for p in self.devices] + [False] * bool(self.missing or self.needs_4bit)
         return False if False in verdicts else None if None in verdicts else True
 
     def line(self) -> str:
@@ -68,7 +69,8 @@ class RunPlan:
 
     def table(self) -> str:
         """The placement line, then each device's parts; then the other generator's plan, where both are options."""
-        out = [self.placement.line(), *(p.table() for p in self.devices), *(f"problem: {m}" for m in self.missing)]
+        out = [self.placement.line(), *(p.table() for p in self.devices),
+               *(f"problem: {m}" for m in [*self.missing, *self._four_bit()])]
         if self.beside is not None:
             b = self.beside.placement
             what = f"backend: hf, hf_decode: {self.beside.hf_slots and 'static' or 'loop'}" \
@@ -76,9 +78,20 @@ class RunPlan:
             out += ["", f"beside it, the same run with {what}, max_async_steps: auto:", self.beside.table()]
         return "\n".join(out)
 
+    @property
+    def needs_4bit(self) -> bool:
+        """The trainer's device fits only with the base in 4-bit, which the config does not ask for."""
+        return self.trainer.load_in_4bit and not self.asked_4bit
+
     def problems(self) -> list[str]:
         """One line for each device whose plan does not fit, naming the figures and the ways out."""
-        return [*self.missing, *(_problem(p) for p in self.devices if p.fits is False)]
+        return [*self.missing, *self._four_bit(), *(_problem(p) for p in self.devices if p.fits is False)]
+
+    def _four_bit(self) -> list[str]:
+        t = self.trainer
+        return [f"the memory plan fits {t.device} ({t.memory_gb:.1f} GB) only with the base in 4-bit (peak "
+                f"{t.peak_gb:.1f} GiB), which the run does not load: set load_in_4bit: true (QLoRA), or use a smaller "
+                "model (`minirl plan CONFIG` shows the parts)"] if self.needs_4bit and t.fits else []
 
 
 RM_WAYS = ("set reward_workers: 0 (one copy, in the run's process), give reward_model(...) a smaller batch_size, "
@@ -143,7 +156,7 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
     first (it picks the token budget, checkpointing and 4-bit), then every other device with those choices.
     `beside`, on GPUs: with the plan of the other generator (`other_generator`) where both are options. `shape`:
     the model's (default: from its config.json)."""
-    placement = placement or place(cfg, devices)
+    placement = placement or place_run(cfg, devices)
     shape = shape or Shape.from_config(model_config(cfg))
     held = holdings(cfg, placement)
     train = next(d for d, h in held if h.trainer)
@@ -160,7 +173,9 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
     held = [(d, replace(h, reward_gb=loads[d].gb) if d in loads else h) for d, h in held]
 
     def memory(device: str) -> float | None:
-        return psutil.virtual_memory().total / 1e9 if device == "cpu" else devices.gb(int(device.split(":")[1]))
+        if device == "cpu":
+            return devices.cpu_gb or psutil.virtual_memory().total / 1e9
+        return devices.gb(int(device.split(":")[1]))
 
     plans = {train: plan_shape(cfg, shape, train, memory(train), gradient_checkpointing, dict(held)[train],
                                prompt_tokens)}
@@ -173,7 +188,27 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
     other = other_generator(cfg, placement, devices) if beside and placement.cuda_devices else None
     alt = other and plan_run(other, devices, None, gradient_checkpointing, prompt_tokens, beside=False, shape=shape)
     plans = {d: replace(p, notes=p.notes + loads[d].notes) if d in loads else p for d, p in plans.items()}
-    return RunPlan(placement, tuple(plans[d] for d, _ in held), alt, tuple(missing))
+    return RunPlan(placement, tuple(plans[d] for d, _ in held), alt, tuple(missing), bool(cfg.load_in_4bit))
+
+
+def place_run(cfg: Config, devices: Devices) -> Placement:
+    """`place`, then on a CPU: where `auto` gave K = 1 (a second copy of the model, the generator process's) and the
+    plan says the machine's memory holds the synchronous loop's one copy but not two, K = 0, saying why. A model that
+    cannot be found keeps K = 1 here: the run names the problem where it loads the model."""
+    p = place(cfg, devices)
+    if devices.count or not p.max_async_steps or cfg.max_async_steps != "auto":
+        return p
+    sync = place(cfg.replace(max_async_steps=0), devices)
+    try:
+        two, one = plan_run(cfg, devices, p, beside=False), plan_run(cfg, devices, sync, beside=False)
+    except (ValueError, OSError):
+        return p
+    if two.fits is not False or one.fits is False:
+        return p
+    cpu = two.devices[0]
+    why = (f"auto: a generator process's second copy of the model would not fit (peak {cpu.peak_gb:.1f} GiB on "
+           f"{cpu.memory_gb:.1f} GB): the synchronous loop, one copy")
+    return replace(sync, async_why=why)
 
 
 def other_generator(cfg: Config, placement: Placement, devices: Devices) -> Config | None:

@@ -72,12 +72,15 @@ def make_probe(model, prompt_ids: Sequence[int], n_tokens: int = 32, seed: int =
     base = model.disable_adapter() if hasattr(model, "disable_adapter") else contextlib.nullcontext()
     try:
         with torch.no_grad(), base:
+            past, feed = None, ids  # the KV cache: one token a forward after the prompt (a run's start waits on it)
             for _ in range(n_tokens):
-                logits = model(input_ids=torch.tensor([ids + out], device=dev)).logits[0, -1].float().cpu()
+                res = model(input_ids=torch.tensor([feed], device=dev), past_key_values=past, use_cache=True)
+                past, logits = res.past_key_values, res.logits[0, -1].float().cpu()
                 if vocab is not None:
                     logits[vocab:] = -float("inf")
                 logits[list(avoid)] = -float("inf")
                 out.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g)))
+                feed = out[-1:]
     finally:
         model.train(was_training)
     return ids, out
