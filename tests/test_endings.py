@@ -115,10 +115,13 @@ def _until(child: subprocess.Popen, watch: Watch, ready, lines: list[str]) -> No
     watch.sample()
 
 
+GENPROC = "minirl.generation.hf_process import _serve"  # in the generator process's command line
+
+
 def _genproc_loading(watch: Watch) -> bool:
     """The generator process is starting (loading its model) and its shared-memory file exists."""
     return any(SHM.glob(f"minirl-genproc-{watch.root}-*")) and any(
-        "spawn_main" in c and psutil.pid_exists(p) for p, c in watch.cmds.items())
+        GENPROC in c and psutil.pid_exists(p) for p, c in watch.cmds.items())
 
 
 # --- the transformers generator process ----------------------------------------------------------------------
@@ -137,7 +140,7 @@ def test_a_run_that_ends_or_raises_ends_its_generator_process(toy_cfg, ending):
         with pytest.raises(ZeroDivisionError):
             run.run()
     from minirl.core import lifecycle
-    assert any("spawn_main" in c for c in watch.cmds.values()), f"no generator process seen: {watch.cmds}"
+    assert any(GENPROC in c for c in watch.cmds.values()), f"no generator process seen: {watch.cmds}"
     # the watchdog and Python's resource tracker belong to this (pytest) process, not to the run: they stay
     keep = tuple(p for p, c in watch.cmds.items() if p == lifecycle.watchdog_pid() or "resource_tracker" in c)
     took = watch.assert_all_gone(but=keep)

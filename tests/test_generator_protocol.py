@@ -141,8 +141,8 @@ def test_an_engine_sharing_the_trainers_gpu_sleeps_while_it_trains_and_is_checke
             events.append("push")
             return super().update_adapter(deliver, in_place)
 
-    real = R.place
-    monkeypatch.setattr(R, "place", lambda cfg, n: dataclasses.replace(real(cfg, n), engine_sleeps=True))
+    real = R.place_run
+    monkeypatch.setattr(R, "place_run", lambda cfg, n: dataclasses.replace(real(cfg, n), engine_sleeps=True))
     gens = []
     run = _run(toy_cfg, tmp_path, monkeypatch, gens, cls=Sleepy)
     run.setup()

@@ -21,15 +21,18 @@ local LLM judge (`judge(..., local=...)`) is counted as a reward model on the CP
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import psutil
+from huggingface_hub import try_to_load_from_cache
 
 from minirl.config import Config, ConfigError
 from minirl.generation.factory import split_devices
 from minirl.run.placement import Devices, Placement, device_facts, place
-from minirl.training.models import ModelNotCached
+from minirl.training.models import EMBEDDED, ModelNotCached
 from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, GiB, Holds, MemoryPlan, Shape, model_config, plan_shape
 from minirl.training.plan_reward import reward_model_loads
 from minirl.training.shapes.synthetic import SHIPPED, published_shape, shape_config
@@ -193,16 +196,14 @@ def plan_run(cfg: Config, devices: Devices, placement: Placement | None = None,
 
 def place_run(cfg: Config, devices: Devices) -> Placement:
     """`place`, then on a CPU: where `auto` gave K = 1 (a second copy of the model, the generator process's) and the
-    plan says the machine's memory holds the synchronous loop's one copy but not two, K = 0, saying why. A model that
-    cannot be found keeps K = 1 here: the run names the problem where it loads the model."""
+    plan says the machine's memory holds the synchronous loop's one copy but not two, K = 0, saying why. Only with
+    the model's config.json at hand (no network here): otherwise K = 1 stays, and the run's own plan warns."""
     p = place(cfg, devices)
-    if devices.count or not p.max_async_steps or cfg.max_async_steps != "auto":
+    if devices.count or not p.max_async_steps or cfg.max_async_steps != "auto" or (shape := _local_shape(cfg)) is None:
         return p
     sync = place(cfg.replace(max_async_steps=0), devices)
-    try:
-        two, one = plan_run(cfg, devices, p, beside=False), plan_run(cfg, devices, sync, beside=False)
-    except (ValueError, OSError):
-        return p
+    two, one = plan_run(cfg, devices, p, beside=False, shape=shape), plan_run(cfg, devices, sync, beside=False,
+                                                                               shape=shape)
     if two.fits is not False or one.fits is False:
         return p
     cpu = two.devices[0]
@@ -256,6 +257,18 @@ def plan(cfg: Config, gpu_gb: float | None = None, gpus: int | None = None,
         devices = Devices.fake(n, gb, devices.capability, vllm=True if n else devices.vllm)
     return plan_run(cfg, devices, gradient_checkpointing=gradient_checkpointing, prompt_tokens=prompt_tokens,
                     shape=_shape(cfg))
+
+
+def _local_shape(cfg: Config) -> Shape | None:
+    """The model's shape where its config.json is here (the embedded model, a folder, a cached Hub id), else None."""
+    name = cfg.model
+    try:
+        if name == EMBEDDED or Path(name).expanduser().is_dir():
+            return Shape.from_config(model_config(cfg))
+        cached = try_to_load_from_cache(name, "config.json") if name.count("/") == 1 else None
+        return Shape.from_config(json.loads(Path(cached).read_text())) if isinstance(cached, str) else None
+    except (ValueError, OSError):  # no config.json, a malformed id: the run says so where it loads the model
+        return None
 
 
 def _shape(cfg: Config) -> Shape:
