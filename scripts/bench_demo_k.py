@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-ORDER = (("0", "a"), ("auto", "a"), ("auto", "b"), ("0", "b"))
+ORDER = "0:a,auto:a,auto:b,0:b"  # K:label, in this order
 
 
 def _cpu() -> dict:
@@ -45,13 +45,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
+    ap.add_argument("--runs", default=ORDER, help=f"K:label pairs, run in this order (default {ORDER})")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "demo_k.json"
     rows = json.loads(path.read_text())["rows"] if path.exists() else []
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=a.tree, capture_output=True,
                             text=True).stdout.strip()
-    for k, rep in ORDER:
+    for k, rep in (x.split(":") for x in a.runs.split(",")):
         if any((r["k"], r["rep"]) == (k, rep) for r in rows):
             continue
         rows.append(one(a.tree, a.out.resolve(), k, rep))
