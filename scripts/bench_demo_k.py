@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -25,12 +26,12 @@ def _cpu() -> dict:
     return {"cpu": model, "avx512_bf16": "avx512_bf16" in info, "cores": os.cpu_count()}
 
 
-def one(tree: Path, out: Path, k: str, rep: str) -> dict:
+def one(tree: Path, out: Path, k: str, rep: str, extra: list[str]) -> dict:
     d = out / f"k{k}_{rep}"
     load, t = os.getloadavg()[0], time.perf_counter()
     with open(f"{d}.log", "w") as log:  # the tree's minirl: `-c` puts the working folder first on sys.path
         rc = subprocess.run([sys.executable, "-c", "from minirl.cli import main; main()", "demo", "--out", str(d),
-                             "--max-async-steps", k, "--overwrite"], cwd=tree, stdout=log,
+                             "--max-async-steps", k, "--overwrite", *extra], cwd=tree, stdout=log,
                             stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - t
     s = json.loads((d / "summary.json").read_text())
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
     ap.add_argument("--runs", default=ORDER, help=f"K:label pairs, run in this order (default {ORDER})")
+    ap.add_argument("--demo-args", default="", help="more `minirl demo` flags for every run, e.g. '--task retry'")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     path = a.out / "demo_k.json"
@@ -55,9 +57,9 @@ def main() -> None:
     for k, rep in (x.split(":") for x in a.runs.split(",")):
         if any((r["k"], r["rep"]) == (k, rep) for r in rows):
             continue
-        rows.append(one(a.tree, a.out.resolve(), k, rep))
+        rows.append(one(a.tree, a.out.resolve(), k, rep, shlex.split(a.demo_args)))
         path.write_text(json.dumps({"commit": commit, "command": "minirl demo --out DIR --max-async-steps K "
-                                    "--overwrite", **_cpu(), "rows": rows}, indent=1))
+                                    f"--overwrite {a.demo_args}".strip(), **_cpu(), "rows": rows}, indent=1))
         r = rows[-1]
         print(f"K={k} ({rep}): wall {r['wall_s']} s, run {r['run_s']:.1f} s, median step {r['median_step_s']:.2f} s, "
               f"held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f}", flush=True)
