@@ -102,6 +102,7 @@ def test_max_async_steps_auto_follows_the_measured_rule():
     one, two = place(Config(backend="hf"), Devices(0, cores=1)), place(Config(backend="hf"), Devices(0, cores=2))
     assert (one.max_async_steps, two.max_async_steps) == (0, 1) and "2 CPU cores" in two.async_why
     assert pick_async_steps(auto, "hf", 1, cores=16)[0] == 0  # one GPU: the phases take turns on it
+    assert pick_async_steps(auto.replace(env="retry"), "hf", 0, cores=2)[0] == 0  # episodes: generation-bound
     assert pick_async_steps(auto, "vllm", 1)[0] == 0 and pick_async_steps(auto, "vllm", 2)[0] == 1
     assert pick_async_steps(auto, "vllm-server", 2)[0] == 1 and pick_async_steps(auto, "hf", 2)[0] == 0
     assert pick_async_steps(auto.replace(max_async_steps=2), "hf", 0) == (2, "max_async_steps=2")

@@ -280,7 +280,8 @@ class Config(ConfigMethods, metaclass=Coercing):
     """K: generation may run at most K versions ahead of the trainer. 0 = synchronous (on-policy). 'auto': the
     rule in `placement.pick_async_steps` (1 where generation and training have GPUs of their own, generation is on
     your servers, server_urls, or the transformers generator is on a CPU of 2+ cores, a process of its own on half of
-    them; else 0: on one shared GPU the phases take turns); the run logs the K it chose and why."""
+    them, for single-turn prompts; else 0: on one shared GPU the phases take turns, multi-turn episodes are
+    generation-bound); the run logs the K it chose and why."""
     max_staleness: int | None = None
     """S: groups whose oldest token is more than S versions behind the trainer are dropped. None = keep all."""
     inflight: str = "continue"

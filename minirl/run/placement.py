@@ -107,11 +107,13 @@ def pick_async_steps(cfg: Config, backend: str, cuda_devices: int, cores: int = 
     """(K, why) for `max_async_steps`; 'auto' by this rule (`cores`: the CPU cores, on a CPU run):
     - your vLLM servers (`server_urls`), or vLLM with 2+ GPUs: generation and training on devices of their own:
       1 (each would idle while the other works; ahead by one step both stay busy). Reasoned, not measured.
-    - the transformers generator on a CPU with 2+ cores, for a run that trains (steps > 0): 1, the cores split
-      between a generator process and the trainer. Measured on 2 cores (`minirl bench learning --presets
-      dapo,dapo-k1`, BENCHMARKS.md "K = 1 against K = 0, in training seconds"): the demo reached 0.70 held-out
-      sooner on each of 3 seeds, its steps 0.83x as long. It holds a second copy of the model (the CPU memory plan
-      counts it) and a resumed run is no longer exact.
+    - the transformers generator on a CPU with 2+ cores, for a run that trains (steps > 0: an evaluation keeps every
+      core) on single-turn prompts (no `env`): 1, the cores split between a generator process and the trainer.
+      Measured on 2 cores (`minirl bench learning --presets dapo,dapo-k1`, BENCHMARKS.md "K = 1 against K = 0, in
+      training seconds"): the demo reached 0.70 held-out sooner on each of 3 seeds, its steps 0.83x as long. It
+      holds a second copy of the model (the CPU memory plan counts it) and a resumed run is no longer exact.
+      Multi-turn episodes (`env`) stay at 0: generation is most of their step, and on 1 core it made `minirl demo
+      --task retry` 1.12x as long (BENCHMARKS.md, "`minirl demo` with `auto` (K = 1) against K = 0").
     - otherwise (one GPU shared by both phases, one core, vLLM on a CPU: unmeasured): 0. It pays where rewards wait
       (a remote judge): set max_async_steps=1 there.
     """
@@ -122,7 +124,7 @@ def pick_async_steps(cfg: Config, backend: str, cuda_devices: int, cores: int = 
         return 1, "auto: generation on your servers (server_urls), training here: ahead by one step both stay busy"
     if backend in ("vllm", "vllm-server") and cuda_devices >= 2:
         return 1, f"auto: vLLM with {cuda_devices} GPUs, generation and training on devices of their own"
-    if backend == "hf" and not cuda_devices and cores >= 2 and cfg.steps > 0:  # steps 0: evaluation on every core
+    if backend == "hf" and not cuda_devices and cores >= 2 and cfg.steps > 0 and cfg.env is None:
         return 1, (f"auto: {cores} CPU cores, half to a generator process, half to the trainer; max_async_steps=0 "
                    "is the synchronous loop, exact on resume")
     return 0, ("auto: generation and training share " + ("one GPU" if cuda_devices else "the CPU cores")
