@@ -21,7 +21,6 @@ local LLM judge (`judge(..., local=...)`) is counted as a reward model on the CP
 """
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,7 +31,7 @@ from huggingface_hub import try_to_load_from_cache
 from minirl.config import Config, ConfigError
 from minirl.generation.factory import split_devices
 from minirl.run.placement import Devices, Placement, device_facts, place
-from minirl.training.models import EMBEDDED, ModelNotCached
+from minirl.training.models import EMBEDDED, ModelNotCached, config_json
 from minirl.training.plan import HEADROOM, OWN_GPU_SHARE, GiB, Holds, MemoryPlan, Shape, model_config, plan_shape
 from minirl.training.plan_reward import reward_model_loads
 from minirl.training.shapes.synthetic import SHIPPED, published_shape, shape_config
@@ -201,10 +200,11 @@ def place_run(cfg: Config, devices: Devices) -> Placement:
     p = place(cfg, devices)
     if devices.count or not p.max_async_steps or cfg.max_async_steps != "auto" or (shape := _local_shape(cfg)) is None:
         return p
+    two = plan_run(cfg, devices, p, beside=False, shape=shape)
+    if two.fits is not False:
+        return p
     sync = place(cfg.replace(max_async_steps=0), devices)
-    two, one = plan_run(cfg, devices, p, beside=False, shape=shape), plan_run(cfg, devices, sync, beside=False,
-                                                                               shape=shape)
-    if two.fits is not False or one.fits is False:
+    if plan_run(cfg, devices, sync, beside=False, shape=shape).fits is False:
         return p
     cpu = two.devices[0]
     why = (f"auto: a generator process's second copy of the model would not fit (peak {cpu.peak_gb:.1f} GiB on "
@@ -266,7 +266,7 @@ def _local_shape(cfg: Config) -> Shape | None:
         if name == EMBEDDED or Path(name).expanduser().is_dir():
             return Shape.from_config(model_config(cfg))
         cached = try_to_load_from_cache(name, "config.json") if name.count("/") == 1 else None
-        return Shape.from_config(json.loads(Path(cached).read_text())) if isinstance(cached, str) else None
+        return Shape.from_config(config_json(str(Path(cached).parent))) if isinstance(cached, str) else None
     except (ValueError, OSError):  # no config.json, a malformed id: the run says so where it loads the model
         return None
 
